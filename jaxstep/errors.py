@@ -1,0 +1,34 @@
+"""Every exception jaxstep raises on purpose, in one place.
+
+Each subclasses ``ValueError`` (bad input) or ``RuntimeError`` (bad state) as well as
+``JaxstepError``, so callers can catch either the specific class or the broad one. Messages
+say what to change, not only what went wrong.
+"""
+
+
+class JaxstepError(Exception):
+  """Base class of all jaxstep errors."""
+
+
+class ConfigError(JaxstepError, ValueError):
+  """A config key, value or type is invalid (typo, wrong type, inconsistent numbers)."""
+
+
+class BatchError(JaxstepError, ValueError):
+  """A global batch has the wrong structure or shape for the step."""
+
+
+class EmptyBatchError(BatchError):
+  """A global batch holds zero normalization units (e.g. no loss-masked tokens)."""
+
+
+class DataError(JaxstepError, ValueError):
+  """A dataset is missing, empty, malformed, or has token ids outside the vocabulary."""
+
+
+class CheckpointError(JaxstepError, RuntimeError):
+  """Checkpoints exist but cannot be restored, or do not match the current run."""
+
+
+class AccumulationError(JaxstepError, RuntimeError):
+  """A Session's half-finished accumulation was invalidated and must be reset."""

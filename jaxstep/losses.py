@@ -1,0 +1,37 @@
+"""Loss functions in the step's contract: un-normalized sums, normalized by the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def next_token_loss(apply_fn: Callable) -> Callable:
+  """Wraps ``apply_fn(params, inputs, *, rng, train) -> logits`` into a step ``loss_fn``.
+
+  The batch is ``{"inputs": int32[B, S], "targets": int32[B, S], "loss_mask": {0,1}[B, S]}``
+  with targets already shifted. The loss is the NLL *summed* over masked positions, in
+  fp32 (logits are upcast before the softmax, whatever the compute dtype); the step divides
+  by the global masked-token count.
+
+  Returns:
+    ``loss_fn(params, batch, rng) -> (nll_sum, {"correct": Σ mask·[argmax == target]})``.
+  """
+
+  def loss_fn(params, batch, rng):
+    logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
+    return masked_nll(logits, batch["targets"], batch["loss_mask"])
+
+  return loss_fn
+
+
+def masked_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
+  """Σ mask·NLL in fp32 and the count of masked argmax hits. Shapes ``[B, S, V]``, ``[B, S]``."""
+  logits = logits.astype(jnp.float32)
+  mask = loss_mask.astype(jnp.float32)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return jnp.sum(nll * mask), {"correct": jnp.sum(correct * mask)}

@@ -1,0 +1,67 @@
+"""The device-side training state: one pytree that the step threads and orbax saves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+  """Everything the jitted step reads and writes, as one pytree of device arrays.
+
+  Attributes:
+    step: number of update steps taken (int32 scalar). Counts optimizer *updates*
+      attempted, skipped ones included; never micro-steps.
+    params: the model parameters (fp32 master copy).
+    opt_state: the optax optimizer state. Untouched by skipped updates, so its own
+      internal count (and therefore the lr schedule) counts *applied* updates.
+    rng: base PRNG key (raw ``uint32[2]``). Per-update keys are
+      ``fold_in(rng, step)`` and per-micro-step keys ``fold_in(that, k)``, so a run
+      resumed at step s draws exactly the same randomness.
+    skipped: number of update steps skipped because the global batch had zero units or
+      produced a non-finite loss/gradient (int32 scalar).
+    loss_scale: dynamic loss scale (float32 scalar); 1.0 unless fp16 training.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  skipped: jax.Array
+  loss_scale: jax.Array
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    rng: jax.Array | int,
+    loss_scale: float = 1.0,
+  ) -> TrainState:
+    """Builds the state at update step 0.
+
+    Args:
+      params: parameter pytree (any JAX model's parameters).
+      optimizer: the optax transformation the step will apply; used to init opt_state.
+      rng: a raw PRNG key or an int seed.
+      loss_scale: initial loss scale (only meaningful for fp16).
+
+    Returns:
+      A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
+    """
+    if isinstance(rng, int):
+      rng = jax.random.PRNGKey(rng)
+    return cls(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      rng=rng,
+      skipped=jnp.zeros((), jnp.int32),
+      loss_scale=jnp.asarray(loss_scale, jnp.float32),
+    )

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny models whose gradients can be checked by hand or by jax.grad."""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def regression_loss(params, batch, rng):
+  """Σ mask·(w·x − y)²/2 over the micro-batch: per-sample gradient (w·x − y)·x."""
+  del rng
+  err = params["w"] * batch["x"] - batch["y"]
+  return jnp.sum(batch["loss_mask"] * 0.5 * err**2), {}
+
+
+def tiny_lm_apply(params, inputs, *, rng=None, train=False):
+  """A cheap sequence model: causal running mean of embeddings → linear head. ``[B,S,V]``."""
+  del rng, train
+  h = params["embed"][inputs]  # [B, S, D]
+  h = jnp.cumsum(h, axis=1) / jnp.arange(1, inputs.shape[1] + 1)[None, :, None]
+  return jnp.tanh(h) @ params["head"]["kernel"] + params["head"]["bias"]
+
+
+def tiny_lm_params(vocab=11, dim=6, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return {
+    "embed": jax.random.normal(k1, (vocab, dim)),
+    "head": {
+      "kernel": jax.random.normal(k2, (dim, vocab)) * 0.5,
+      "bias": jax.random.normal(k3, (vocab,)) * 0.1,
+    },
+  }
+
+
+def lm_batch(rng: np.random.Generator, g: int, s: int, vocab: int, mask=None):
+  tokens = rng.integers(0, vocab, size=(g, s + 1), dtype=np.int32)
+  if mask is None:
+    mask = np.ones((g, s), np.int32)
+  return {
+    "inputs": jnp.asarray(tokens[:, :-1]),
+    "targets": jnp.asarray(tokens[:, 1:]),
+    "loss_mask": jnp.asarray(mask, jnp.int32),
+  }
+
+
+@pytest.fixture
+def np_rng():
+  return np.random.default_rng(0)
