@@ -9,6 +9,7 @@ from jaxstep.errors import (
   DataError,
   EmptyBatchError,
   JaxstepError,
+  NonFiniteError,
 )
 from jaxstep.state import TrainState
 from jaxstep.step import make_train_step

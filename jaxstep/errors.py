@@ -32,3 +32,7 @@ class CheckpointError(JaxstepError, RuntimeError):
 
 class AccumulationError(JaxstepError, RuntimeError):
   """A Session's half-finished accumulation was invalidated and must be reset."""
+
+
+class NonFiniteError(JaxstepError, RuntimeError):
+  """An update was non-finite and ``train.nonfinite`` is ``halt``."""

@@ -50,17 +50,17 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
   """
   if total_steps <= 0:
     raise ConfigError(f"the schedule needs total_steps > 0 update steps, got {total_steps}")
-  peak, end, warmup = cfg.lr, cfg.lr * cfg.final_lr_fraction, min(cfg.warmup_steps, total_steps)
+  warmup = min(cfg.warmup_steps, total_steps)
+  decay_steps = max(total_steps - warmup, 1)
   if cfg.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total_steps, end)
-  main = (
-    optax.constant_schedule(peak)
-    if cfg.schedule == "constant"
-    else optax.linear_schedule(peak, end, max(total_steps - warmup, 1))
-  )
+    main = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.final_lr_fraction)
+  elif cfg.schedule == "linear":
+    main = optax.linear_schedule(cfg.lr, cfg.lr * cfg.final_lr_fraction, decay_steps)
+  else:
+    main = optax.constant_schedule(cfg.lr)
   if warmup == 0:
     return main
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+  return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), main], [warmup])
 
 
 def decay_mask(params, *, decay_embeddings: bool = False):

@@ -86,3 +86,8 @@ def test_weight_decay_only_moves_decayed_leaves_when_gradient_is_zero():
 def test_invalid_optim_config_names_the_key(kwargs, match):
   with pytest.raises(ConfigError, match=match):
     OptimConfig(**kwargs)
+
+
+def test_warmup_longer_than_the_run_is_clamped():
+  sched = make_schedule(OptimConfig(lr=1.0, warmup_steps=20), total_steps=3)
+  assert [float(sched(s)) for s in (0, 3)] == pytest.approx([0.0, 1.0])

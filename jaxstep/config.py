@@ -1,0 +1,237 @@
+"""Run configuration: frozen dataclasses, YAML files and dotted ``key=value`` overrides.
+
+``load(path, overrides)`` starts from the dataclass defaults, applies the YAML file (a
+*partial* config is fine: missing keys keep their defaults), then the overrides, and
+validates. Unknown keys name the nearest valid key; wrong types name key, value and type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from jaxstep.errors import ConfigError
+from jaxstep.models import GPTConfig
+from jaxstep.optim import OptimConfig
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the text comes from and how it becomes samples."""
+
+  path: str = "bundled:text"  # file, directory or glob; bundled:text | bundled:chat
+  format: str = "auto"  # auto | txt | jsonl | chat (auto: by extension and first record)
+  tokenizer: str = "byte"  # byte: UTF-8 bytes + PAD/BOS/EOS (no downloads)
+  pack: bool = True  # concatenate documents into one stream before cutting windows
+  eval_fraction: float = 0.05  # fraction of documents held out for eval (0 = no eval set)
+
+  def __post_init__(self):
+    if self.format not in ("auto", "txt", "jsonl", "chat"):
+      raise ConfigError(f"data.format must be auto, txt, jsonl or chat, got {self.format!r}")
+    if self.tokenizer != "byte":
+      raise ConfigError(
+        f"data.tokenizer must be 'byte' (the only bundled one), got {self.tokenizer!r}"
+      )
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Batch geometry, run length and cadences. Step counts are update steps."""
+
+  global_batch_size: int = 32  # samples per optimizer update (G)
+  grad_accum_steps: int = 4  # micro-steps per update (K); micro-batch = G/K samples
+  seq_len: int = 128  # tokens per sample (inputs); windows hold seq_len + 1 tokens
+  max_steps: int = 1000  # stop after this many update steps (0 = no limit)
+  epochs: int = 0  # stop after this many passes over the data (0 = no limit)
+  seed: int = 0  # params init, data order, dropout
+  precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 params and accumulator)
+  nonfinite: str = "skip"  # skip | halt: what to do when an update is non-finite
+  log_every: int = 10  # write a metrics line every this many update steps
+  eval_every: int = 100  # evaluate every this many update steps (0 = only at the end)
+  eval_batches: int = 0  # eval global batches per evaluation (0 = the whole eval split)
+  early_stopping_patience: int = 0  # stop after this many evals without improvement (0 = off)
+  peak_tflops: float = 0.0  # per-device peak for MFU (0 = known GPU table / measured on CPU)
+  progress: bool = True  # tqdm progress bar (only shown on a terminal)
+
+  def __post_init__(self):
+    for name in ("global_batch_size", "grad_accum_steps", "seq_len", "log_every"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+    for name in ("max_steps", "epochs", "eval_every", "eval_batches", "early_stopping_patience"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+    if self.global_batch_size % self.grad_accum_steps:
+      raise ConfigError(
+        f"train.global_batch_size {self.global_batch_size} is not divisible by "
+        f"train.grad_accum_steps {self.grad_accum_steps}; micro-batches must be equal"
+      )
+    if self.max_steps == 0 and self.epochs == 0:
+      raise ConfigError("set train.max_steps or train.epochs (both are 0: the run never ends)")
+    if self.precision not in ("fp32", "bf16"):
+      raise ConfigError(f"train.precision must be fp32 or bf16, got {self.precision!r}")
+    if self.nonfinite not in ("skip", "halt"):
+      raise ConfigError(f"train.nonfinite must be skip or halt, got {self.nonfinite!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
+
+  model: GPTConfig = GPTConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  optim: OptimConfig = OptimConfig()
+  run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
+
+  def __post_init__(self):
+    if self.train.seq_len > self.model.max_seq_len:
+      raise ConfigError(
+        f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
+        f"{self.model.max_seq_len}; raise model.max_seq_len"
+      )
+
+
+def to_dict(cfg) -> dict[str, Any]:
+  """Nested plain dict (YAML/JSON-able) of a config dataclass."""
+  return dataclasses.asdict(cfg)
+
+
+def valid_keys(cls=Config, prefix="") -> list[str]:
+  """Every dotted key of the schema, e.g. ``train.global_batch_size``."""
+  keys = []
+  for f in dataclasses.fields(cls):
+    sub = typing.get_type_hints(cls)[f.name]
+    if dataclasses.is_dataclass(sub):
+      keys += valid_keys(sub, f"{prefix}{f.name}.")
+    else:
+      keys.append(f"{prefix}{f.name}")
+  return keys
+
+
+def _unknown(key: str) -> ConfigError:
+  near = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+  hint = f"; did you mean {near[0]!r}?" if near else ""
+  return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+  """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
+  allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
+  if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+    if type(None) in allowed:
+      return None
+  for t in allowed:
+    if t is bool:
+      if isinstance(value, bool):
+        return value
+      if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    elif t is int and not isinstance(value, bool):
+      if isinstance(value, int):
+        return value
+      if isinstance(value, str):
+        try:
+          return int(value)
+        except ValueError:
+          pass
+    elif t is float and not isinstance(value, bool):
+      if isinstance(value, int | float):
+        return float(value)
+      if isinstance(value, str):
+        try:
+          return float(value)
+        except ValueError:
+          pass
+    elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
+      return str(value)
+  names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+  raise ConfigError(f"config key {key!r}: expected {names}, got {value!r}")
+
+
+def _build(cls, values: dict[str, Any], prefix: str = ""):
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for name, value in values.items():
+    key = f"{prefix}{name}"
+    if name not in names:
+      raise _unknown(key)
+    if dataclasses.is_dataclass(hints[name]):
+      if not isinstance(value, dict):
+        raise ConfigError(f"config key {key!r} is a section; give it a mapping, got {value!r}")
+      kwargs[name] = _build(hints[name], value, f"{key}.")
+    else:
+      kwargs[name] = _coerce(key, value, hints[name])
+  return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+  *parents, leaf = key.split(".")
+  node = tree
+  for p in parents:
+    node = node.setdefault(p, {})
+    if not isinstance(node, dict):
+      raise _unknown(key)
+  node[leaf] = value
+
+
+def resolve_path(path: str | pathlib.Path | None) -> pathlib.Path:
+  """A config file path; a bare name like ``tiny`` means the bundled ``configs/tiny.yaml``."""
+  if path is None:
+    return DEFAULT_CONFIG
+  p = pathlib.Path(path)
+  if not p.exists() and (CONFIG_DIR / f"{path}.yaml").exists():
+    return CONFIG_DIR / f"{path}.yaml"
+  if not p.exists():
+    raise ConfigError(
+      f"config file {str(path)!r} does not exist "
+      f"(bundled: {', '.join(sorted(x.stem for x in CONFIG_DIR.glob('*.yaml')))})"
+    )
+  return p
+
+
+def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
+  """Loads a config: defaults ← YAML file ← ``key=value`` overrides, then validates.
+
+  Args:
+    path: a YAML file, a bundled config name (``tiny``), or None for the bundled default.
+    overrides: strings ``"train.global_batch_size=32"`` (dotted keys, values coerced to the
+      field's type).
+
+  Raises:
+    ConfigError: unknown key (with the nearest valid one), wrong type, invalid value.
+  """
+  file = resolve_path(path)
+  try:
+    tree = yaml.safe_load(file.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{file}: not valid YAML ({e})".replace("\n", " ")) from None
+  if not isinstance(tree, dict):
+    raise ConfigError(f"{file}: the top level must be a mapping of sections")
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ConfigError(f"override {item!r} is not of the form key=value")
+    if key.strip() not in valid_keys():
+      raise _unknown(key.strip())
+    _set_dotted(tree, key.strip(), value)
+  try:
+    return _build(Config, tree)
+  except TypeError as e:  # a dataclass refused a value _coerce let through
+    raise ConfigError(str(e)) from None
+
+
+def dump(cfg: Config) -> str:
+  """The resolved config as YAML (what ``run_dir/config.yaml`` holds)."""
+  return yaml.safe_dump(to_dict(cfg), sort_keys=False)

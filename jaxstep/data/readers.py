@@ -1,0 +1,119 @@
+"""Reading documents from disk: ``.txt``, ``.jsonl`` ``{"text"}``, chat ``.jsonl``.
+
+A *document* is either a string (text) or a list of ``{"role", "content"}`` messages (chat).
+Every problem is a ``DataError`` that names the file (and line, for JSONL).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import pathlib
+import re
+
+from jaxstep.errors import DataError
+
+BUNDLED = pathlib.Path(__file__).resolve().parent.parent / "corpus"
+BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED / "chat.jsonl"}
+ROLES = ("system", "user", "assistant")
+
+
+def list_files(path: str) -> list[pathlib.Path]:
+  """A file, every ``.txt``/``.jsonl`` file under a directory, or a glob; sorted."""
+  if path in BUNDLED_PATHS:
+    return [BUNDLED_PATHS[path]]
+  p = pathlib.Path(path)
+  if p.is_dir():
+    files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
+  elif p.is_file():
+    files = [p]
+  else:
+    files = sorted(
+      pathlib.Path(f) for f in glob.glob(path, recursive=True) if pathlib.Path(f).is_file()
+    )
+    if not files and not glob.has_magic(path):
+      raise DataError(f"data.path {path!r} does not exist")
+  if not files:
+    raise DataError(f"data.path {path!r} matches no .txt or .jsonl files")
+  return files
+
+
+def detect_format(file: pathlib.Path) -> str:
+  """``txt`` by extension; for ``.jsonl`` the first record decides ``jsonl`` vs ``chat``."""
+  if file.suffix != ".jsonl":
+    return "txt"
+  with file.open(encoding="utf-8") as f:
+    for line in f:
+      if line.strip():
+        try:
+          return "chat" if "messages" in json.loads(line) else "jsonl"
+        except (json.JSONDecodeError, TypeError):
+          return "jsonl"  # the reader reports the malformed line with its number
+  return "jsonl"
+
+
+def read_txt(file: pathlib.Path) -> list[str]:
+  """Documents separated by one or more blank lines (a file without any is one document)."""
+  text = _read(file)
+  return [d.strip("\n") for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def read_jsonl(file: pathlib.Path, chat: bool) -> list:
+  docs = []
+  for number, line in enumerate(_read(file).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{file}:{number}: malformed JSON ({e.msg})") from None
+    docs.append(_chat_record(record, file, number) if chat else _text_record(record, file, number))
+  return docs
+
+
+def _text_record(record, file, number) -> str:
+  if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+    raise DataError(f'{file}:{number}: expected an object with a string "text" field')
+  return record["text"]
+
+
+def _chat_record(record, file, number) -> list[dict]:
+  messages = record.get("messages") if isinstance(record, dict) else None
+  if not isinstance(messages, list) or not messages:
+    raise DataError(f'{file}:{number}: expected {{"messages": [{{"role", "content"}}, …]}}')
+  for m in messages:
+    if (
+      not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str)
+    ):
+      raise DataError(
+        f"{file}:{number}: each message needs a role in {ROLES} and a string content, got {m!r}"
+      )
+  return messages
+
+
+def _read(file: pathlib.Path) -> str:
+  try:
+    return file.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_documents(path: str, fmt: str = "auto") -> tuple[list, str]:
+  """All documents under ``path`` and their kind (``text`` or ``chat``).
+
+  Raises:
+    DataError: missing path, malformed records, mixed text and chat, or no documents.
+  """
+  docs, kinds = [], set()
+  for file in list_files(path):
+    f = detect_format(file) if fmt == "auto" else fmt
+    if f == "txt":
+      docs += read_txt(file)
+    else:
+      docs += read_jsonl(file, chat=(f == "chat"))
+    kinds.add("chat" if f == "chat" else "text")
+  if len(kinds) > 1:
+    raise DataError(f"data.path {path!r} mixes chat and plain-text files; use one kind")
+  if not docs:
+    raise DataError(f"data.path {path!r} holds no documents (the files are empty)")
+  return docs, kinds.pop()

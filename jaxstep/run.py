@@ -1,0 +1,249 @@
+"""The run driver: build everything from a ``Config``, then the update-step loop.
+
+Per update step: next global batch → host check (N > 0) → device put → jitted step (state
+donated) → metrics of the *previous* step read back (so the host never stalls the device)
+→ log / eval / callbacks by update-step cadence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxstep
+from jaxstep import config as config_lib
+from jaxstep import data, models
+from jaxstep.callbacks import Callback, EarlyStopping, TrainerControl
+from jaxstep.errors import EmptyBatchError, NonFiniteError
+from jaxstep.losses import masked_nll, next_token_loss
+from jaxstep.metrics import MetricsSink
+from jaxstep.optim import make_optimizer
+from jaxstep.perf import mfu, peak_flops_per_device
+from jaxstep.state import RunState, TrainState
+from jaxstep.step import make_train_step
+
+log = logging.getLogger("jaxstep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a run builds once: data, compiled functions, and the schedule's length."""
+
+  cfg: config_lib.Config
+  dataset: data.Dataset
+  step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
+  eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens)
+  total_steps: int  # update steps this run will take in all (max_steps / epochs)
+  steps_per_epoch: int
+  flops_per_token: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  state: TrainState
+  run_state: RunState
+  last_metrics: dict
+  last_eval: dict | None
+  stop_reason: str
+
+
+def total_update_steps(train_cfg, steps_per_epoch: int) -> int:
+  """``min(max_steps, epochs × steps_per_epoch)``, where 0 means "no limit"."""
+  limits = [train_cfg.max_steps] if train_cfg.max_steps else []
+  limits += [train_cfg.epochs * steps_per_epoch] if train_cfg.epochs else []
+  return min(limits)
+
+
+def config_digest(cfg: config_lib.Config) -> str:
+  return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
+
+
+def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
+  """Loads data (all data errors surface here), builds model, optimizer and jitted steps."""
+  t = cfg.train
+  dataset = data.load_dataset(cfg.data, t.seq_len, cfg.model.vocab_size)
+  spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
+  total = total_update_steps(t, spe)
+  apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
+  optimizer = make_optimizer(cfg.optim, total)
+  step = make_train_step(
+    next_token_loss(apply_fn),
+    optimizer,
+    grad_accum_steps=t.grad_accum_steps,
+    precision=t.precision,
+    nonfinite=t.nonfinite,
+  )
+
+  def eval_step(params, batch):
+    logits = apply_fn(params, batch["inputs"], train=False)
+    nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
+    return nll_sum, jnp.sum(batch["loss_mask"])
+
+  run = Run(
+    cfg=cfg,
+    dataset=dataset,
+    step_fn=jax.jit(step, donate_argnums=0),
+    eval_fn=jax.jit(eval_step),
+    total_steps=total,
+    steps_per_epoch=spe,
+    flops_per_token=cfg.model.flops_per_token(t.seq_len),
+  )
+  state = TrainState.create(
+    params=params, optimizer=optimizer, rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1)
+  )
+  run_state = RunState(
+    dataset_fingerprint=dataset.fingerprint,
+    global_batch_size=t.global_batch_size,
+    grad_accum_steps=t.grad_accum_steps,
+    config_digest=config_digest(cfg),
+    jaxstep_version=jaxstep.__version__,
+  )
+  return run, state, run_state
+
+
+def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
+  """The global batch at position ``rs``, checked on the host to hold N > 0 tokens."""
+  t = run.cfg.train
+  batch = data.global_batch(
+    run.dataset.train, t.seed, rs.epoch, rs.step_in_epoch, t.global_batch_size, run.dataset.pad_id
+  )
+  if not batch["loss_mask"].any():
+    raise EmptyBatchError(
+      f"the global batch of epoch {rs.epoch}, step_in_epoch {rs.step_in_epoch} (update "
+      f"step {rs.step + 1}) has no loss-masked tokens; raise train.global_batch_size or "
+      f"check the data's masks (chat data needs assistant turns)"
+    )
+  return batch
+
+
+def evaluate(run: Run, params) -> dict:
+  """Token-weighted eval loss over the eval split: ``Σ NLL / Σ tokens`` and its exp."""
+  t, ds = run.cfg.train, run.dataset
+  sums = [
+    run.eval_fn(params, b)
+    for b in data.eval_batches(ds.eval, t.global_batch_size, ds.pad_id, t.eval_batches)
+  ]
+  nll, tokens = (float(sum(jax.device_get(x))) for x in zip(*sums, strict=True))
+  loss = nll / max(tokens, 1.0)
+  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+
+
+class LateMetrics:
+  """Reads step s's device metrics only after step s+1 was dispatched, then reports them."""
+
+  def __init__(
+    self, run: Run, sink: MetricsSink, callbacks: Sequence[Callback], control: TrainerControl
+  ):
+    self.run, self.sink, self.callbacks, self.control = run, sink, callbacks, control
+    self.pending = None
+    self.last_record: dict = {}
+    self.clock = time.perf_counter()
+    self.peak = peak_flops_per_device(run.cfg.train.peak_tflops)
+    self.tokens_per_step = run.cfg.train.global_batch_size * run.cfg.train.seq_len
+
+  def submit(self, step: int, epoch: int, metrics: dict) -> None:
+    previous, self.pending = self.pending, (step, epoch, metrics)
+    if previous:
+      self._report(*previous)
+
+  def flush(self) -> None:
+    if self.pending:
+      self._report(*self.pending)
+      self.pending = None
+
+  def restart_clock(self) -> None:
+    self.clock = time.perf_counter()
+
+  def _report(self, step: int, epoch: int, metrics: dict) -> None:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step
+    now = time.perf_counter()
+    step_time, self.clock = now - self.clock, now
+    tokens_per_sec = self.tokens_per_step / step_time
+    record = {
+      "step": step,
+      "epoch": epoch,
+      **values,
+      "updated": bool(values["updated"]),
+      "tokens": int(values["tokens"]),
+      "tokens_per_sec": tokens_per_sec,
+      "mfu": mfu(self.run.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),
+      "step_time": step_time,
+    }
+    self.last_record = record
+    self.sink.advance(record)
+    t = self.run.cfg.train
+    if step % t.log_every == 0 or step == self.run.total_steps:
+      self.sink.train(record)
+    for cb in self.callbacks:
+      cb.on_step_end(step, record, self.control)
+    if not record["updated"] and t.nonfinite == "halt":
+      raise NonFiniteError(
+        f"update step {step} was non-finite (loss {record['loss']}); "
+        f"train.nonfinite=halt stops here"
+      )
+
+
+def prepare_run_dir(cfg: config_lib.Config) -> pathlib.Path:
+  run_dir = pathlib.Path(cfg.run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
+  return run_dir
+
+
+def train(cfg: config_lib.Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+  """Trains ``cfg`` to the end (max_steps / epochs / a callback's stop) and returns the state."""
+  run, state, rs = build(cfg)
+  t = cfg.train
+  run_dir = prepare_run_dir(cfg)
+  log.info(
+    "%d training samples (%d update steps per epoch), %d parameters; %d update steps "
+    "of %d samples in %d micro-steps",
+    len(run.dataset.train),
+    run.steps_per_epoch,
+    models.num_params(state.params),
+    run.total_steps,
+    t.global_batch_size,
+    t.grad_accum_steps,
+  )
+  sink = MetricsSink(run_dir, start_step=rs.step, total_steps=run.total_steps, progress=t.progress)
+  if t.early_stopping_patience:
+    callbacks = [*callbacks, EarlyStopping(t.early_stopping_patience)]
+  control = TrainerControl()
+  late = LateMetrics(run, sink, callbacks, control)
+  last_eval = None
+  try:
+    while rs.step < run.total_steps and not control.should_stop:
+      batch = next_batch(run, rs)
+      state, metrics = run.step_fn(state, jax.device_put(batch))
+      epoch = rs.epoch
+      rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
+      late.submit(rs.step, epoch, metrics)
+      if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
+        late.flush()
+        last_eval = _evaluate_and_report(run, state, rs.step, sink, callbacks, control)
+        late.restart_clock()
+    late.flush()
+    if run.dataset.eval and (last_eval is None or last_eval["step"] != rs.step):
+      last_eval = _evaluate_and_report(run, state, rs.step, sink, callbacks, control)
+  finally:
+    sink.close()
+  reason = control.reason or f"reached {rs.step} update steps"
+  log.info("done: %s; run_dir %s", reason, run_dir)
+  return TrainResult(state, rs, late.last_record, last_eval, reason)
+
+
+def _evaluate_and_report(run, state, step, sink, callbacks, control) -> dict:
+  record = {"step": step, **evaluate(run, state.params)}
+  sink.eval(record)
+  for cb in callbacks:
+    cb.on_evaluate(step, record, control)
+  return record

@@ -1,0 +1,65 @@
+"""``python -m jaxstep.train [--config FILE] [key=value …]``: train from a config.
+
+Exit codes: 0 done; 2 bad config or data (one readable line); 1 a run-time stop such as an
+empty global batch or a non-finite update under ``train.nonfinite=halt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxstep import config as config_lib
+from jaxstep.errors import ConfigError, DataError, JaxstepError
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="python -m jaxstep.train",
+    description="Train a model from a YAML config (default: the bundled tiny config on the "
+    "bundled corpus). Overrides use dotted keys, e.g. "
+    "train.global_batch_size=32 optim.lr=3e-4 run_dir=runs/x.",
+    epilog="config keys: " + ", ".join(config_lib.valid_keys()),
+  )
+  p.add_argument(
+    "--config",
+    default=None,
+    help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
+  )
+  p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+  p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
+  logging.basicConfig(
+    level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
+  )
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+    from jaxstep import run  # heavy imports only after the config is known to be valid
+
+    result = run.train(cfg)
+  except (ConfigError, DataError) as e:
+    if args.debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except JaxstepError as e:
+    if args.debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  last = result.last_metrics
+  summary = f"final step {result.run_state.step}: loss {last.get('loss', float('nan')):.4f}"
+  if result.last_eval:
+    summary += f", eval loss {result.last_eval['eval_loss']:.4f}"
+  print(f"{summary} ({result.stop_reason}); outputs in {cfg.run_dir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,92 @@
+"""``python -m jaxstep.train`` / ``jaxstep.plot`` as a user runs them, in subprocesses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+FAST = ["train.max_steps=24", "train.log_every=4", "train.eval_every=12"]
+
+
+def cli(*args, module="jaxstep.train", timeout=300):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run(
+    [sys.executable, "-m", module, *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=env,
+  )
+
+
+def test_default_config_trains_and_writes_every_output(tmp_path):
+  run_dir = tmp_path / "run"
+  proc = cli(*FAST, f"run_dir={run_dir}")
+  assert proc.returncode == 0, proc.stderr
+  assert "final step 24" in proc.stdout
+  lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines] == [4, 8, 12, 16, 20, 24]
+  assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
+  assert all(r["updated"] and r["tokens"] > 0 for r in lines)
+  evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in evals] == [12, 24]
+  assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+  assert "max_steps: 24" in (run_dir / "config.yaml").read_text()
+  assert "\r" not in proc.stderr  # no progress bar when stderr is not a terminal
+
+  plot = cli(run_dir, module="jaxstep.plot")
+  assert plot.returncode == 0 and (run_dir / "loss.png").stat().st_size > 10_000
+
+
+def test_help_lists_flags_and_config_keys():
+  proc = cli("--help")
+  assert proc.returncode == 0
+  for flag in ("--config", "--debug", "key=value", "train.global_batch_size", "optim.lr"):
+    assert flag in proc.stdout
+
+
+def write(path, text):
+  path.write_text(text)
+  return path
+
+
+BAD_INPUTS = {
+  "typo": (lambda d: ["train.max_step=3"], "did you mean 'train.max_steps'"),
+  "type": (lambda d: ["optim.lr=fast"], "'optim.lr': expected float"),
+  "non_divisible": (
+    lambda d: ["train.global_batch_size=10", "train.grad_accum_steps=4"],
+    "10 is not divisible by train.grad_accum_steps 4",
+  ),
+  "missing_file": (lambda d: [f"data.path={d / 'nope.txt'}"], "does not exist"),
+  "empty_dataset": (lambda d: [f"data.path={write(d / 'e.txt', '')}"], "holds no documents"),
+  "malformed_jsonl": (
+    lambda d: [f"data.path={write(d / 'b.jsonl', '{oops')}"],
+    "b.jsonl:1: malformed JSON",
+  ),
+  "vocab": (lambda d: ["model.vocab_size=100"], "token id 258 is outside"),
+  "missing_config": (lambda d: ["--config", d / "none.yaml"], "does not exist"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, name):
+  make_args, message = BAD_INPUTS[name]
+  run_dir = tmp_path / "run"
+  proc = cli(*make_args(tmp_path), f"run_dir={run_dir}")
+  assert proc.returncode == 2, proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not run_dir.exists()
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+  proc = cli("--debug", "train.max_step=3", f"run_dir={tmp_path / 'r'}")
+  assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_plot_without_metrics_exits_2(tmp_path):
+  proc = cli(tmp_path, module="jaxstep.plot")
+  assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr

@@ -1,0 +1,110 @@
+"""Config: defaults, YAML, dotted overrides, type errors, typo suggestions, base.yaml sync."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from jaxstep import ConfigError
+from jaxstep import config as config_lib
+
+
+def test_bundled_default_is_tiny():
+  cfg = config_lib.load()
+  assert cfg.run_dir == "runs/tiny" and cfg.train.max_steps == 300
+  assert config_lib.load("tiny") == cfg
+
+
+def test_overrides_are_coerced_to_field_types():
+  cfg = config_lib.load(
+    None,
+    [
+      "train.global_batch_size=64",
+      "optim.lr=3e-4",
+      "model.tie_embeddings=false",
+      "run_dir=runs/x",
+      "data.eval_fraction=0",
+    ],
+  )
+  assert cfg.train.global_batch_size == 64 and cfg.optim.lr == 3e-4
+  assert cfg.model.tie_embeddings is False and cfg.run_dir == "runs/x"
+  assert cfg.data.eval_fraction == 0.0
+
+
+def test_unknown_key_names_the_closest_valid_one():
+  with pytest.raises(ConfigError, match=r"'train.global_bath_size'.*'train.global_batch_size'"):
+    config_lib.load(None, ["train.global_bath_size=8"])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text("optim:\n  learning_rate: 0.1\n")
+  with pytest.raises(ConfigError, match=r"'optim.learning_rate'.*did you mean"):
+    config_lib.load(path)
+
+
+@pytest.mark.parametrize(
+  "override, expected",
+  [
+    ("train.global_batch_size=abc", "expected int, got 'abc'"),
+    ("optim.lr=fast", "expected float"),
+    ("model.tie_embeddings=maybe", "expected bool"),
+    ("train.max_steps=1.5", "expected int"),
+  ],
+)
+def test_wrong_type_names_key_value_and_type(override, expected):
+  with pytest.raises(ConfigError, match=f"'{override.split('=')[0]}': {expected}"):
+    config_lib.load(None, [override])
+
+
+def test_non_divisible_batch_is_rejected_before_any_work():
+  with pytest.raises(ConfigError, match="32 is not divisible by train.grad_accum_steps 5"):
+    config_lib.load(None, ["train.grad_accum_steps=5"])
+
+
+@pytest.mark.parametrize("override", ["novalue", "=3"])
+def test_malformed_override(override):
+  with pytest.raises(ConfigError, match="key=value"):
+    config_lib.load(None, [override])
+
+
+def test_missing_config_file_lists_bundled_names():
+  with pytest.raises(ConfigError, match="does not exist.*tiny"):
+    config_lib.load("nope.yaml")
+
+
+def test_base_yaml_lists_every_key_with_its_default():
+  base = yaml.safe_load((config_lib.CONFIG_DIR / "base.yaml").read_text())
+  defaults = config_lib.to_dict(config_lib.Config())
+
+  def flatten(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+      out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+  assert flatten(base) == flatten(defaults)
+  assert sorted(flatten(base)) == sorted(config_lib.valid_keys())
+
+
+def test_every_schema_field_is_commented_in_base_yaml():
+  lines = (config_lib.CONFIG_DIR / "base.yaml").read_text().splitlines()
+  leaf_lines = [
+    line
+    for line in lines
+    if ":" in line and not line.rstrip().endswith(":") and not line.lstrip().startswith("#")
+  ]
+  assert all("  # " in line for line in leaf_lines)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "sft-chat", "gpt-350m-gpu"])
+def test_bundled_configs_load(name):
+  cfg = config_lib.load(name)
+  assert dataclasses.is_dataclass(cfg)
+
+
+def test_dump_round_trips(tmp_path):
+  cfg = config_lib.load(None, ["optim.lr=0.01"])
+  path = tmp_path / "resolved.yaml"
+  path.write_text(config_lib.dump(cfg))
+  assert config_lib.load(path) == cfg

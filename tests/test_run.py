@@ -1,0 +1,167 @@
+"""The run driver in-process: update-step accounting, epochs, tail batches, eval, control."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxstep import NonFiniteError, run
+from jaxstep import config as config_lib
+from jaxstep.callbacks import Callback
+from jaxstep.data import eval_batches
+from jaxstep.losses import masked_nll
+
+SMALL_MODEL = [
+  "model.d_model=32",
+  "model.n_layers=1",
+  "model.n_heads=2",
+  "model.max_seq_len=16",
+  "train.seq_len=16",
+  "train.progress=false",
+]
+
+
+def make_cfg(tmp_path, *overrides, docs=200):
+  corpus = tmp_path / "corpus.txt"
+  if not corpus.exists():
+    rng = np.random.default_rng(0)
+    corpus.write_text(
+      "\n\n".join(f"{a} + {b} = {a + b}" for a, b in rng.integers(0, 50, size=(docs, 2)))
+    )
+  return config_lib.load(
+    None, [*SMALL_MODEL, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", *overrides]
+  )
+
+
+def read_lines(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.global_batch_size=8",
+    "train.grad_accum_steps=4",
+    "train.max_steps=3",
+    "train.log_every=1",
+  )
+  result = run.train(cfg)
+  assert int(result.state.step) == 3 and result.run_state.step == 3
+  assert result.run_state.sample_cursor == 24  # 3 updates × 8 samples = 12 micro-batches of 2
+  assert [r["step"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_one_metrics_line_per_logged_update_step(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=5", "train.log_every=2", "train.eval_every=0")
+  run.train(cfg)
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert [r["step"] for r in lines] == [2, 4, 5]
+  assert set(lines[0]) >= {
+    "step",
+    "epoch",
+    "loss",
+    "tokens",
+    "lr",
+    "grad_norm",
+    "updated",
+    "tokens_per_sec",
+    "mfu",
+    "step_time",
+  }
+
+
+def test_epochs_end_the_run_and_the_tail_batch_still_updates(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.global_batch_size=8",
+    "train.grad_accum_steps=2",
+    "train.max_steps=0",
+    "train.epochs=2",
+    "train.log_every=1",
+    "data.eval_fraction=0",
+    docs=12,
+  )
+  r, _, _ = run.build(cfg)
+  n = len(r.dataset.train)
+  assert n % 8 != 0
+  result = run.train(cfg)
+  spe = math.ceil(n / 8)
+  assert result.run_state.step == 2 * spe and result.run_state.epoch == 2
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  tail = lines[spe - 1]
+  assert tail["updated"] and tail["epoch"] == 0
+  order = np.random.default_rng([cfg.train.seed, 0]).permutation(n)
+  tail_rows = order[(spe - 1) * 8 :]
+  assert tail["tokens"] == int(r.dataset.train.loss_mask[tail_rows].sum())
+
+
+def test_eval_loss_is_token_weighted_over_the_eval_split(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.max_steps=2",
+    "train.global_batch_size=4",
+    "train.grad_accum_steps=1",
+    "data.eval_fraction=0.2",
+  )
+  r, state, _ = run.build(cfg)
+  got = run.evaluate(r, state.params)
+  nll = tokens = 0.0
+  for batch in eval_batches(r.dataset.eval, 4, r.dataset.pad_id):
+    apply_fn = lambda p, x: __import__("jaxstep").models.build(cfg.model, 0)[0](p, x)  # noqa: E731
+    s, _ = masked_nll(apply_fn(state.params, batch["inputs"]), batch["targets"], batch["loss_mask"])
+    nll, tokens = nll + float(s), tokens + float(batch["loss_mask"].sum())
+  assert got["eval_tokens"] == tokens
+  assert got["eval_loss"] == pytest.approx(nll / tokens, rel=1e-5)
+  assert got["eval_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_callback_should_stop_ends_the_run_after_that_step(tmp_path):
+  class StopAtTwo(Callback):
+    def on_step_end(self, step, metrics, control):
+      if step == 2:
+        control.stop("enough")
+
+  result = run.train(make_cfg(tmp_path, "train.max_steps=10"), callbacks=[StopAtTwo()])
+  # Metrics come back one step late, so step 3 was already dispatched when step 2 reported.
+  assert result.run_state.step == 3 and result.stop_reason == "enough"
+
+
+def test_early_stopping_on_eval_loss(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.max_steps=40",
+    "train.eval_every=1",
+    "train.early_stopping_patience=1",
+    "optim.lr=1e-9",
+    "optim.schedule=constant",
+  )
+  result = run.train(cfg)
+  assert result.run_state.step < 40 and "early stopping" in result.stop_reason
+
+
+def test_nonfinite_halt_stops_with_the_step_number(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.max_steps=6",
+    "train.nonfinite=halt",
+    "optim.lr=1e30",
+    "optim.clip_grad_norm=0",
+    "optim.schedule=constant",
+  )
+  with pytest.raises(NonFiniteError, match=r"update step \d was non-finite"):
+    run.train(cfg)
+
+
+def test_nonfinite_skip_keeps_going_and_counts(tmp_path):
+  cfg = make_cfg(
+    tmp_path,
+    "train.max_steps=6",
+    "optim.lr=1e30",
+    "optim.clip_grad_norm=0",
+    "optim.schedule=constant",
+    "train.log_every=1",
+  )
+  result = run.train(cfg)
+  assert result.run_state.step == 6 and int(result.state.skipped) >= 1
+  assert not all(r["updated"] for r in read_lines(tmp_path / "run" / "metrics.jsonl"))
