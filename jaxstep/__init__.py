@@ -1,7 +1,9 @@
 """jaxstep: exact token-normalized gradient accumulation for JAX training."""
 
-from jaxstep import errors, losses, models, optim
-from jaxstep.errors import (
+__version__ = "0.1.0"
+
+from jaxstep import config, errors, losses, models, optim  # noqa: E402
+from jaxstep.errors import (  # noqa: E402
   AccumulationError,
   BatchError,
   CheckpointError,
@@ -11,10 +13,8 @@ from jaxstep.errors import (
   JaxstepError,
   NonFiniteError,
 )
-from jaxstep.state import TrainState
-from jaxstep.step import make_train_step
-
-__version__ = "0.1.0"
+from jaxstep.state import RunState, TrainState  # noqa: E402
+from jaxstep.step import make_train_step  # noqa: E402
 
 __all__ = [
   "AccumulationError",
@@ -24,7 +24,10 @@ __all__ = [
   "DataError",
   "EmptyBatchError",
   "JaxstepError",
+  "NonFiniteError",
+  "RunState",
   "TrainState",
+  "config",
   "errors",
   "losses",
   "make_train_step",
