@@ -21,3 +21,22 @@ def test_linear_regression_converges_to_3x_plus_2(capsys):
   assert float(state.params["b"]) == pytest.approx(2.0, abs=0.05)
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 100 and lines[-1].startswith("step 100")
+
+
+def test_pretrain_text_learns_on_a_users_file(tmp_path):
+  corpus = tmp_path / "mine.txt"
+  corpus.write_text("\n\n".join("the cat sat on the mat. " * 3 for _ in range(200)))
+  losses = load("pretrain_text").main(str(corpus), 30)
+  assert losses[-1] < losses[0] - 1.0
+
+
+def test_sft_chat_counts_only_assistant_tokens(capsys):
+  first, last = load("sft_chat").main(20)
+  out = capsys.readouterr().out
+  assert "[<eos>]" in out and "<|user|>" in out and "[<|user|>" not in out
+  assert last < first
+
+
+def test_custom_loss_with_weight_units_is_k_invariant():
+  loss, gap = load("custom_loss").main(100)
+  assert loss < 0.1 and gap < 1e-4
