@@ -108,3 +108,13 @@ def test_dump_round_trips(tmp_path):
   path = tmp_path / "resolved.yaml"
   path.write_text(config_lib.dump(cfg))
   assert config_lib.load(path) == cfg
+
+
+def test_readme_documents_every_config_key_and_flag():
+  import pathlib
+
+  readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+  for key in config_lib.valid_keys():
+    assert f"{key.split('.')[-1]}:" in readme or key in readme, key
+  for flag in ("--config", "--debug", "--help", "key=value"):
+    assert flag in readme
