@@ -35,11 +35,16 @@ def make_batch(rng, g=64):
 def main(num_update_steps: int = 200):
   rng = np.random.default_rng(0)
   k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  params = {"w1": jax.random.normal(k1, (3, 16)) * 0.5, "b1": jnp.zeros(16),
-            "w2": jax.random.normal(k2, (16,)) * 0.1}
+  params = {
+    "w1": jax.random.normal(k1, (3, 16)) * 0.5,
+    "b1": jnp.zeros(16),
+    "w2": jax.random.normal(k2, (16,)) * 0.1,
+  }
   optimizer = optax.adam(1e-2)
-  steps = {k: jax.jit(make_train_step(loss_fn, optimizer, grad_accum_steps=k,
-                                      units_fn=units_fn)) for k in (1, 8)}
+  steps = {
+    k: jax.jit(make_train_step(loss_fn, optimizer, grad_accum_steps=k, units_fn=units_fn))
+    for k in (1, 8)
+  }
   states = {k: TrainState.create(params=params, optimizer=optimizer, rng=0) for k in steps}
   for s in range(num_update_steps):
     batch = make_batch(rng)
@@ -47,9 +52,12 @@ def main(num_update_steps: int = 200):
       states[k], metrics = steps[k](states[k], batch)
     if (s + 1) % 50 == 0:
       print(f"update {s + 1}: weighted mse {float(metrics['loss']):.4f}")
-  gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-            zip(jax.tree.leaves(states[1].params), jax.tree.leaves(states[8].params),
-                strict=True))
+  gap = max(
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(
+      jax.tree.leaves(states[1].params), jax.tree.leaves(states[8].params), strict=True
+    )
+  )
   print(f"max |params(K=1) - params(K=8)| after {num_update_steps} updates: {gap:.2e}")
   return float(metrics["loss"]), gap
 

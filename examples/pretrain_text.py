@@ -21,20 +21,25 @@ def main(path: str = "bundled:text", num_update_steps: int = 60) -> list[float]:
   dataset = data.load_dataset(DataConfig(path=path), SEQ_LEN, model_cfg.vocab_size)
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=10), num_update_steps)
-  step = jax.jit(make_train_step(next_token_loss(apply_fn), optimizer,
-                                 grad_accum_steps=GRAD_ACCUM_STEPS), donate_argnums=0)
+  step = jax.jit(
+    make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=GRAD_ACCUM_STEPS),
+    donate_argnums=0,
+  )
   state = TrainState.create(params=params, optimizer=optimizer, rng=0)
   spe = data.steps_per_epoch(len(dataset.train), GLOBAL_BATCH_SIZE)
   losses = []
   for update_step in range(num_update_steps):
     epoch, step_in_epoch = divmod(update_step, spe)
-    batch = data.global_batch(dataset.train, 0, epoch, step_in_epoch, GLOBAL_BATCH_SIZE,
-                              dataset.pad_id)
+    batch = data.global_batch(
+      dataset.train, 0, epoch, step_in_epoch, GLOBAL_BATCH_SIZE, dataset.pad_id
+    )
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     if (update_step + 1) % 10 == 0:
-      print(f"update {update_step + 1}: loss {losses[-1]:.3f} over {int(metrics['tokens'])} "
-            f"tokens, lr {float(metrics['lr']):.2e}")
+      print(
+        f"update {update_step + 1}: loss {losses[-1]:.3f} over {int(metrics['tokens'])} "
+        f"tokens, lr {float(metrics['lr']):.2e}"
+      )
   return losses
 
 

@@ -15,8 +15,9 @@ from jaxstep.optim import OptimConfig, make_optimizer
 SEQ_LEN = 96
 
 
-def show_sample(dataset, tok=data.ByteTokenizer()) -> str:
+def show_sample(dataset) -> str:
   """The first training sample with every loss-counted target in brackets."""
+  tok = data.ByteTokenizer()
   targets, mask = dataset.train.targets[0], dataset.train.loss_mask[0]
   pieces = []
   for t, m in zip(targets, mask, strict=True):
@@ -27,16 +28,18 @@ def show_sample(dataset, tok=data.ByteTokenizer()) -> str:
 
 def main(num_update_steps: int = 40) -> tuple[float, float]:
   model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN)
-  dataset = data.load_dataset(DataConfig(path="bundled:chat", pack=False), SEQ_LEN,
-                              model_cfg.vocab_size)
+  dataset = data.load_dataset(
+    DataConfig(path="bundled:chat", pack=False), SEQ_LEN, model_cfg.vocab_size
+  )
   print(show_sample(dataset))
   real = dataset.train.targets != dataset.pad_id
   share = dataset.train.loss_mask.sum() / real.sum()
   print(f"{share:.1%} of real tokens are assistant targets; only those enter the loss")
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=5), num_update_steps)
-  step = jax.jit(make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=4),
-                 donate_argnums=0)
+  step = jax.jit(
+    make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=4), donate_argnums=0
+  )
   state = TrainState.create(params=params, optimizer=optimizer, rng=0)
   spe = data.steps_per_epoch(len(dataset.train), 32)
   losses = []

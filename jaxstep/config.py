@@ -85,6 +85,24 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """orbax checkpoints under ``run_dir/checkpoints``; counts are update steps."""
+
+  every: int = 100  # save every this many update steps (0 = only the final save)
+  keep: int = 3  # keep the newest this many checkpoints
+  async_: bool = dataclasses.field(
+    default=True, metadata={"key": "async"}
+  )  # save in the background
+  allow_data_change: bool = False  # resume even if the dataset fingerprint changed
+
+  def __post_init__(self):
+    if self.every < 0 or self.keep < 1:
+      raise ConfigError(
+        f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
 
@@ -92,6 +110,7 @@ class Config:
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   optim: OptimConfig = OptimConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
 
   def __post_init__(self):
@@ -102,9 +121,17 @@ class Config:
       )
 
 
+def _key(field: dataclasses.Field) -> str:
+  """The config key of a field (``async_`` is spelled ``async`` in files and overrides)."""
+  return field.metadata.get("key", field.name)
+
+
 def to_dict(cfg) -> dict[str, Any]:
-  """Nested plain dict (YAML/JSON-able) of a config dataclass."""
-  return dataclasses.asdict(cfg)
+  """Nested plain dict (YAML/JSON-able) of a config dataclass, keyed by config keys."""
+  return {
+    _key(f): (to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+    for f in dataclasses.fields(cfg)
+  }
 
 
 def valid_keys(cls=Config, prefix="") -> list[str]:
@@ -113,9 +140,9 @@ def valid_keys(cls=Config, prefix="") -> list[str]:
   for f in dataclasses.fields(cls):
     sub = typing.get_type_hints(cls)[f.name]
     if dataclasses.is_dataclass(sub):
-      keys += valid_keys(sub, f"{prefix}{f.name}.")
+      keys += valid_keys(sub, f"{prefix}{_key(f)}.")
     else:
-      keys.append(f"{prefix}{f.name}")
+      keys.append(f"{prefix}{_key(f)}")
   return keys
 
 
@@ -161,12 +188,13 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 def _build(cls, values: dict[str, Any], prefix: str = ""):
   hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
+  names = {_key(f): f.name for f in dataclasses.fields(cls)}
   kwargs = {}
-  for name, value in values.items():
-    key = f"{prefix}{name}"
-    if name not in names:
+  for config_key, value in values.items():
+    key = f"{prefix}{config_key}"
+    if config_key not in names:
       raise _unknown(key)
+    name = names[config_key]
     if dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
         raise ConfigError(f"config key {key!r} is a section; give it a mapping, got {value!r}")

@@ -36,3 +36,11 @@ class AccumulationError(JaxstepError, RuntimeError):
 
 class NonFiniteError(JaxstepError, RuntimeError):
   """An update was non-finite and ``train.nonfinite`` is ``halt``."""
+
+
+class Interrupted(JaxstepError, RuntimeError):
+  """SIGTERM/SIGINT arrived; a checkpoint was written at the last update boundary."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum

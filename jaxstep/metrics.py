@@ -65,7 +65,8 @@ class MetricsSink:
     self.train_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     for path in (self.train_path, self.eval_path):
       truncate_jsonl(path, start_step)
-    self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+    # purge_step tells TensorBoard to drop events a resumed run is about to write again
+    self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
     self.bar = tqdm.tqdm(
       total=total_steps,
       initial=start_step,

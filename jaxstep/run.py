@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import pathlib
+import signal
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,12 +23,14 @@ import numpy as np
 import jaxstep
 from jaxstep import config as config_lib
 from jaxstep import data, models
+from jaxstep import resume as resume_lib
 from jaxstep.callbacks import Callback, EarlyStopping, TrainerControl
-from jaxstep.errors import EmptyBatchError, NonFiniteError
+from jaxstep.errors import EmptyBatchError, Interrupted, NonFiniteError
 from jaxstep.losses import masked_nll, next_token_loss
 from jaxstep.metrics import MetricsSink
 from jaxstep.optim import make_optimizer
 from jaxstep.perf import mfu, peak_flops_per_device
+from jaxstep.signals import stop_on_signals
 from jaxstep.state import RunState, TrainState
 from jaxstep.step import make_train_step
 
@@ -199,17 +202,39 @@ def prepare_run_dir(cfg: config_lib.Config) -> pathlib.Path:
   return run_dir
 
 
-def train(cfg: config_lib.Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
-  """Trains ``cfg`` to the end (max_steps / epochs / a callback's stop) and returns the state."""
+def train(
+  cfg: config_lib.Config,
+  callbacks: Sequence[Callback] = (),
+  *,
+  resume: bool = True,
+  resume_from: str | None = None,
+) -> TrainResult:
+  """Trains ``cfg`` to the end (max_steps / epochs / a callback's stop) and returns the state.
+
+  Re-running with the same ``run_dir`` resumes from its newest valid checkpoint
+  (``resume=False`` sets earlier outputs aside; ``resume_from`` starts from another run's
+  checkpoint). SIGTERM/SIGINT save a checkpoint at the update boundary, then raise
+  ``Interrupted``.
+  """
   run, state, rs = build(cfg)
   t = cfg.train
   run_dir = prepare_run_dir(cfg)
+  ckpt, state, rs = resume_lib.start(
+    cfg,
+    run_dir,
+    state,
+    rs,
+    resume=resume,
+    resume_from=resume_from,
+    steps_per_epoch=run.steps_per_epoch,
+  )
   log.info(
-    "%d training samples (%d update steps per epoch), %d parameters; %d update steps "
-    "of %d samples in %d micro-steps",
+    "%d training samples (%d update steps per epoch), %d parameters; update steps "
+    "%d → %d of %d samples in %d micro-steps",
     len(run.dataset.train),
     run.steps_per_epoch,
     models.num_params(state.params),
+    rs.step,
     run.total_steps,
     t.global_batch_size,
     t.grad_accum_steps,
@@ -221,24 +246,53 @@ def train(cfg: config_lib.Config, callbacks: Sequence[Callback] = ()) -> TrainRe
   late = LateMetrics(run, sink, callbacks, control)
   last_eval = None
   try:
-    while rs.step < run.total_steps and not control.should_stop:
-      batch = next_batch(run, rs)
-      state, metrics = run.step_fn(state, jax.device_put(batch))
-      epoch = rs.epoch
-      rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
-      late.submit(rs.step, epoch, metrics)
-      if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
-        late.flush()
+    with stop_on_signals() as stop:
+      while rs.step < run.total_steps and not control.should_stop and not stop.signum:
+        batch = next_batch(run, rs)
+        state, metrics = run.step_fn(state, jax.device_put(batch))
+        epoch = rs.epoch
+        rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
+        late.submit(rs.step, epoch, metrics)
+        ckpt.save(state, rs)
+        if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
+          late.flush()
+          last_eval = _evaluate_and_report(run, state, rs.step, sink, callbacks, control)
+          late.restart_clock()
+      late.flush()
+      if (
+        stop.signum is None
+        and run.dataset.eval
+        and (last_eval is None or last_eval["step"] != rs.step)
+      ):
         last_eval = _evaluate_and_report(run, state, rs.step, sink, callbacks, control)
-        late.restart_clock()
-    late.flush()
-    if run.dataset.eval and (last_eval is None or last_eval["step"] != rs.step):
-      last_eval = _evaluate_and_report(run, state, rs.step, sink, callbacks, control)
-  finally:
+  except BaseException:  # a halt or an error: keep the state it got to, then re-raise
     sink.close()
+    _final_save(ckpt, state, rs, quiet=True)
+    raise
+  sink.close()
+  _final_save(ckpt, state, rs)  # always: at the end and on a signal
+  if stop.signum is not None:
+    name = signal.Signals(stop.signum).name
+    raise Interrupted(
+      f"stopped by {name} at update step {rs.step}; checkpoint saved in "
+      f"{run_dir / 'checkpoints'}; re-run the same command to resume",
+      stop.signum,
+    )
   reason = control.reason or f"reached {rs.step} update steps"
   log.info("done: %s; run_dir %s", reason, run_dir)
   return TrainResult(state, rs, late.last_record, last_eval, reason)
+
+
+def _final_save(ckpt, state, rs: RunState, quiet: bool = False) -> None:
+  try:
+    ckpt.save(state, rs, force=True)
+    ckpt.wait()
+  except Exception as e:
+    if not quiet:
+      raise
+    log.error("final checkpoint at update step %d failed: %s", rs.step, e)  # keep the cause
+  finally:
+    ckpt.close()
 
 
 def _evaluate_and_report(run, state, step, sink, callbacks, control) -> dict:

@@ -1,7 +1,8 @@
 """``python -m jaxstep.train [--config FILE] [key=value …]``: train from a config.
 
-Exit codes: 0 done; 2 bad config or data (one readable line); 1 a run-time stop such as an
-empty global batch or a non-finite update under ``train.nonfinite=halt``.
+Exit codes: 0 done; 2 bad config, data or checkpoints (one readable line); 1 a run-time stop
+such as an empty global batch or a non-finite update under ``train.nonfinite=halt``;
+128 + signal number after SIGTERM/SIGINT (a checkpoint was saved first).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import sys
 
 from jaxstep import config as config_lib
-from jaxstep.errors import ConfigError, DataError, JaxstepError
+from jaxstep.errors import CheckpointError, ConfigError, DataError, Interrupted, JaxstepError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,6 +29,19 @@ def parser() -> argparse.ArgumentParser:
     help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
   )
   p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+  resume = p.add_mutually_exclusive_group()
+  resume.add_argument(
+    "--resume-from",
+    metavar="PATH",
+    help="start from this checkpoint (a step directory, a checkpoints "
+    "directory or a run_dir) instead of run_dir's own",
+  )
+  resume.add_argument(
+    "--no-resume",
+    action="store_true",
+    help="start at step 0 even if run_dir has checkpoints (they are moved "
+    "to run_dir/previous-<time>/, not deleted)",
+  )
   p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
   return p
 
@@ -38,12 +52,16 @@ def main(argv=None) -> int:
     level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
   )
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   try:
     cfg = config_lib.load(args.config, args.overrides)
     from jaxstep import run  # heavy imports only after the config is known to be valid
 
-    result = run.train(cfg)
-  except (ConfigError, DataError) as e:
+    result = run.train(cfg, resume=not args.no_resume, resume_from=args.resume_from)
+  except Interrupted as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 128 + e.signum
+  except (ConfigError, DataError, CheckpointError) as e:
     if args.debug:
       raise
     print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models whose gradients can be checked by hand or by jax.grad."""
 
+import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -8,6 +9,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxstep import config as config_lib  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -52,3 +55,30 @@ def lm_batch(rng: np.random.Generator, g: int, s: int, vocab: int, mask=None):
 @pytest.fixture
 def np_rng():
   return np.random.default_rng(0)
+
+
+SMALL_MODEL = [
+  "model.d_model=32",
+  "model.n_layers=1",
+  "model.n_heads=2",
+  "model.max_seq_len=16",
+  "train.seq_len=16",
+  "train.progress=false",
+]
+
+
+def make_cfg(tmp_path, *overrides, docs=200):
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  corpus = tmp_path / "corpus.txt"
+  if not corpus.exists():
+    rng = np.random.default_rng(0)
+    corpus.write_text(
+      "\n\n".join(f"{a} + {b} = {a + b}" for a, b in rng.integers(0, 50, size=(docs, 2)))
+    )
+  return config_lib.load(
+    None, [*SMALL_MODEL, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", *overrides]
+  )
+
+
+def read_lines(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]

@@ -90,3 +90,27 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 def test_plot_without_metrics_exits_2(tmp_path):
   proc = cli(tmp_path, module="jaxstep.plot")
   assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr
+
+
+def test_inspect_lists_checkpoints_and_all_corrupt_exits_nonzero(tmp_path):
+  from conftest import SMALL_MODEL, make_cfg
+
+  make_cfg(tmp_path)
+  args = [
+    *SMALL_MODEL,
+    "train.max_steps=4",
+    "checkpoint.every=2",
+    f"data.path={tmp_path / 'corpus.txt'}",
+    f"run_dir={tmp_path / 'run'}",
+  ]
+  assert cli(*args).returncode == 0
+  listing = cli(tmp_path / "run", module="jaxstep.inspect")
+  assert listing.returncode == 0, listing.stderr
+  rows = listing.stdout.strip().splitlines()
+  assert rows[0].split() == ["step", "epoch", "loss", "size", "MB", "status"]
+  assert [r.split()[0] for r in rows[1:]] == ["4", "2"] and all(r.endswith("ok") for r in rows[1:])
+  for marker in (tmp_path / "run" / "checkpoints").glob("*/_CHECKPOINT_METADATA"):
+    marker.unlink()
+  proc = cli(*args)
+  assert proc.returncode == 2 and "none restores" in proc.stderr
+  assert "INVALID: missing commit marker" in cli(tmp_path / "run", module="jaxstep.inspect").stdout

@@ -1,41 +1,15 @@
 """The run driver in-process: update-step accounting, epochs, tail batches, eval, control."""
 
-import json
 import math
 
 import numpy as np
 import pytest
+from conftest import make_cfg, read_lines
 
 from jaxstep import NonFiniteError, run
-from jaxstep import config as config_lib
 from jaxstep.callbacks import Callback
 from jaxstep.data import eval_batches
 from jaxstep.losses import masked_nll
-
-SMALL_MODEL = [
-  "model.d_model=32",
-  "model.n_layers=1",
-  "model.n_heads=2",
-  "model.max_seq_len=16",
-  "train.seq_len=16",
-  "train.progress=false",
-]
-
-
-def make_cfg(tmp_path, *overrides, docs=200):
-  corpus = tmp_path / "corpus.txt"
-  if not corpus.exists():
-    rng = np.random.default_rng(0)
-    corpus.write_text(
-      "\n\n".join(f"{a} + {b} = {a + b}" for a, b in rng.integers(0, 50, size=(docs, 2)))
-    )
-  return config_lib.load(
-    None, [*SMALL_MODEL, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", *overrides]
-  )
-
-
-def read_lines(path):
-  return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):

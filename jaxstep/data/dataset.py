@@ -80,7 +80,9 @@ def eval_batches(split: Split, global_batch_size: int, pad_id: int, limit: int =
 
 
 def _fingerprint(samples: dict, data_config: dict, seq_len: int) -> str:
-  h = hashlib.sha256(json.dumps({**data_config, "seq_len": seq_len}, sort_keys=True).encode())
+  """sha256 of the samples and the data config; the path is left out (content decides)."""
+  settings = {k: v for k, v in data_config.items() if k != "path"}
+  h = hashlib.sha256(json.dumps({**settings, "seq_len": seq_len}, sort_keys=True).encode())
   for name in ("inputs", "targets", "loss_mask"):
     h.update(np.ascontiguousarray(samples[name]).tobytes())
   return h.hexdigest()[:16]

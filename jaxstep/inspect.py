@@ -1,0 +1,51 @@
+"""``python -m jaxstep.inspect RUN_DIR``: list checkpoints with step, epoch, loss, size, validity.
+
+The loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+
+from jaxstep.checkpoint import list_checkpoints
+
+
+def table(run_dir: pathlib.Path) -> list[str]:
+  losses = {}
+  metrics = run_dir / "metrics.jsonl"
+  if metrics.exists():
+    for line in metrics.read_text().splitlines():
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short by a kill
+      losses[record["step"]] = record["loss"]
+  rows = [f"{'step':>8} {'epoch':>6} {'loss':>9} {'size MB':>9}  status"]
+  for info in list_checkpoints(run_dir / "checkpoints"):
+    epoch = info.run.get("epoch", "-") if info.run else "-"
+    loss = losses.get(info.step)
+    loss = f"{float(loss):.4f}" if loss is not None else "-"
+    status = "ok" if info.problem is None else f"INVALID: {info.problem}"
+    rows.append(f"{info.step:>8} {epoch!s:>6} {loss:>9} {info.size_bytes / 2**20:>9.3f}  {status}")
+  return rows
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxstep.inspect", description=__doc__)
+  p.add_argument("run_dir")
+  args = p.parse_args(argv)
+  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
+  run_dir = pathlib.Path(args.run_dir)
+  if not (run_dir / "checkpoints").is_dir():
+    print(f"error: {run_dir / 'checkpoints'} does not exist", file=sys.stderr)
+    return 2
+  print("\n".join(table(run_dir)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,164 @@
+"""Where a run starts: fresh, from its own newest checkpoint, or from ``--resume-from``.
+
+Also reconciles the saved ``RunState`` with the current config: the dataset fingerprint
+and the global batch size must match (G defines what a position and an update step mean);
+``grad_accum_steps`` may change while G stays, since the update is the same by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import shutil
+import time
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxstep.checkpoint import Checkpointer, step_dirs
+from jaxstep.errors import CheckpointError
+from jaxstep.state import RunState
+
+log = logging.getLogger("jaxstep")
+RUN_OUTPUTS = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "eval.jsonl", "tensorboard")
+
+
+def convert_legacy(saved: dict) -> dict:
+  """A RunState without ``batch_size_semantics`` counted micro-batches.
+
+  Its ``batch_size`` is the micro-batch, so ``G = batch_size × grad_accum_steps``, and its
+  ``step_in_epoch`` counted micro-steps; the position moves to the next update boundary
+  (the micro-steps of an interrupted accumulation never reached the parameters).
+  """
+  k = int(saved.get("grad_accum_steps", 1))
+  g = int(saved["batch_size"]) * k
+  micro = int(saved.get("step_in_epoch", 0))
+  updates = -(-micro // k)
+  log.warning(
+    "legacy checkpoint (micro-batch semantics): batch_size %s × grad_accum_steps "
+    "%d → global_batch_size %d; %d micro-steps into the epoch → update step %d of "
+    "the epoch",
+    saved["batch_size"],
+    k,
+    g,
+    micro,
+    updates,
+  )
+  return {
+    **{k_: v for k_, v in saved.items() if k_ != "batch_size"},
+    "global_batch_size": g,
+    "grad_accum_steps": k,
+    "step_in_epoch": updates,
+    "sample_cursor": updates * g,
+    "batch_size_semantics": "global",
+  }
+
+
+def reconcile(
+  saved: dict, current: RunState, *, state_step: int, steps_per_epoch: int, allow_data_change: bool
+) -> RunState:
+  """The position to continue from, after checking the saved run fits the current one."""
+  if "batch_size_semantics" not in saved:
+    saved = convert_legacy(saved)
+  if saved["global_batch_size"] != current.global_batch_size:
+    raise CheckpointError(
+      f"the checkpoint was written with train.global_batch_size "
+      f"{saved['global_batch_size']}, the config says {current.global_batch_size}; G must "
+      f"stay the same to resume (set it back, or start a new run_dir)"
+    )
+  if saved.get("dataset_fingerprint") != current.dataset_fingerprint and not allow_data_change:
+    raise CheckpointError(
+      f"the dataset changed since the checkpoint (fingerprint "
+      f"{saved.get('dataset_fingerprint')} → {current.dataset_fingerprint}); set "
+      f"checkpoint.allow_data_change=true to resume on the new data anyway"
+    )
+  if saved.get("grad_accum_steps") != current.grad_accum_steps:
+    log.info(
+      "grad_accum_steps %s → %d with global_batch_size %d unchanged: updates are "
+      "identical by construction",
+      saved.get("grad_accum_steps"),
+      current.grad_accum_steps,
+      current.global_batch_size,
+    )
+  epoch, step_in_epoch = int(saved.get("epoch", 0)), int(saved["step_in_epoch"])
+  if step_in_epoch >= steps_per_epoch:
+    epoch, step_in_epoch = epoch + 1, 0
+  return dataclasses.replace(
+    current,
+    step=state_step,
+    epoch=epoch,
+    step_in_epoch=step_in_epoch,
+    sample_cursor=step_in_epoch * current.global_batch_size if step_in_epoch else 0,
+  )
+
+
+def archive_previous(run_dir: pathlib.Path) -> None:
+  """``--no-resume``: moves an earlier run's outputs into ``run_dir/previous-<time>/``."""
+  present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+  if not present:
+    return
+  dest = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+  dest.mkdir()
+  for name in present:
+    shutil.move(str(run_dir / name), dest / name)
+  log.warning("--no-resume: moved the previous run's %s to %s", ", ".join(present), dest)
+
+
+def _locate(path: str) -> tuple[pathlib.Path, int | None]:
+  """``--resume-from``: a step directory, a checkpoints directory, or a run directory."""
+  p = pathlib.Path(path)
+  if p.name.isdigit() and p.is_dir():
+    return p.parent, int(p.name)
+  if (p / "checkpoints").is_dir():
+    return p / "checkpoints", None
+  if step_dirs(p):
+    return p, None
+  raise CheckpointError(f"--resume-from {path}: no checkpoint there")
+
+
+def start(
+  cfg,
+  run_dir: pathlib.Path,
+  state,
+  run_state: RunState,
+  *,
+  steps_per_epoch: int,
+  resume: bool = True,
+  resume_from: str | None = None,
+):
+  """Opens ``run_dir/checkpoints`` and returns ``(checkpointer, state, run_state)``."""
+  if not resume:
+    archive_previous(run_dir)
+  c = cfg.checkpoint
+  ckpt = Checkpointer(run_dir / "checkpoints", every=c.every, keep=c.keep, async_save=c.async_)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  if resume_from:
+    if ckpt.has_checkpoints():
+      raise CheckpointError(
+        f"{run_dir} already has checkpoints; --resume-from needs a new "
+        f"run_dir (or --no-resume to set them aside)"
+      )
+    directory, step = _locate(resume_from)
+    source = Checkpointer(directory, read_only=True)
+    restored = source.restore(abstract, step)
+    source.close()
+  else:
+    restored = ckpt.restore(abstract) if resume else None
+  if restored is None:
+    return ckpt, state, run_state
+  state, saved, step = restored
+  run_state = reconcile(
+    saved,
+    run_state,
+    state_step=int(state.step),
+    steps_per_epoch=steps_per_epoch,
+    allow_data_change=c.allow_data_change,
+  )
+  log.info(
+    "resumed from the checkpoint of update step %d (epoch %d, step_in_epoch %d)",
+    step,
+    run_state.epoch,
+    run_state.step_in_epoch,
+  )
+  return ckpt, state, run_state

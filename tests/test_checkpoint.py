@@ -1,0 +1,267 @@
+"""Checkpoints: round trip, bitwise resume, corruption fallback, compatibility, legacy."""
+
+import logging
+import shutil
+
+import chex
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import make_cfg, read_lines
+
+from jaxstep import CheckpointError, RunState, run
+from jaxstep.callbacks import Callback
+from jaxstep.checkpoint import Checkpointer, list_checkpoints
+from jaxstep.resume import reconcile
+
+
+def saved_state(run_dir, step=None):
+  """Raw (target-free) restore of a run's state item, newest step by default."""
+  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+  step = step or ckpt.manager.latest_step()
+  state = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  ckpt.close()
+  return state.state
+
+
+def test_round_trip_of_every_state_field(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=2")
+  r, state, rs = run.build(cfg)
+  state, _ = r.step_fn(state, jax.device_put(run.next_batch(r, rs)))
+  state = state.replace(skipped=state.skipped + 3)
+  rs = RunState(
+    step=1,
+    epoch=0,
+    step_in_epoch=1,
+    sample_cursor=32,
+    dataset_fingerprint="f",
+    global_batch_size=32,
+    grad_accum_steps=4,
+    config_digest="d",
+    jaxstep_version="0.1.0",
+  )
+  ckpt = Checkpointer(tmp_path / "ck", every=1, async_save=True)
+  assert ckpt.save(state, rs)
+  ckpt.wait()
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  restored, run_dict, step = ckpt.restore(abstract)
+  ckpt.close()
+  chex.assert_trees_all_equal(restored, state)  # params, opt_state, step, rng, skipped, scale
+  assert type(restored) is type(state) and step == 1 and run_dict == rs.to_json()
+
+
+class StepCounter(Callback):
+  def __init__(self):
+    self.steps = []
+
+  def on_step_end(self, step, metrics, control):
+    self.steps.append(step)
+
+
+class StopAfter(Callback):
+  def __init__(self, step):
+    self.step = step
+
+  def on_step_end(self, step, metrics, control):
+    if step == self.step:
+      control.stop("test stop")
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+  args = ["train.max_steps=12", "train.log_every=1", "checkpoint.every=3", "model.dropout=0.1"]
+  straight = run.train(make_cfg(tmp_path / "a", *args))
+  cfg = make_cfg(tmp_path / "b", *args)
+  first = run.train(cfg, callbacks=[StopAfter(4)])  # metrics are late: stops after step 5
+  assert first.run_state.step == 5
+  counter = StepCounter()
+  resumed = run.train(cfg, callbacks=[counter])
+  assert counter.steps == list(range(6, 13))  # continued from 5, did not start over
+  chex.assert_trees_all_equal(resumed.state.params, straight.state.params)
+  chex.assert_trees_all_equal(resumed.state.opt_state, straight.state.opt_state)
+  a = [(r["step"], r["loss"]) for r in read_lines(tmp_path / "a" / "run" / "metrics.jsonl")]
+  b = [(r["step"], r["loss"]) for r in read_lines(tmp_path / "b" / "run" / "metrics.jsonl")]
+  assert a == b and [s for s, _ in b] == list(range(1, 13))
+
+
+def corrupt(step_dir, how):
+  if how == "truncated":
+    for f in (step_dir / "state").rglob("d/*"):
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  elif how == "no_commit_marker":
+    (step_dir / "_CHECKPOINT_METADATA").unlink()
+  elif how == "garbage_metadata":
+    (step_dir / "state" / "_METADATA").write_text("{not json")
+
+
+@pytest.mark.parametrize("how", ["truncated", "no_commit_marker", "garbage_metadata"])
+def test_corrupt_newest_falls_back_to_previous_loudly(tmp_path, how, caplog):
+  args = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
+  cfg = make_cfg(tmp_path, *args)
+  run.train(cfg)
+  ckpt_dir = tmp_path / "run" / "checkpoints"
+  corrupt(ckpt_dir / "6", how)
+  counter = StepCounter()
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    run.train(make_cfg(tmp_path, "train.max_steps=8", *args[1:]), callbacks=[counter])
+  assert "CHECKPOINT SKIPPED: update step 6" in caplog.text
+  assert counter.steps == [5, 6, 7, 8]  # restored step 4
+  assert list((tmp_path / "run" / "checkpoints.corrupt").iterdir())  # set aside, not deleted
+  assert all(info.problem is None for info in list_checkpoints(ckpt_dir))
+
+
+def test_all_checkpoints_corrupt_is_an_error_not_a_fresh_start(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2")
+  run.train(cfg)
+  ckpt_dir = tmp_path / "run" / "checkpoints"
+  for step_dir in ckpt_dir.iterdir():
+    corrupt(step_dir, "no_commit_marker")
+  with pytest.raises(CheckpointError, match="none restores.*refusing to start again"):
+    run.train(cfg)
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4"]  # nothing moved or lost
+
+
+def test_leftover_tmp_directories_are_cleaned(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=2", "checkpoint.every=1")
+  run.train(cfg)
+  ckpt_dir = tmp_path / "run" / "checkpoints"
+  shutil.copytree(ckpt_dir / "2", ckpt_dir / "3.orbax-checkpoint-tmp-1234")
+  run.train(make_cfg(tmp_path, "train.max_steps=3", "checkpoint.every=1"))
+  assert sorted(p.name for p in ckpt_dir.iterdir()) == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize(
+  "override, match",
+  [
+    ("model.d_model=64", "does not fit the model: parameter .* has shape"),
+    ("train.global_batch_size=16", "global_batch_size 32, the config says 16"),
+  ],
+)
+def test_incompatible_resume_is_a_clear_error(tmp_path, override, match):
+  run.train(make_cfg(tmp_path, "train.max_steps=2"))
+  with pytest.raises(CheckpointError, match=match):
+    run.train(make_cfg(tmp_path, "train.max_steps=4", override))
+
+
+def test_changed_data_needs_the_override(tmp_path):
+  run.train(make_cfg(tmp_path, "train.max_steps=2"))
+  (tmp_path / "corpus.txt").write_text((tmp_path / "corpus.txt").read_text() + "\n\n1 + 1 = 2")
+  with pytest.raises(CheckpointError, match="dataset changed.*allow_data_change=true"):
+    run.train(make_cfg(tmp_path, "train.max_steps=4"))
+  result = run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.allow_data_change=true"))
+  assert result.run_state.step == 4
+
+
+def test_changing_k_with_the_same_g_resumes(tmp_path):
+  run.train(make_cfg(tmp_path, "train.max_steps=2", "train.grad_accum_steps=4"))
+  result = run.train(make_cfg(tmp_path, "train.max_steps=3", "train.grad_accum_steps=2"))
+  assert result.run_state.step == 3
+
+
+def test_legacy_run_state_is_converted_to_global_semantics(caplog):
+  current = RunState(global_batch_size=8, grad_accum_steps=4, dataset_fingerprint="f")
+  legacy = {
+    "epoch": 1,
+    "step_in_epoch": 10,
+    "batch_size": 2,
+    "grad_accum_steps": 4,
+    "dataset_fingerprint": "f",
+  }
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    rs = reconcile(legacy, current, state_step=7, steps_per_epoch=5, allow_data_change=False)
+  assert (rs.step, rs.epoch, rs.step_in_epoch, rs.sample_cursor) == (7, 1, 3, 24)
+  assert rs.batch_size_semantics == "global"
+  assert "global_batch_size 8" in caplog.text
+  with pytest.raises(CheckpointError, match="global_batch_size 12"):
+    reconcile(
+      {**legacy, "batch_size": 3}, current, state_step=7, steps_per_epoch=5, allow_data_change=False
+    )
+
+
+def test_legacy_checkpoint_resumes_at_the_next_update_boundary(tmp_path):
+  cfg = make_cfg(
+    tmp_path, "train.max_steps=4", "train.global_batch_size=8", "train.grad_accum_steps=4"
+  )
+  r, state, rs = run.build(cfg)
+  ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+  legacy = {
+    "epoch": 0,
+    "step_in_epoch": 9,
+    "batch_size": 2,
+    "grad_accum_steps": 4,
+    "dataset_fingerprint": rs.dataset_fingerprint,
+  }
+  state = state.replace(step=state.step + 2)
+  ckpt.manager.save(
+    2, args=ocp.args.Composite(state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(legacy))
+  )
+  ckpt.wait()
+  ckpt.close()
+  result = run.train(cfg)
+  assert result.run_state.step == 4 and result.run_state.step_in_epoch == 3 + 2
+
+
+def test_no_resume_sets_the_old_run_aside(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=2")
+  run.train(cfg)
+  result = run.train(cfg, resume=False)
+  assert result.run_state.step == 2
+  previous = list((tmp_path / "run").glob("previous-*"))
+  assert len(previous) == 1 and (previous[0] / "checkpoints" / "2").is_dir()
+
+
+def test_resume_from_another_runs_checkpoint(tmp_path):
+  run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  cfg = make_cfg(tmp_path, "train.max_steps=6", "run_dir=" + str(tmp_path / "other"))
+  result = run.train(cfg, resume_from=str(tmp_path / "run" / "checkpoints" / "2"))
+  assert result.run_state.step == 6
+  assert [r["step"] for r in read_lines(tmp_path / "other" / "metrics.jsonl")][0] > 2
+
+
+def test_list_checkpoints_reports_validity(tmp_path):
+  run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  ckpt_dir = tmp_path / "run" / "checkpoints"
+  corrupt(ckpt_dir / "4", "no_commit_marker")
+  infos = {i.step: i for i in list_checkpoints(ckpt_dir)}
+  assert infos[2].problem is None and infos[2].run["step"] == 2 and infos[2].size_bytes > 0
+  assert "commit marker" in infos[4].problem
+
+
+def test_saved_state_matches_live_state(tmp_path):
+  result = run.train(make_cfg(tmp_path, "train.max_steps=3"))
+  saved = saved_state(tmp_path / "run")
+  np.testing.assert_array_equal(saved["step"], 3)
+  for a, b in zip(
+    jax.tree.leaves(saved["params"]), jax.tree.leaves(result.state.params), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("save_devices, restore_devices", [(8, 1), (1, 8)])
+def test_restore_across_device_layouts(tmp_path, save_devices, restore_devices):
+  import os
+  import pathlib
+  import subprocess
+  import sys
+
+  script = pathlib.Path(__file__).parent / "helpers" / "reshard.py"
+
+  def call(mode, devices):
+    env = {
+      **os.environ,
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+    proc = subprocess.run(
+      [sys.executable, str(script), mode, str(tmp_path / "ck")],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+  call("save", save_devices)
+  out = call("restore", restore_devices)
+  assert f"restored on {restore_devices} devices; w sharded over {restore_devices}" in out
