@@ -103,6 +103,17 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Devices and processes. The batch is split over data × fsdp; params over fsdp."""
+
+  data: int = -1  # data-parallel size (-1 = all devices not used by fsdp)
+  fsdp: int = 1  # parameter-sharding size (-1 = all devices not used by data)
+  coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
+  num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
+  process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
 
@@ -111,6 +122,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   optim: OptimConfig = OptimConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
 
   def __post_init__(self):

@@ -118,3 +118,15 @@ class MetricsSink:
   def close(self) -> None:
     self.bar.close()
     self.tb.close()
+
+
+class NullSink:
+  """What processes other than 0 write: nothing (process 0 speaks for the job)."""
+
+  def advance(self, record: dict) -> None:
+    pass
+
+  train = eval = advance
+
+  def close(self) -> None:
+    pass

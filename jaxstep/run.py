@@ -19,15 +19,17 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxstep
 from jaxstep import config as config_lib
-from jaxstep import data, models
+from jaxstep import data, models, sharding
 from jaxstep import resume as resume_lib
 from jaxstep.callbacks import Callback, EarlyStopping, TrainerControl
+from jaxstep.checkpoint import Checkpointer
 from jaxstep.errors import EmptyBatchError, Interrupted, NonFiniteError
 from jaxstep.losses import masked_nll, next_token_loss
-from jaxstep.metrics import MetricsSink
+from jaxstep.metrics import MetricsSink, NullSink
 from jaxstep.optim import make_optimizer
 from jaxstep.perf import mfu, peak_flops_per_device
 from jaxstep.signals import stop_on_signals
@@ -45,6 +47,8 @@ class Run:
   dataset: data.Dataset
   step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
   eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens)
+  mesh: Mesh
+  batch_sharding: NamedSharding  # samples over every device
   total_steps: int  # update steps this run will take in all (max_steps / epochs)
   steps_per_epoch: int
   flops_per_token: float
@@ -71,8 +75,14 @@ def config_digest(cfg: config_lib.Config) -> str:
 
 
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
-  """Loads data (all data errors surface here), builds model, optimizer and jitted steps."""
+  """Loads data (all data errors surface here), lays out the mesh, builds the jitted steps.
+
+  With more than one device, the state is sharded by ``jaxstep.sharding`` rules and the step
+  accumulates device-locally under ``shard_map`` (one gradient reduction per update).
+  """
   t = cfg.train
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+  sharding.check_batch_divisible(t.global_batch_size, t.grad_accum_steps, mesh)
   dataset = data.load_dataset(cfg.data, t.seq_len, cfg.model.vocab_size)
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   total = total_update_steps(t, spe)
@@ -84,6 +94,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     grad_accum_steps=t.grad_accum_steps,
     precision=t.precision,
     nonfinite=t.nonfinite,
+    mesh=mesh if mesh.devices.size > 1 else None,
   )
 
   def eval_step(params, batch):
@@ -91,17 +102,27 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
     return nll_sum, jnp.sum(batch["loss_mask"])
 
+  state = TrainState.create(
+    params=params, optimizer=optimizer, rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1)
+  )
+  state_sh = sharding.tree_shardings(state, mesh)
+  state = jax.device_put(state, state_sh)
+  batch_sh, replicated = sharding.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
   run = Run(
     cfg=cfg,
     dataset=dataset,
-    step_fn=jax.jit(step, donate_argnums=0),
-    eval_fn=jax.jit(eval_step),
+    step_fn=jax.jit(
+      step,
+      in_shardings=(state_sh, batch_sh),
+      out_shardings=(state_sh, replicated),
+      donate_argnums=0,
+    ),
+    eval_fn=jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
+    mesh=mesh,
+    batch_sharding=batch_sh,
     total_steps=total,
     steps_per_epoch=spe,
     flops_per_token=cfg.model.flops_per_token(t.seq_len),
-  )
-  state = TrainState.create(
-    params=params, optimizer=optimizer, rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1)
   )
   run_state = RunState(
     dataset_fingerprint=dataset.fingerprint,
@@ -132,7 +153,7 @@ def evaluate(run: Run, params) -> dict:
   """Token-weighted eval loss over the eval split: ``Σ NLL / Σ tokens`` and its exp."""
   t, ds = run.cfg.train, run.dataset
   sums = [
-    run.eval_fn(params, b)
+    run.eval_fn(params, sharding.put_batch(b, run.batch_sharding))
     for b in data.eval_batches(ds.eval, t.global_batch_size, ds.pad_id, t.eval_batches)
   ]
   nll, tokens = (float(sum(jax.device_get(x))) for x in zip(*sums, strict=True))
@@ -198,7 +219,8 @@ class LateMetrics:
 def prepare_run_dir(cfg: config_lib.Config) -> pathlib.Path:
   run_dir = pathlib.Path(cfg.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
+  if jax.process_index() == 0:
+    (run_dir / "config.yaml").write_text(config_lib.dump(cfg))
   return run_dir
 
 
@@ -217,7 +239,6 @@ def train(
   ``Interrupted``.
   """
   run, state, rs = build(cfg)
-  t = cfg.train
   run_dir = prepare_run_dir(cfg)
   ckpt, state, rs = resume_lib.start(
     cfg,
@@ -228,6 +249,20 @@ def train(
     resume_from=resume_from,
     steps_per_epoch=run.steps_per_epoch,
   )
+  return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+
+
+def loop(
+  run: Run,
+  state: TrainState,
+  rs: RunState,
+  *,
+  ckpt: Checkpointer,
+  run_dir: pathlib.Path,
+  callbacks: Sequence[Callback] = (),
+) -> TrainResult:
+  """The update-step loop from position ``rs`` to ``run.total_steps`` (or a stop)."""
+  t = run.cfg.train
   log.info(
     "%d training samples (%d update steps per epoch), %d parameters; update steps "
     "%d → %d of %d samples in %d micro-steps",
@@ -239,7 +274,11 @@ def train(
     t.global_batch_size,
     t.grad_accum_steps,
   )
-  sink = MetricsSink(run_dir, start_step=rs.step, total_steps=run.total_steps, progress=t.progress)
+  sink = (
+    MetricsSink(run_dir, start_step=rs.step, total_steps=run.total_steps, progress=t.progress)
+    if jax.process_index() == 0
+    else NullSink()
+  )
   if t.early_stopping_patience:
     callbacks = [*callbacks, EarlyStopping(t.early_stopping_patience)]
   control = TrainerControl()
@@ -249,7 +288,7 @@ def train(
     with stop_on_signals() as stop:
       while rs.step < run.total_steps and not control.should_stop and not stop.signum:
         batch = next_batch(run, rs)
-        state, metrics = run.step_fn(state, jax.device_put(batch))
+        state, metrics = run.step_fn(state, sharding.put_batch(batch, run.batch_sharding))
         epoch = rs.epoch
         rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
         late.submit(rs.step, epoch, metrics)

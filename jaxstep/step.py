@@ -18,8 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxstep.errors import BatchError
+from jaxstep.layout import AXES, tree_specs
 from jaxstep.state import TrainState
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
@@ -119,21 +122,35 @@ def micro_gradients(
   return optax.tree.cast(grads, jnp.float32), out
 
 
-def accumulate(loss_fn: LossFn, params, micro_batches, units, step_rng, *, compute_dtype=None):
+def accumulate(
+  loss_fn: LossFn,
+  params,
+  micro_batches,
+  units,
+  step_rng,
+  *,
+  compute_dtype=None,
+  extra_terms: int | None = None,
+  unroll: int = 1,
+):
   """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
 
   Args:
     micro_batches: leaves ``[K, G/K, ...]`` (see ``split_micro_batches``).
     units: global N as float32, clamped to ≥ 1 (a zero-unit batch is skipped later).
     step_rng: this update's key; micro-step k uses ``fold_in(step_rng, k)``.
+    extra_terms: how many ``extra_loss`` values are averaged: K, or K × devices when each
+      device computes its own (default K).
+    unroll: ``lax.scan`` unroll factor (a speed knob; the result is the same).
 
   Returns:
     ``(grads, loss, extra_loss, aux)``: ``grads = Σ_k grad(loss_sum_k / N + extra_k / K)``,
     ``loss = Σ_k loss_sum_k / N``, ``extra_loss = Σ_k extra_k / K`` and aux summed over k.
   """
   k_steps = jax.tree.leaves(micro_batches)[0].shape[0]
+  extra_terms = extra_terms or k_steps
   grad_fn = lambda mb, rng: micro_gradients(  # noqa: E731
-    loss_fn, params, mb, units, rng, grad_accum_steps=k_steps, compute_dtype=compute_dtype
+    loss_fn, params, mb, units, rng, grad_accum_steps=extra_terms, compute_dtype=compute_dtype
   )
   first = jax.tree.map(lambda x: x[0], micro_batches)
   _, (_, _, aux_shape) = jax.eval_shape(grad_fn, first, step_rng)
@@ -146,7 +163,7 @@ def accumulate(loss_fn: LossFn, params, micro_batches, units, step_rng, *, compu
     return (
       optax.tree.add(grads_acc, grads),
       loss_acc + loss_sum / units,
-      extra_acc + extra / k_steps,
+      extra_acc + extra / extra_terms,
       jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux),
     ), None
 
@@ -156,8 +173,82 @@ def accumulate(loss_fn: LossFn, params, micro_batches, units, step_rng, *, compu
     jnp.zeros((), jnp.float32),
     zero_aux,
   )
-  (grads, loss, extra, aux), _ = jax.lax.scan(body, init, (jnp.arange(k_steps), micro_batches))
+  (grads, loss, extra, aux), _ = jax.lax.scan(
+    body, init, (jnp.arange(k_steps), micro_batches), unroll=unroll
+  )
   return grads, loss, extra, aux
+
+
+def sharded_accumulate(
+  loss_fn: LossFn,
+  params,
+  batch,
+  units,
+  step_rng,
+  *,
+  grad_accum_steps: int,
+  mesh: Mesh,
+  param_specs,
+  compute_dtype=None,
+  unroll: int = 1,
+):
+  """``accumulate`` with device-local accumulators and ONE reduction per update step.
+
+  Under ``jax.shard_map`` over ``("data", "fsdp")`` each device: all-gathers its fsdp-sharded
+  parameters once, splits ITS rows of the global batch into K micro-batches (the same
+  micro-batch membership as the unsharded split when ``K`` divides the per-device rows),
+  scans them into a local fp32 accumulator, and only after the scan reduces: ``psum`` over
+  ``data`` then ``psum_scatter`` over ``fsdp`` (or ``psum`` over both for replicated
+  leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside every micro-step.
+
+  Args:
+    batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
+    units: global N (float32, ≥ 1), computed on the global batch outside.
+    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.sharding``).
+  """
+  devices = mesh.devices.size
+
+  def local(params, batch, units, step_rng):
+    full = jax.tree.map(_gather, params, param_specs)
+    grads, loss, extra, aux = accumulate(
+      loss_fn,
+      full,
+      split_micro_batches(batch, grad_accum_steps),
+      units,
+      step_rng,
+      compute_dtype=compute_dtype,
+      extra_terms=grad_accum_steps * devices,
+      unroll=unroll,
+    )
+    grads = jax.tree.map(_reduce, grads, param_specs)
+    return grads, *jax.lax.psum((loss, extra, aux), AXES)
+
+  specs = (param_specs, P(AXES), P(), P())
+  # check_vma=False: the scan's zero-initialized carries are device-invariant while the
+  # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=specs,
+    out_specs=(param_specs, P(), P(), P()),
+    check_vma=False,
+  )(params, batch, units, step_rng)
+
+
+def _fsdp_dim(spec: P) -> int | None:
+  return next((d for d, name in enumerate(spec) if name == "fsdp"), None)
+
+
+def _gather(x, spec: P):
+  dim = _fsdp_dim(spec)
+  return x if dim is None else jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+
+
+def _reduce(g, spec: P):
+  dim = _fsdp_dim(spec)
+  if dim is None:
+    return jax.lax.psum(g, AXES)
+  return jax.lax.psum_scatter(jax.lax.psum(g, "data"), "fsdp", scatter_dimension=dim, tiled=True)
 
 
 def current_lr(opt_state) -> jax.Array:
@@ -200,6 +291,8 @@ def make_train_step(
   units_fn: UnitsFn | None = None,
   precision: str | None = None,
   nonfinite: str = "skip",
+  mesh: Mesh | None = None,
+  scan_unroll: int = 1,
 ) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
   """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch.
 
@@ -216,6 +309,10 @@ def make_train_step(
       accumulator).
     nonfinite: ``"skip"`` or ``"halt"``. The step itself always skips a bad update (a
       jitted program cannot raise); ``"halt"`` is acted on by the driver.
+    mesh: a ``("data", "fsdp")`` mesh: accumulate device-locally under ``shard_map`` and
+      reduce once per update (see ``sharded_accumulate``). Params must then be laid out by
+      ``jaxstep.sharding`` rules and the batch sharded over both axes.
+    scan_unroll: unroll factor of the micro-step scan (speed only).
 
   Returns:
     A pure function; jit it yourself (with shardings and ``donate_argnums=0`` if wanted).
@@ -235,19 +332,37 @@ def make_train_step(
   units_fn = units_fn or default_units_fn
   compute_dtype = PRECISIONS[precision]
 
+  def param_specs(params):
+    return tree_specs(params, mesh)
+
   def train_step(state: TrainState, batch):
     global_batch_size(batch, grad_accum_steps)  # trace-time checks, before the model runs
     units = units_fn(batch)  # global N: under jit with sharded inputs this is the global sum
     safe_units = jnp.maximum(units.astype(jnp.float32), 1.0)
     step_rng = jax.random.fold_in(state.rng, state.step)
-    grads, loss, extra, aux = accumulate(
-      loss_fn,
-      state.params,
-      split_micro_batches(batch, grad_accum_steps),
-      safe_units,
-      step_rng,
-      compute_dtype=compute_dtype,
-    )
+    if mesh is None:
+      grads, loss, extra, aux = accumulate(
+        loss_fn,
+        state.params,
+        split_micro_batches(batch, grad_accum_steps),
+        safe_units,
+        step_rng,
+        compute_dtype=compute_dtype,
+        unroll=scan_unroll,
+      )
+    else:
+      grads, loss, extra, aux = sharded_accumulate(
+        loss_fn,
+        state.params,
+        batch,
+        safe_units,
+        step_rng,
+        grad_accum_steps=grad_accum_steps,
+        mesh=mesh,
+        param_specs=param_specs(state.params),
+        compute_dtype=compute_dtype,
+        unroll=scan_unroll,
+      )
     grad_norm = optax.tree.norm(grads)
     ok = (units > 0) & jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
     new_state = apply_update(optimizer, state, grads, ok)

@@ -55,8 +55,10 @@ def main(argv=None) -> int:
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   try:
     cfg = config_lib.load(args.config, args.overrides)
-    from jaxstep import run  # heavy imports only after the config is known to be valid
+    from jaxstep import run, sharding  # heavy imports only after the config is valid
 
+    m = cfg.mesh
+    sharding.initialize_distributed(m.coordinator, m.num_processes, m.process_id)
     result = run.train(cfg, resume=not args.no_resume, resume_from=args.resume_from)
   except Interrupted as e:
     print(f"error: {e}", file=sys.stderr)

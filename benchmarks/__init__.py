@@ -1,0 +1,1 @@
+"""Speed and memory measurements (never asserted in tests). ``python -m benchmarks.run``."""

@@ -1,0 +1,107 @@
+"""Interleaved, paired measurements across long-lived worker processes.
+
+These machines are noisy (the same matmul varies 2× within minutes), so a comparison is
+only meaningful as a *ratio within one round*: every contender runs in its own process,
+compiles and warms up first, then each round times every contender once in a fresh random
+order. We report the median and interquartile range of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import random
+import subprocess
+import sys
+
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+class Worker:
+  """``python -m benchmarks.worker SPEC``: prints ``ready JSON``, then one JSON per ``run``."""
+
+  def __init__(self, spec: dict, env: dict | None = None):
+    self.spec = spec
+    self.proc = subprocess.Popen(
+      [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env={**os.environ, **(env or {})},
+      cwd=pathlib.Path(__file__).resolve().parent.parent,
+    )
+    self.info = self._read("ready")
+
+  def _read(self, tag: str) -> dict:
+    for line in self.proc.stdout:
+      if line.startswith(tag + " "):
+        return json.loads(line[len(tag) + 1 :])
+    raise RuntimeError(f"worker {self.spec} exited with {self.proc.wait()}")
+
+  def run(self) -> dict:
+    self.proc.stdin.write("run\n")
+    self.proc.stdin.flush()
+    return self._read("result")
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.stdin.close()
+      self.proc.wait(timeout=60)
+
+
+def interleaved(workers: dict[str, Worker], rounds: int, seed: int = 0) -> dict[str, list]:
+  """``rounds`` rounds; in each, every worker runs once, in a fresh random order."""
+  rng = random.Random(seed)
+  results = {name: [] for name in workers}
+  for _ in range(rounds):
+    order = list(workers)
+    rng.shuffle(order)
+    for name in order:
+      results[name].append(workers[name].run())
+  return results
+
+
+def ratio_stats(numerators, denominators) -> dict:
+  """Median and IQR of per-round ratios ``numerator_i / denominator_i``."""
+  r = np.asarray(numerators, float) / np.asarray(denominators, float)
+  q1, med, q3 = np.percentile(r, [25, 50, 75])
+  return {"median": float(med), "q1": float(q1), "q3": float(q3), "rounds": len(r)}
+
+
+def environment() -> dict:
+  """Versions, flags and devices that a result depends on."""
+  import jax
+  import jaxlib
+
+  try:
+    import torch
+
+    torch_version = torch.__version__
+  except ImportError:
+    torch_version = None
+  return {
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "torch": torch_version,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "device_kind": jax.devices()[0].device_kind,
+    "device_count": jax.device_count(),
+    "cpu_count": os.cpu_count(),
+    "machine": platform.machine(),
+  }
+
+
+def write(name: str, payload: dict) -> pathlib.Path:
+  RESULTS.mkdir(exist_ok=True)
+  path = RESULTS / f"{name}.json"
+  path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+  return path
+
+
+def fmt(stats: dict) -> str:
+  return f"{stats['median']:.3f} ({stats['q1']:.3f}–{stats['q3']:.3f})"

@@ -1,0 +1,123 @@
+"""The run loop itself: host-side overhead per update step, and checkpoint stalls.
+
+* host overhead = step time with the device step replaced by a jitted no-op ÷ real step time
+  (batch assembly, host checks, device_put, dispatch, metric read-back, logging).
+* checkpoint stall = extra loop time per save ÷ one step time, async and sync saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from jaxstep import config as config_lib
+from jaxstep import run as run_lib
+from jaxstep.callbacks import Callback
+from jaxstep.checkpoint import Checkpointer
+from jaxstep.state import RunState
+
+
+class StepTimes(Callback):
+  def __init__(self):
+    self.values = []
+
+  def on_step_end(self, step, metrics, control):
+    self.values.append(metrics["step_time"])
+
+
+def noop_step(state, batch):
+  """Same inputs and outputs as the train step, no work: what is left is host overhead."""
+  zero = jnp.zeros((), jnp.float32)
+  tokens = jnp.sum(batch["loss_mask"])
+  return state, {
+    "loss": zero + 1,
+    "tokens": tokens,
+    "grad_norm": zero,
+    "lr": zero,
+    "updated": tokens > 0,
+    "extra_loss": zero,
+    "correct": zero,
+  }
+
+
+def _build(spec: dict, tmp: pathlib.Path):
+  overrides = [
+    *spec.get("overrides", []),
+    "train.progress=false",
+    "data.eval_fraction=0",
+    "train.eval_every=0",
+    f"run_dir={tmp / 'run'}",
+    f"train.max_steps={spec['steps']}",
+  ]
+  cfg = config_lib.load(spec.get("config", "tiny"), overrides)
+  run, state, rs = run_lib.build(cfg)
+  if spec.get("noop"):
+    run = dataclasses.replace(run, step_fn=jax.jit(noop_step, donate_argnums=0))
+  (tmp / "run").mkdir()
+  return cfg, run, state, rs
+
+
+def _bytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _save_restore_rates(state, tmp: pathlib.Path) -> dict:
+  """MB/s of a synchronous save and a restore of the whole TrainState (MB = 2^20 bytes)."""
+  ckpt = Checkpointer(tmp / "rate", async_save=False, keep=1)
+  t = time.perf_counter()
+  ckpt.save(state, RunState(step=1), force=True)
+  ckpt.wait()
+  save_s = time.perf_counter() - t
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  t = time.perf_counter()
+  restored, _, _ = ckpt.restore(abstract)
+  jax.block_until_ready(restored)
+  restore_s = time.perf_counter() - t
+  ckpt.close()
+  mb = _bytes(state) / 2**20
+  return {"state_mb": mb, "save_mb_per_s": mb / save_s, "restore_mb_per_s": mb / restore_s}
+
+
+def loop_contender(spec: dict):
+  """Runs ``spec['steps']`` update steps of the real loop per ``run``.
+
+  spec: ``config``, ``overrides``, ``steps``, ``noop`` (jitted no-op step), ``save_every``
+  (0 = no saves), ``async_save``.
+  """
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-bench-"))
+  cfg, run, state0, rs0 = _build(spec, tmp)
+  counter = itertools.count()
+
+  def run_once() -> dict:
+    state = jax.tree.map(jnp.copy, state0)  # the loop donates its state
+    ck_dir = tmp / f"ck{next(counter)}"
+    ckpt = Checkpointer(
+      ck_dir, every=spec.get("save_every", 0), async_save=spec.get("async_save", True)
+    )
+    times = StepTimes()
+    run_lib.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
+    shutil.rmtree(ck_dir)
+    steady = times.values[1:]  # the first includes compilation
+    return {
+      "median_step": statistics.median(steady),
+      "total": sum(steady),
+      "saves": spec["steps"] // spec["save_every"] if spec.get("save_every") else 0,
+    }
+
+  run_once()  # compile + warm up
+  info = {"tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len}
+  if spec.get("rates"):
+    info.update(_save_restore_rates(state0, tmp))
+  return info, run_once
+
+
+CONTENDERS = {"loop": loop_contender}

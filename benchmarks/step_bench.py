@@ -1,0 +1,3 @@
+"""Step contenders (issue 7): filled in by the step benchmark."""
+
+CONTENDERS = {}

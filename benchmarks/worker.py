@@ -1,0 +1,31 @@
+"""A benchmark contender in its own process: ``python -m benchmarks.worker SPEC_JSON``.
+
+Prints ``ready {info}`` once built and warmed up, then ``result {…}`` for every ``run`` line
+on stdin. ``SPEC["kind"]`` names a factory in ``CONTENDERS``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+def contenders():
+  from benchmarks import loop_bench, step_bench
+
+  return {**loop_bench.CONTENDERS, **step_bench.CONTENDERS}
+
+
+def main() -> None:
+  logging.basicConfig(level=logging.ERROR)
+  spec = json.loads(sys.argv[1])
+  info, run_once = contenders()[spec["kind"]](spec)
+  print("ready " + json.dumps(info), flush=True)
+  for line in sys.stdin:
+    if line.strip() == "run":
+      print("result " + json.dumps(run_once()), flush=True)
+
+
+if __name__ == "__main__":
+  main()
