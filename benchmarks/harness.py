@@ -96,9 +96,9 @@ def environment() -> dict:
   }
 
 
-def write(name: str, payload: dict) -> pathlib.Path:
-  RESULTS.mkdir(exist_ok=True)
-  path = RESULTS / f"{name}.json"
+def write(name: str, payload: dict, out_dir: pathlib.Path = RESULTS) -> pathlib.Path:
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / f"{name}.json"
   path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
   return path
 

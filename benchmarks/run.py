@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import time
 
 from benchmarks.harness import RESULTS, Worker, environment, fmt, interleaved, ratio_stats, write
@@ -82,45 +83,110 @@ def suite_checkpoint(quick: bool) -> dict:
   return out
 
 
-SUITES = {"host_overhead": suite_host_overhead, "checkpoint": suite_checkpoint}
-
-
-def markdown(results: dict, env: dict, quick: bool) -> str:
-  lines = [
-    f"Measured {time.strftime('%Y-%m-%d')} with `python -m benchmarks.run"
-    f"{' --quick' if quick else ''}` on {env['cpu_count']} CPU cores "
-    f"({env['device_kind']} ×{env['device_count']}), jax {env['jax']}. Ratios are "
-    f"medians of per-round ratios (IQR in brackets).",
-    "",
-    "| measurement | result | target |",
-    "|---|---|---|",
+def suite_fsdp_memory(quick: bool) -> dict:
+  """Per-device params + optimizer state bytes for fsdp = 1, 2, 4, 8 on 8 CPU devices."""
+  model = (
+    {"d_model": 64, "n_heads": 4, "max_seq_len": 32}
+    if quick
+    else {"d_model": 256, "n_layers": 4, "n_heads": 8, "max_seq_len": 128}
+  )
+  w = Worker(
+    {"kind": "fsdp_memory", "model": model},
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  w.close()
+  rows = w.info["rows"]
+  table = [
+    (
+      f"params + optimizer state per device, fsdp={r['fsdp']} ({w.info['num_params']:,} params)",
+      f"{r['state_bytes_per_device'] / 2**20:.2f} MiB "
+      f"(×{r['state_ratio_vs_fsdp1']:.3f}; compiled args "
+      f"{r['argument_bytes'] / 2**20:.2f} MiB)",
+      f"≈ {1 / r['fsdp']:.3f}",
+    )
+    for r in rows
   ]
-  for suite in results.values():
+  return {
+    "model": model,
+    **w.info,
+    "rows": table,
+    "fsdp_rows": rows,
+    "summary": {f"fsdp{r['fsdp']}_state_ratio": r["state_ratio_vs_fsdp1"] for r in rows},
+  }
+
+
+SUITES = {
+  "host_overhead": suite_host_overhead,
+  "checkpoint": suite_checkpoint,
+  "fsdp_memory": suite_fsdp_memory,
+}
+
+
+def markdown(out_dir: pathlib.Path) -> str:
+  """One table from every suite's JSON in ``out_dir`` (suites can be re-run one at a time)."""
+  suites = [
+    json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json")) if p.stem not in ("summary",)
+  ]
+  if not suites:
+    return ""
+  env = suites[0]["environment"]
+  lines = [
+    f"`python -m benchmarks.run{' --quick' if suites[0]['quick'] else ''}` on "
+    f"{env['cpu_count']} CPU cores, jax {env['jax']}, {env['device_kind']}. Ratios are "
+    f"medians of per-round ratios (IQR in brackets); each suite's JSON in "
+    f"`benchmarks/results/` has the raw rounds, versions, flags and config.",
+    "",
+    "| measurement | result | target | measured |",
+    "|---|---|---|---|",
+  ]
+  for suite in suites:
     for name, value, target in suite["rows"]:
-      lines.append(f"| {name} | {value} | {target} |")
+      lines.append(f"| {name} | {value} | {target} | {suite['date']} |")
   return "\n".join(lines) + "\n"
+
+
+def embed_in_readme(table: str) -> None:
+  """Replaces the README block between the benchmark markers with ``table``."""
+  readme = RESULTS.parent.parent / "README.md"
+  text = readme.read_text()
+  start, end = "<!-- benchmarks:start -->\n", "<!-- benchmarks:end -->"
+  if start in text and end in text:
+    head, rest = text.split(start, 1)
+    readme.write_text(head + start + table + end + rest.split(end, 1)[1])
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-  p.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (CI smoke)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny sizes, few rounds (CI smoke); writes results/quick/, not the README",
+  )
   p.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
+  p.add_argument("--out", type=pathlib.Path, help="output folder (default: results[/quick])")
   args = p.parse_args(argv)
+  out_dir = args.out or (RESULTS / "quick" if args.quick else RESULTS)
   env = environment()
-  results = {}
+  summary_path = out_dir / "summary.json"
+  summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
   for name in args.only or SUITES:
     t = time.perf_counter()
-    results[name] = SUITES[name](args.quick)
-    results[name].update(environment=env, quick=args.quick, seconds=time.perf_counter() - t)
-    write(name, results[name])
-    print(f"{name}: {json.dumps(results[name]['summary'])}", flush=True)
-  summary_path = RESULTS / "summary.json"
-  summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-  for r in results.values():
-    summary.update(r["summary"])
-  write("summary", summary)
-  (RESULTS / "results.md").write_text(markdown(results, env, args.quick))
-  print((RESULTS / "results.md").read_text())
+    result = SUITES[name](args.quick)
+    result.update(
+      environment=env,
+      quick=args.quick,
+      date=time.strftime("%Y-%m-%d"),
+      seconds=time.perf_counter() - t,
+    )
+    write(name, result, out_dir)
+    summary.update(result["summary"])
+    print(f"{name}: {json.dumps(result['summary'])}", flush=True)
+  write("summary", summary, out_dir)
+  table = markdown(out_dir)
+  (out_dir / "results.md").write_text(table)
+  if out_dir == RESULTS:
+    embed_in_readme(table)
+  print(table)
   return 0
 
 

@@ -12,9 +12,9 @@ import sys
 
 
 def contenders():
-  from benchmarks import loop_bench, step_bench
+  from benchmarks import loop_bench, memory_bench, step_bench
 
-  return {**loop_bench.CONTENDERS, **step_bench.CONTENDERS}
+  return {**loop_bench.CONTENDERS, **memory_bench.CONTENDERS, **step_bench.CONTENDERS}
 
 
 def main() -> None:

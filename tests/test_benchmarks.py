@@ -1,0 +1,33 @@
+"""The benchmark scripts run (tiny sizes) and emit valid JSON with every summary key."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SUMMARY_KEYS = {
+  "host_overhead_over_step",
+  "ckpt_stall_over_step",
+  "ckpt_save_mb_per_s",
+  "ckpt_restore_mb_per_s",
+  "fsdp8_state_ratio",
+}
+
+
+@pytest.mark.slow
+def test_quick_benchmarks_write_results(tmp_path):
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert SUMMARY_KEYS <= set(summary)
+  assert all(isinstance(v, float) and v > 0 for v in summary.values())
+  for name in ("host_overhead", "checkpoint", "fsdp_memory"):
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["environment"]["jax"] and result["rows"]
+  assert "| measurement |" in (tmp_path / "results.md").read_text()
