@@ -86,11 +86,12 @@ def adamw_leaf_errors(params, ref):
   (softmax ignores a per-row shift of the scores), so its float gradient is pure rounding
   noise, and Adam scales noise up to full ±lr steps in a different direction per layout."""
   d = CFG.d_model
-  keep = lambda path, x: (
-    np.delete(np.asarray(x), np.s_[d : 2 * d])  # noqa: E731
-    if "qkv" in jax.tree_util.keystr(path) and np.ndim(x) == 1
-    else x
-  )
+
+  def keep(path, x):
+    if "qkv" in jax.tree_util.keystr(path) and np.ndim(x) == 1:
+      return np.delete(np.asarray(x), np.s_[d : 2 * d])
+    return x
+
   a = jax.tree_util.tree_map_with_path(keep, params)
   b = jax.tree_util.tree_map_with_path(keep, ref)
   return max(rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
