@@ -55,8 +55,13 @@ class TrainConfig:
   max_steps: int = 1000  # stop after this many update steps (0 = no limit)
   epochs: int = 0  # stop after this many passes over the data (0 = no limit)
   seed: int = 0  # params init, data order, dropout
-  precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 params and accumulator)
+  precision: str = "fp32"  # fp32 | bf16 | fp16 (low-precision compute, fp32 params + grads)
+  loss_scale_init: float = 32768.0  # fp16: starting dynamic loss scale
+  loss_scale_growth_interval: int = 2000  # fp16: finite updates before the scale doubles
+  loss_scale_min: float = 1.0  # fp16: the scale never halves below this
+  loss_scale_max: float = 16777216.0  # fp16: the scale never doubles above this (2^24)
   nonfinite: str = "skip"  # skip | halt: what to do when an update is non-finite
+  debug_nan_step: int = 0  # fault injection: make this update step's loss NaN (0 = off)
   log_every: int = 10  # write a metrics line every this many update steps
   eval_every: int = 100  # evaluate every this many update steps (0 = only at the end)
   eval_batches: int = 0  # eval global batches per evaluation (0 = the whole eval split)
@@ -68,7 +73,14 @@ class TrainConfig:
     for name in ("global_batch_size", "grad_accum_steps", "seq_len", "log_every"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
-    for name in ("max_steps", "epochs", "eval_every", "eval_batches", "early_stopping_patience"):
+    for name in (
+      "max_steps",
+      "epochs",
+      "eval_every",
+      "eval_batches",
+      "debug_nan_step",
+      "early_stopping_patience",
+    ):
       if getattr(self, name) < 0:
         raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
     if self.global_batch_size % self.grad_accum_steps:
@@ -78,8 +90,12 @@ class TrainConfig:
       )
     if self.max_steps == 0 and self.epochs == 0:
       raise ConfigError("set train.max_steps or train.epochs (both are 0: the run never ends)")
-    if self.precision not in ("fp32", "bf16"):
-      raise ConfigError(f"train.precision must be fp32 or bf16, got {self.precision!r}")
+    if self.precision not in ("fp32", "bf16", "fp16"):
+      raise ConfigError(f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+    if not 0 < self.loss_scale_min <= self.loss_scale_init <= self.loss_scale_max:
+      raise ConfigError("need 0 < train.loss_scale_min <= loss_scale_init <= loss_scale_max")
+    if self.loss_scale_growth_interval <= 0:
+      raise ConfigError("train.loss_scale_growth_interval must be > 0")
     if self.nonfinite not in ("skip", "halt"):
       raise ConfigError(f"train.nonfinite must be skip or halt, got {self.nonfinite!r}")
 

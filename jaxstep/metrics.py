@@ -12,6 +12,7 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
 
@@ -115,6 +116,15 @@ class MetricsSink:
     else:
       self.bar.write(message)
 
+  def bad_batch(self, step: int, batch: dict, position: dict) -> pathlib.Path:
+    """Saves a global batch whose update was non-finite: ``bad_batches/step_N.npz``."""
+    folder = self.run_dir / "bad_batches"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"step_{step:08d}.npz"
+    np.savez(path, **batch)
+    path.with_suffix(".json").write_text(json.dumps({"step": step, **position}) + "\n")
+    return path
+
   def close(self) -> None:
     self.bar.close()
     self.tb.close()
@@ -127,6 +137,9 @@ class NullSink:
     pass
 
   train = eval = advance
+
+  def bad_batch(self, step: int, batch: dict, position: dict) -> None:
+    return None
 
   def close(self) -> None:
     pass

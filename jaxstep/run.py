@@ -28,6 +28,7 @@ from jaxstep import resume as resume_lib
 from jaxstep.callbacks import Callback, EarlyStopping, TrainerControl
 from jaxstep.checkpoint import Checkpointer
 from jaxstep.errors import EmptyBatchError, Interrupted, NonFiniteError
+from jaxstep.loss_scale import DynamicLossScale
 from jaxstep.losses import masked_nll, next_token_loss
 from jaxstep.metrics import MetricsSink, NullSink
 from jaxstep.optim import make_optimizer
@@ -74,6 +75,15 @@ def config_digest(cfg: config_lib.Config) -> str:
   return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
 
 
+def loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
+  """Dynamic loss scaling for fp16 from ``train.loss_scale_*``; None otherwise."""
+  if t.precision != "fp16":
+    return None
+  return DynamicLossScale(
+    t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min, t.loss_scale_max
+  )
+
+
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   """Loads data (all data errors surface here), lays out the mesh, builds the jitted steps.
 
@@ -88,13 +98,16 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   total = total_update_steps(t, spe)
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
   optimizer = make_optimizer(cfg.optim, total)
+  scaler = loss_scaler(t)
+  loss_fn = next_token_loss(apply_fn)
   step = make_train_step(
-    next_token_loss(apply_fn),
+    poisonable(loss_fn) if t.debug_nan_step else loss_fn,
     optimizer,
     grad_accum_steps=t.grad_accum_steps,
     precision=t.precision,
     nonfinite=t.nonfinite,
     mesh=mesh if mesh.devices.size > 1 else None,
+    loss_scale=scaler,
   )
 
   def eval_step(params, batch):
@@ -103,7 +116,10 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     return nll_sum, jnp.sum(batch["loss_mask"])
 
   state = TrainState.create(
-    params=params, optimizer=optimizer, rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1)
+    params=params,
+    optimizer=optimizer,
+    rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1),
+    loss_scale=scaler.init() if scaler else 1.0,
   )
   state_sh = sharding.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
@@ -134,12 +150,27 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   return run, state, run_state
 
 
+def poisonable(loss_fn):
+  """Fault injection for ``train.debug_nan_step``: adds ``Σ batch["poison"]`` to the loss."""
+
+  def poisoned(params, batch, rng):
+    batch = dict(batch)
+    poison = batch.pop("poison")
+    loss_sum, aux = loss_fn(params, batch, rng)
+    return loss_sum + jnp.sum(poison), aux
+
+  return poisoned
+
+
 def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
   """The global batch at position ``rs``, checked on the host to hold N > 0 tokens."""
   t = run.cfg.train
   batch = data.global_batch(
     run.dataset.train, t.seed, rs.epoch, rs.step_in_epoch, t.global_batch_size, run.dataset.pad_id
   )
+  if t.debug_nan_step:
+    nan = rs.step + 1 == t.debug_nan_step
+    batch["poison"] = np.full(t.global_batch_size, np.nan if nan else 0.0, np.float32)
   if not batch["loss_mask"].any():
     raise EmptyBatchError(
       f"the global batch of epoch {rs.epoch}, step_in_epoch {rs.step_in_epoch} (update "
@@ -174,8 +205,10 @@ class LateMetrics:
     self.peak = peak_flops_per_device(run.cfg.train.peak_tflops)
     self.tokens_per_step = run.cfg.train.global_batch_size * run.cfg.train.seq_len
 
-  def submit(self, step: int, epoch: int, metrics: dict) -> None:
-    previous, self.pending = self.pending, (step, epoch, metrics)
+  def submit(self, step: int, epoch: int, metrics: dict, batch: dict, position: dict) -> None:
+    """Queues step ``step``; reports the previous one. ``batch`` (host arrays) and its
+    ``position`` are kept one step so a non-finite update can be saved for debugging."""
+    previous, self.pending = self.pending, (step, epoch, metrics, batch, position)
     if previous:
       self._report(*previous)
 
@@ -187,8 +220,9 @@ class LateMetrics:
   def restart_clock(self) -> None:
     self.clock = time.perf_counter()
 
-  def _report(self, step: int, epoch: int, metrics: dict) -> None:
+  def _report(self, step: int, epoch: int, metrics: dict, batch: dict, position: dict) -> None:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step
+    skipped_total = values.pop("skipped_total", 0.0)
     now = time.perf_counter()
     step_time, self.clock = now - self.clock, now
     tokens_per_sec = self.tokens_per_step / step_time
@@ -197,6 +231,8 @@ class LateMetrics:
       "epoch": epoch,
       **values,
       "updated": bool(values["updated"]),
+      "skipped": not values["updated"],
+      "nonfinite_total": int(skipped_total),  # the driver never dispatches N = 0 batches
       "tokens": int(values["tokens"]),
       "tokens_per_sec": tokens_per_sec,
       "mfu": mfu(self.run.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),
@@ -207,13 +243,21 @@ class LateMetrics:
     t = self.run.cfg.train
     if step % t.log_every == 0 or step == self.run.total_steps:
       self.sink.train(record)
+    if record["skipped"]:
+      path = self.sink.bad_batch(step, batch, {**position, "loss": record["loss"]})
+      log.warning(
+        "update step %d was non-finite (loss %s): skipped; batch saved to %s",
+        step,
+        record["loss"],
+        path,
+      )
+      if t.nonfinite == "halt":
+        raise NonFiniteError(
+          f"update step {step} was non-finite (loss {record['loss']}); train.nonfinite=halt "
+          f"stops here with the last good parameters checkpointed and the batch in {path}"
+        )
     for cb in self.callbacks:
       cb.on_step_end(step, record, self.control)
-    if not record["updated"] and t.nonfinite == "halt":
-      raise NonFiniteError(
-        f"update step {step} was non-finite (loss {record['loss']}); "
-        f"train.nonfinite=halt stops here"
-      )
 
 
 def prepare_run_dir(cfg: config_lib.Config) -> pathlib.Path:
@@ -289,9 +333,11 @@ def loop(
       while rs.step < run.total_steps and not control.should_stop and not stop.signum:
         batch = next_batch(run, rs)
         state, metrics = run.step_fn(state, sharding.put_batch(batch, run.batch_sharding))
-        epoch = rs.epoch
+        position = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
         rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
-        late.submit(rs.step, epoch, metrics)
+        late.submit(rs.step, position["epoch"], metrics, batch, position)
+        if t.nonfinite == "halt":  # read back now: stop before another update is dispatched
+          late.flush()
         ckpt.save(state, rs)
         if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
           late.flush()

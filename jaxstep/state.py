@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxstep.loss_scale import LossScaleState, fixed_state
+
 
 @struct.dataclass
 class TrainState:
@@ -26,7 +28,8 @@ class TrainState:
       resumed at step s draws exactly the same randomness.
     skipped: number of update steps skipped because the global batch had zero units or
       produced a non-finite loss/gradient (int32 scalar).
-    loss_scale: dynamic loss scale (float32 scalar); 1.0 unless fp16 training.
+    loss_scale: ``LossScaleState(scale, good_steps)``; the scale stays 1.0 unless fp16
+      training with dynamic loss scaling (``jaxstep.loss_scale``).
   """
 
   step: jax.Array
@@ -34,7 +37,7 @@ class TrainState:
   opt_state: Any
   rng: jax.Array
   skipped: jax.Array
-  loss_scale: jax.Array
+  loss_scale: LossScaleState
 
   @classmethod
   def create(
@@ -43,7 +46,7 @@ class TrainState:
     params: Any,
     optimizer: optax.GradientTransformation,
     rng: jax.Array | int,
-    loss_scale: float = 1.0,
+    loss_scale: float | LossScaleState = 1.0,
   ) -> TrainState:
     """Builds the state at update step 0.
 
@@ -51,7 +54,7 @@ class TrainState:
       params: parameter pytree (any JAX model's parameters).
       optimizer: the optax transformation the step will apply; used to init opt_state.
       rng: a raw PRNG key or an int seed.
-      loss_scale: initial loss scale (only meaningful for fp16).
+      loss_scale: initial loss scale or scaler state (only meaningful for fp16).
 
     Returns:
       A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
@@ -64,7 +67,7 @@ class TrainState:
       opt_state=optimizer.init(params),
       rng=rng,
       skipped=jnp.zeros((), jnp.int32),
-      loss_scale=jnp.asarray(loss_scale, jnp.float32),
+      loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
     )
 
 

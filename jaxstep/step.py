@@ -23,12 +23,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep.errors import BatchError
 from jaxstep.layout import AXES, tree_specs
+from jaxstep.loss_scale import DynamicLossScale
 from jaxstep.state import TrainState
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
 
-PRECISIONS = {None: None, "fp32": None, "bf16": jnp.bfloat16}
+PRECISIONS = {None: None, "fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 NONFINITE_POLICIES = ("skip", "halt")
 
 
@@ -85,7 +86,15 @@ def split_micro_batches(batch: Mapping[str, jax.Array], grad_accum_steps: int):
 
 
 def micro_gradients(
-  loss_fn: LossFn, params, micro_batch, units, rng, *, grad_accum_steps: int, compute_dtype=None
+  loss_fn: LossFn,
+  params,
+  micro_batch,
+  units,
+  rng,
+  *,
+  grad_accum_steps: int,
+  compute_dtype=None,
+  loss_scale=1.0,
 ):
   """Gradient of one micro-batch's share of the global objective.
 
@@ -100,8 +109,10 @@ def micro_gradients(
     units: N for the whole global batch (float32 scalar, already clamped to ≥ 1).
     rng: this micro-step's PRNG key.
     grad_accum_steps: K.
-    compute_dtype: if set (bf16), floating params are cast to it at the model boundary;
-      gradients still flow back to (and come out as) fp32.
+    compute_dtype: if set (bf16/fp16), floating params are cast to it at the model
+      boundary; gradients still flow back to (and come out as) fp32.
+    loss_scale: the objective is multiplied by it before differentiation (fp16), so the
+      returned grads are scaled; the reported loss is not.
 
   Returns:
     ``(grads, (loss_sum, extra_loss, aux))`` with fp32 grads shaped like params.
@@ -116,7 +127,8 @@ def micro_gradients(
     aux = dict(aux)
     extra = jnp.asarray(aux.pop("extra_loss", 0.0), jnp.float32)
     loss_sum = jnp.asarray(loss_sum, jnp.float32)
-    return loss_sum / units + extra / grad_accum_steps, (loss_sum, extra, aux)
+    objective = loss_sum / units + extra / grad_accum_steps
+    return objective * loss_scale, (loss_sum, extra, aux)
 
   grads, out = jax.grad(objective, has_aux=True)(params)
   return optax.tree.cast(grads, jnp.float32), out
@@ -132,6 +144,7 @@ def accumulate(
   compute_dtype=None,
   extra_terms: int | None = None,
   unroll: int = 1,
+  loss_scale=1.0,
 ):
   """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
 
@@ -142,6 +155,7 @@ def accumulate(
     extra_terms: how many ``extra_loss`` values are averaged: K, or K × devices when each
       device computes its own (default K).
     unroll: ``lax.scan`` unroll factor (a speed knob; the result is the same).
+    loss_scale: multiplies every micro-objective (fp16); the caller unscales the sum.
 
   Returns:
     ``(grads, loss, extra_loss, aux)``: ``grads = Σ_k grad(loss_sum_k / N + extra_k / K)``,
@@ -150,7 +164,14 @@ def accumulate(
   k_steps = jax.tree.leaves(micro_batches)[0].shape[0]
   extra_terms = extra_terms or k_steps
   grad_fn = lambda mb, rng: micro_gradients(  # noqa: E731
-    loss_fn, params, mb, units, rng, grad_accum_steps=extra_terms, compute_dtype=compute_dtype
+    loss_fn,
+    params,
+    mb,
+    units,
+    rng,
+    grad_accum_steps=extra_terms,
+    compute_dtype=compute_dtype,
+    loss_scale=loss_scale,
   )
   first = jax.tree.map(lambda x: x[0], micro_batches)
   _, (_, _, aux_shape) = jax.eval_shape(grad_fn, first, step_rng)
@@ -191,6 +212,7 @@ def sharded_accumulate(
   param_specs,
   compute_dtype=None,
   unroll: int = 1,
+  loss_scale=1.0,
 ):
   """``accumulate`` with device-local accumulators and ONE reduction per update step.
 
@@ -208,7 +230,7 @@ def sharded_accumulate(
   """
   devices = mesh.devices.size
 
-  def local(params, batch, units, step_rng):
+  def local(params, batch, units, step_rng, loss_scale):
     full = jax.tree.map(_gather, params, param_specs)
     grads, loss, extra, aux = accumulate(
       loss_fn,
@@ -219,11 +241,12 @@ def sharded_accumulate(
       compute_dtype=compute_dtype,
       extra_terms=grad_accum_steps * devices,
       unroll=unroll,
+      loss_scale=loss_scale,
     )
     grads = jax.tree.map(_reduce, grads, param_specs)
     return grads, *jax.lax.psum((loss, extra, aux), AXES)
 
-  specs = (param_specs, P(AXES), P(), P())
+  specs = (param_specs, P(AXES), P(), P(), P())
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
   # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
   return jax.shard_map(
@@ -232,7 +255,7 @@ def sharded_accumulate(
     in_specs=specs,
     out_specs=(param_specs, P(), P(), P()),
     check_vma=False,
-  )(params, batch, units, step_rng)
+  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32))
 
 
 def _fsdp_dim(spec: P) -> int | None:
@@ -265,15 +288,19 @@ def current_lr(opt_state) -> jax.Array:
 
 
 def apply_update(
-  optimizer: optax.GradientTransformation, state: TrainState, grads, ok: jax.Array
+  optimizer: optax.GradientTransformation, state: TrainState, grads, ok: jax.Array, lr=None
 ) -> TrainState:
   """Applies the optax chain once to the accumulated gradient, or skips.
 
   When ``ok`` is False, params and opt_state are returned unchanged (selected on device,
   no host round-trip) and ``skipped`` increments. ``step`` always advances: it counts
-  update steps of the run, applied or not.
+  update steps of the run, applied or not. ``lr`` overrides the optimizer's own learning
+  rate for this update by rescaling its updates (exact for optax's SGD/Adam/AdamW, whose
+  update is linear in the lr); the optimizer must inject its lr (``make_optimizer`` does).
   """
   updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+  if lr is not None:
+    updates = optax.tree.scale(lr / current_lr(new_opt_state), updates)
   new_params = optax.apply_updates(state.params, updates)
   return state.replace(
     step=state.step + 1,
@@ -293,6 +320,7 @@ def make_train_step(
   nonfinite: str = "skip",
   mesh: Mesh | None = None,
   scan_unroll: int = 1,
+  loss_scale: DynamicLossScale | None = None,
 ) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
   """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch.
 
@@ -313,6 +341,9 @@ def make_train_step(
       reduce once per update (see ``sharded_accumulate``). Params must then be laid out by
       ``jaxstep.sharding`` rules and the batch sharded over both axes.
     scan_unroll: unroll factor of the micro-step scan (speed only).
+    loss_scale: dynamic loss scaling (default on for ``precision="fp16"``, off otherwise);
+      its state lives in ``state.loss_scale``. Grads are unscaled after the scan, before
+      the norm and clipping.
 
   Returns:
     A pure function; jit it yourself (with shardings and ``donate_argnums=0`` if wanted).
@@ -331,6 +362,7 @@ def make_train_step(
     raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
   units_fn = units_fn or default_units_fn
   compute_dtype = PRECISIONS[precision]
+  scaler = loss_scale or (DynamicLossScale() if precision == "fp16" else None)
 
   def param_specs(params):
     return tree_specs(params, mesh)
@@ -340,6 +372,7 @@ def make_train_step(
     units = units_fn(batch)  # global N: under jit with sharded inputs this is the global sum
     safe_units = jnp.maximum(units.astype(jnp.float32), 1.0)
     step_rng = jax.random.fold_in(state.rng, state.step)
+    scale = state.loss_scale.scale if scaler else 1.0
     if mesh is None:
       grads, loss, extra, aux = accumulate(
         loss_fn,
@@ -349,6 +382,7 @@ def make_train_step(
         step_rng,
         compute_dtype=compute_dtype,
         unroll=scan_unroll,
+        loss_scale=scale,
       )
     else:
       grads, loss, extra, aux = sharded_accumulate(
@@ -362,10 +396,16 @@ def make_train_step(
         param_specs=param_specs(state.params),
         compute_dtype=compute_dtype,
         unroll=scan_unroll,
+        loss_scale=scale,
       )
+    if scaler:  # unscale before anything looks at the gradient (norm, clipping, Adam)
+      grads = optax.tree.scale(1.0 / scale, grads)
     grad_norm = optax.tree.norm(grads)
-    ok = (units > 0) & jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
+    ok = (units > 0) & finite
     new_state = apply_update(optimizer, state, grads, ok)
+    if scaler:
+      new_state = new_state.replace(loss_scale=scaler.adjust(state.loss_scale, finite))
     metrics = {
       "loss": loss,
       "tokens": units,
@@ -373,6 +413,8 @@ def make_train_step(
       "lr": current_lr(new_state.opt_state),
       "updated": ok,
       "extra_loss": extra,
+      "skipped_total": new_state.skipped,
+      "loss_scale": new_state.loss_scale.scale,
       **aux,
     }
     return new_state, metrics

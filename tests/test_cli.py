@@ -114,3 +114,63 @@ def test_inspect_lists_checkpoints_and_all_corrupt_exits_nonzero(tmp_path):
   proc = cli(*args)
   assert proc.returncode == 2 and "none restores" in proc.stderr
   assert "INVALID: missing commit marker" in cli(tmp_path / "run", module="jaxstep.inspect").stdout
+
+
+def nan_run(tmp_path, policy):
+  from conftest import SMALL_MODEL, make_cfg
+
+  make_cfg(tmp_path)
+  return cli(
+    *SMALL_MODEL,
+    "train.max_steps=5",
+    "train.log_every=1",
+    "checkpoint.every=1",
+    "checkpoint.keep=10",
+    "train.debug_nan_step=3",
+    f"train.nonfinite={policy}",
+    f"data.path={tmp_path / 'corpus.txt'}",
+    f"run_dir={tmp_path / 'run'}",
+  )
+
+
+def checkpoint_params(run_dir, step):
+  import jax
+  import orbax.checkpoint as ocp
+
+  from jaxstep.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+  out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  ckpt.close()
+  return jax.tree.leaves(out.state["params"])
+
+
+def test_nan_mid_run_is_skipped_and_the_bad_batch_kept(tmp_path):
+  import numpy as np
+
+  proc = nan_run(tmp_path, "skip")
+  assert proc.returncode == 0, proc.stderr
+  lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["updated"] for r in lines] == [True, True, False, True, True]
+  assert [r["nonfinite_total"] for r in lines] == [0, 0, 1, 1, 1]
+  for a, b in zip(
+    checkpoint_params(tmp_path / "run", 2), checkpoint_params(tmp_path / "run", 3), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)  # the poisoned update left the params untouched
+  bad = np.load(tmp_path / "run" / "bad_batches" / "step_00000003.npz")
+  assert np.isnan(bad["poison"]).all() and bad["inputs"].shape[0] == 32
+  position = json.loads((tmp_path / "run" / "bad_batches" / "step_00000003.json").read_text())
+  assert position["step"] == 3 and position["epoch"] == 0
+
+
+def test_nan_mid_run_halts_with_a_checkpoint_of_the_last_good_state(tmp_path):
+  import numpy as np
+
+  proc = nan_run(tmp_path, "halt")
+  assert proc.returncode == 1 and "update step 3 was non-finite" in proc.stderr
+  assert (tmp_path / "run" / "bad_batches" / "step_00000003.npz").exists()
+  for a, b in zip(
+    checkpoint_params(tmp_path / "run", 2), checkpoint_params(tmp_path / "run", 3), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert not (tmp_path / "run" / "checkpoints" / "4").exists()

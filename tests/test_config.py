@@ -114,7 +114,6 @@ def test_readme_documents_every_config_key_and_flag():
   import pathlib
 
   readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-  for key in config_lib.valid_keys():
-    assert f"{key.split('.')[-1]}:" in readme or key in readme, key
+  assert (config_lib.CONFIG_DIR / "base.yaml").read_text() in readme  # verbatim, defaults too
   for flag in ("--config", "--debug", "--help", "key=value"):
     assert flag in readme
