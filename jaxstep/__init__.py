@@ -13,6 +13,7 @@ from jaxstep.errors import (  # noqa: E402
   JaxstepError,
   NonFiniteError,
 )
+from jaxstep.session import Session, StepReport  # noqa: E402
 from jaxstep.state import RunState, TrainState  # noqa: E402
 from jaxstep.step import make_train_step  # noqa: E402
 
@@ -26,6 +27,8 @@ __all__ = [
   "JaxstepError",
   "NonFiniteError",
   "RunState",
+  "Session",
+  "StepReport",
   "TrainState",
   "config",
   "errors",

@@ -1,0 +1,132 @@
+"""Session: micro-batches one at a time, the same exact math as make_train_step."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import lm_batch, regression_loss, tiny_lm_apply, tiny_lm_params
+
+from jaxstep import AccumulationError, EmptyBatchError, Session, TrainState, make_train_step
+from jaxstep.losses import next_token_loss
+from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep.step import split_micro_batches
+
+
+def micro(xs, ys, mask=None):
+  mask = np.ones(len(xs)) if mask is None else np.asarray(mask, float)
+  return {
+    "x": jnp.asarray(xs, jnp.float32),
+    "y": jnp.asarray(ys, jnp.float32),
+    "loss_mask": jnp.asarray(mask, jnp.float32),
+  }
+
+
+def session(k=2, lr=0.1, optimizer=None):
+  return Session(
+    regression_loss, optimizer or optax.sgd(lr), {"w": jnp.float32(1.0)}, grad_accum_steps=k
+  )
+
+
+def test_two_micro_steps_with_k2_make_exactly_one_update():
+  s = session()
+  first = s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  assert not first.parameters_updated and first.microsteps_accumulated == 1
+  assert float(s.state.params["w"]) == 1.0 and s.optimizer_step == 0  # nothing before K
+  second = s.train_step(micro([3.0], [6.0]), normalization_units=1)
+  assert second.parameters_updated and second.optimizer_step == 1
+  assert second.loss_sum == pytest.approx(0.5 + 4.5) and second.loss_units == 2
+  assert float(s.state.params["w"]) == pytest.approx(1.5)  # mean gradient −5
+  assert s.microsteps_accumulated == 0 and s.loss_numerator == 0.0
+
+
+def test_unequal_unit_counts_use_the_global_normalization():
+  # Micro 0: two samples of gradient 3; micro 1: one of gradient 9 + a padded row.
+  s = session()
+  s.train_step(micro([1.0, 1.0], [-2.0, -2.0]), normalization_units=2)
+  report = s.train_step(micro([3.0, 5.0], [0.0, 0.0], mask=[1, 0]), normalization_units=1)
+  assert report.parameters_updated
+  assert float(s.state.params["w"]) == pytest.approx(1.0 - 0.1 * 5.0)  # not (3 + 9) / 2
+
+
+def test_force_update_commits_a_short_tail():
+  s = session(k=4)
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  report = s.train_step(micro([3.0], [6.0]), normalization_units=1, force_update=True)
+  assert report.parameters_updated and report.microsteps_accumulated == 2
+  assert float(s.state.params["w"]) == pytest.approx(1.5)
+
+
+def test_zero_units_at_the_boundary_is_an_error_and_nothing_changes():
+  s = session()
+  s.train_step(micro([1.0], [2.0], mask=[0]), normalization_units=0)
+  with pytest.raises(EmptyBatchError):
+    s.train_step(micro([3.0], [6.0], mask=[0]), normalization_units=0)
+  assert float(s.state.params["w"]) == 1.0 and s.optimizer_step == 0
+  with pytest.raises(AccumulationError):
+    s.train_step(micro([1.0], [2.0]), normalization_units=1)
+
+
+def test_hook_abort_invalidates_until_reset():
+  s = session()
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  report = s.train_step(
+    micro([3.0], [6.0]), normalization_units=1, before_update=lambda r: r.loss_units == 2
+  )
+  assert not report.parameters_updated and float(s.state.params["w"]) == 1.0
+  with pytest.raises(AccumulationError, match="reset"):
+    s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  s.reset()
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  assert s.train_step(micro([3.0], [6.0]), normalization_units=1).parameters_updated
+
+
+def test_exception_in_a_hook_invalidates_and_after_update_sees_the_report():
+  s = session()
+  seen = []
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  s.train_step(micro([3.0], [6.0]), normalization_units=1, after_update=seen.append)
+  assert seen and seen[0].parameters_updated and seen[0].optimizer_step == 1
+
+  def boom(report):
+    raise RuntimeError("hook failed")
+
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)
+  with pytest.raises(RuntimeError, match="hook failed"):
+    s.train_step(micro([3.0], [6.0]), normalization_units=1, before_update=boom)
+  assert not s.valid
+  with pytest.raises(AccumulationError):
+    s.train_step(micro([1.0], [2.0]), normalization_units=1)
+
+
+def test_session_and_make_train_step_agree(np_rng):
+  opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0, clip_grad_norm=0.5), 10)
+  loss_fn = next_token_loss(tiny_lm_apply)
+  params = tiny_lm_params()
+  step = jax.jit(make_train_step(loss_fn, opt, grad_accum_steps=3))
+  state = TrainState.create(params=params, optimizer=opt, rng=0)
+  s = Session(loss_fn, opt, params, grad_accum_steps=3)
+  for _ in range(3):
+    mask = (np_rng.random((6, 5)) < np_rng.choice([0.1, 0.9], size=(6, 1))).astype(np.int32)
+    mask[0, 0] = 1
+    batch = lm_batch(np_rng, 6, 5, vocab=11, mask=mask)
+    state, _ = step(state, batch)
+    micro_batches = split_micro_batches(batch, 3)
+    for k in range(3):
+      mb = jax.tree.map(lambda x, k=k: x[k], micro_batches)
+      s.train_step(mb, normalization_units=int(mb["loss_mask"].sum()))
+  assert s.optimizer_step == 3
+  chex.assert_trees_all_close(s.state.params, state.params, rtol=1e-5, atol=1e-7)
+  assert s.lr == pytest.approx(float(state.opt_state[1].hyperparams["learning_rate"]))
+
+
+def test_lr_override_equals_an_optimizer_built_with_that_lr():
+  cfg = dict(schedule="constant", clip_grad_norm=0.0, weight_decay=0.1)
+  a = session(optimizer=make_optimizer(OptimConfig(lr=0.1, **cfg), 10))
+  b = session(optimizer=make_optimizer(OptimConfig(lr=0.03, **cfg), 10))
+  for s, lr in ((a, 0.03), (b, None)):
+    s.train_step(micro([1.0], [2.0]), normalization_units=1)
+    s.train_step(micro([3.0], [6.0]), normalization_units=1, lr=lr)
+  assert float(a.state.params["w"]) == pytest.approx(float(b.state.params["w"]), rel=1e-6)
+  assert float(a.state.params["w"]) != 1.0
