@@ -1,0 +1,57 @@
+"""Memory ledger: the ZeRO table by hand, jaxstep's layout against the compiled step."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxstep import config as config_lib
+from jaxstep.memory import GIB, compiled_memory, jaxstep_layout, textbook_state_bytes
+
+
+@pytest.mark.parametrize(
+  "stage, expected_bytes",
+  [
+    (0, 120_000_000_000),  # 16 × 7.5e9              (ZeRO paper, Fig. 1: 120 GB)
+    (1, 31_406_250_000),  # 4 × 7.5e9 + 12 × 7.5e9/64      (31.4 GB)
+    (2, 16_640_625_000),  # 2 × 7.5e9 + 14 × 7.5e9/64      (16.6 GB)
+    (3, 1_875_000_000),  # 16 × 7.5e9 / 64                 (1.9 GB)
+  ],
+)
+def test_textbook_table_matches_the_zero_paper(stage, expected_bytes):
+  assert textbook_state_bytes(7_500_000_000, zero_stage=stage, data_parallel=64) == expected_bytes
+
+
+def test_textbook_single_device_is_16_bytes_per_param():
+  assert {textbook_state_bytes(1000, zero_stage=s) for s in range(4)} == {16_000}
+
+
+def test_jaxstep_layout_by_precision_and_fsdp():
+  fp32 = jaxstep_layout(1000)
+  assert sum(fp32.values()) == 16_000 and len(fp32) == 3
+  bf16 = jaxstep_layout(1000, precision="bf16", fsdp=4)
+  assert bf16["params fp32 (4P/F)"] == 1000 and bf16["Adam moments fp32 (8P/F)"] == 2000
+  assert bf16["gathered params fp32 (4P, during the update)"] == 4000
+  assert bf16["bf16 compute copy (2P, during the update)"] == 2000
+
+
+def test_layout_matches_compiled_arguments_on_the_tiny_config():
+  cfg = config_lib.load("tiny")
+  c = compiled_memory(cfg)
+  layout = jaxstep_layout(c["num_params"], precision="fp32", fsdp=1)
+  persistent = layout["params fp32 (4P/F)"] + layout["Adam moments fp32 (8P/F)"]
+  assert persistent == pytest.approx(c["argument_bytes"], rel=0.05)
+  assert c["temp_bytes"] > layout["grad accumulator fp32 (4P, during the update)"]
+
+
+def test_memory_cli_prints_gib_to_three_decimals():
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.memory", "--config", "tiny"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  for needle in ("ZeRO-3  16P/D", "jaxstep layout:", "arguments (state + batch)", "0.005 GiB"):
+    assert needle in proc.stdout
+  assert GIB == 2**30
