@@ -62,6 +62,8 @@ class TrainConfig:
   loss_scale_max: float = 16777216.0  # fp16: the scale never doubles above this (2^24)
   nonfinite: str = "skip"  # skip | halt: what to do when an update is non-finite
   debug_nan_step: int = 0  # fault injection: make this update step's loss NaN (0 = off)
+  spike_factor: float = 0.0  # skip updates with loss > factor × running median (0 = off)
+  spike_window: int = 32  # applied updates in the running median
   log_every: int = 10  # write a metrics line every this many update steps
   eval_every: int = 100  # evaluate every this many update steps (0 = only at the end)
   eval_batches: int = 0  # eval global batches per evaluation (0 = the whole eval split)
@@ -70,7 +72,7 @@ class TrainConfig:
   progress: bool = True  # tqdm progress bar (only shown on a terminal)
 
   def __post_init__(self):
-    for name in ("global_batch_size", "grad_accum_steps", "seq_len", "log_every"):
+    for name in ("global_batch_size", "grad_accum_steps", "seq_len", "log_every", "spike_window"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
     for name in (

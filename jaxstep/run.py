@@ -108,6 +108,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     nonfinite=t.nonfinite,
     mesh=mesh if mesh.devices.size > 1 else None,
     loss_scale=scaler,
+    spike_factor=t.spike_factor,
   )
 
   def eval_step(params, batch):
@@ -120,6 +121,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     optimizer=optimizer,
     rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1),
     loss_scale=scaler.init() if scaler else 1.0,
+    loss_window=t.spike_window,
   )
   state_sh = sharding.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
@@ -232,7 +234,9 @@ class LateMetrics:
       **values,
       "updated": bool(values["updated"]),
       "skipped": not values["updated"],
-      "nonfinite_total": int(skipped_total),  # the driver never dispatches N = 0 batches
+      "spike": bool(values.get("spike", 0.0)),
+      # every skip of the run: the driver never dispatches N = 0, so non-finite or spike
+      "nonfinite_total": int(skipped_total),
       "tokens": int(values["tokens"]),
       "tokens_per_sec": tokens_per_sec,
       "mfu": mfu(self.run.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),

@@ -30,6 +30,8 @@ class TrainState:
       produced a non-finite loss/gradient (int32 scalar).
     loss_scale: ``LossScaleState(scale, good_steps)``; the scale stays 1.0 unless fp16
       training with dynamic loss scaling (``jaxstep.loss_scale``).
+    recent_losses: float32 ring buffer of the last applied updates' losses (NaN = empty),
+      slot ``step % window``; the optional loss-spike guard compares against its median.
   """
 
   step: jax.Array
@@ -38,6 +40,7 @@ class TrainState:
   rng: jax.Array
   skipped: jax.Array
   loss_scale: LossScaleState
+  recent_losses: jax.Array
 
   @classmethod
   def create(
@@ -47,6 +50,7 @@ class TrainState:
     optimizer: optax.GradientTransformation,
     rng: jax.Array | int,
     loss_scale: float | LossScaleState = 1.0,
+    loss_window: int = 32,
   ) -> TrainState:
     """Builds the state at update step 0.
 
@@ -55,6 +59,7 @@ class TrainState:
       optimizer: the optax transformation the step will apply; used to init opt_state.
       rng: a raw PRNG key or an int seed.
       loss_scale: initial loss scale or scaler state (only meaningful for fp16).
+      loss_window: length of ``recent_losses`` (the spike guard's running window).
 
     Returns:
       A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
@@ -68,6 +73,7 @@ class TrainState:
       rng=rng,
       skipped=jnp.zeros((), jnp.int32),
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
+      recent_losses=jnp.full((loss_window,), jnp.nan, jnp.float32),
     )
 
 

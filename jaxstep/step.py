@@ -310,6 +310,14 @@ def apply_update(
   )
 
 
+def loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax.Array:
+  """``loss > factor × median(recent)`` once the window is at least half full (else False)."""
+  if factor <= 0:
+    return jnp.zeros((), bool)
+  filled = jnp.sum(jnp.isfinite(recent_losses))
+  return (filled * 2 >= recent_losses.shape[0]) & (loss > factor * jnp.nanmedian(recent_losses))
+
+
 def make_train_step(
   loss_fn: LossFn,
   optimizer: optax.GradientTransformation,
@@ -321,6 +329,7 @@ def make_train_step(
   mesh: Mesh | None = None,
   scan_unroll: int = 1,
   loss_scale: DynamicLossScale | None = None,
+  spike_factor: float = 0.0,
 ) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
   """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch.
 
@@ -344,6 +353,8 @@ def make_train_step(
     loss_scale: dynamic loss scaling (default on for ``precision="fp16"``, off otherwise);
       its state lives in ``state.loss_scale``. Grads are unscaled after the scan, before
       the norm and clipping.
+    spike_factor: if > 0, skip an update whose loss exceeds ``spike_factor`` × the median
+      loss of the last applied updates (``state.recent_losses``, once half full).
 
   Returns:
     A pure function; jit it yourself (with shardings and ``donate_argnums=0`` if wanted).
@@ -402,8 +413,15 @@ def make_train_step(
       grads = optax.tree.scale(1.0 / scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
-    ok = (units > 0) & finite
+    spike = loss_spike(state.recent_losses, loss, spike_factor)
+    ok = (units > 0) & finite & ~spike
     new_state = apply_update(optimizer, state, grads, ok)
+    window = state.recent_losses.shape[0]
+    new_state = new_state.replace(
+      recent_losses=jnp.where(
+        ok, state.recent_losses.at[state.step % window].set(loss), state.recent_losses
+      )
+    )
     if scaler:
       new_state = new_state.replace(loss_scale=scaler.adjust(state.loss_scale, finite))
     metrics = {
@@ -414,6 +432,7 @@ def make_train_step(
       "updated": ok,
       "extra_loss": extra,
       "skipped_total": new_state.skipped,
+      "spike": spike,
       "loss_scale": new_state.loss_scale.scale,
       **aux,
     }

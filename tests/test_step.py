@@ -258,3 +258,24 @@ def test_missing_loss_mask_with_default_units_fn_says_what_to_add():
 def test_unknown_precision_or_policy_is_rejected(kwargs):
   with pytest.raises(ValueError, match="must be one of"):
     make_train_step(regression_loss, optax.sgd(0.1), grad_accum_steps=1, **kwargs)
+
+
+def test_loss_spike_guard_skips_outliers_only_when_enabled():
+  optimizer = optax.sgd(0.01)
+  normal, spiky = regression_batch([1.0], [1.5]), regression_batch([1.0], [40.0])
+  for factor, expect_skip in ((5.0, True), (0.0, False)):
+    state = TrainState.create(
+      params={"w": jnp.float32(1.0)}, optimizer=optimizer, rng=0, loss_window=4
+    )
+    step = jax.jit(
+      make_train_step(regression_loss, optimizer, grad_accum_steps=1, spike_factor=factor)
+    )
+    for _ in range(3):
+      state, metrics = step(state, normal)
+      assert bool(metrics["updated"]) and not bool(metrics["spike"])
+    before = float(state.params["w"])
+    state, metrics = step(state, spiky)
+    assert bool(metrics["spike"]) is expect_skip and bool(metrics["updated"]) is not expect_skip
+    assert (float(state.params["w"]) == before) is expect_skip
+    state, metrics = step(state, normal)
+    assert bool(metrics["updated"])
