@@ -17,10 +17,10 @@ from benchmarks.harness import RESULTS, Worker, environment, fmt, interleaved, r
 
 def suite_host_overhead(quick: bool) -> dict:
   """Host-side data + logging overhead per update step on the tiny config (issue 3)."""
-  spec = {"kind": "loop", "config": "tiny", "steps": 8 if quick else 30}
+  spec = {"kind": "loop", "config": "tiny", "steps": 6 if quick else 30}
   workers = {"real": Worker(spec), "noop": Worker({**spec, "noop": True})}
   try:
-    res = interleaved(workers, rounds=3 if quick else 10)
+    res = interleaved(workers, rounds=2 if quick else 10)
   finally:
     for w in workers.values():
       w.close()
@@ -39,7 +39,7 @@ def suite_host_overhead(quick: bool) -> dict:
 def suite_checkpoint(quick: bool) -> dict:
   """Loop stall per checkpoint save, async vs sync, and save/restore MB/s (issue 4)."""
   config = "tiny" if quick else "small"
-  steps, every = (8, 4) if quick else (12, 4)
+  steps, every = (6, 3) if quick else (12, 4)
   base = {"kind": "loop", "config": config, "steps": steps}
   workers = {
     "none": Worker({**base, "rates": True}),
@@ -47,7 +47,7 @@ def suite_checkpoint(quick: bool) -> dict:
     "sync": Worker({**base, "save_every": every, "async_save": False}),
   }
   try:
-    res = interleaved(workers, rounds=3 if quick else 6)
+    res = interleaved(workers, rounds=2 if quick else 6)
   finally:
     for w in workers.values():
       w.close()
@@ -115,7 +115,150 @@ def suite_fsdp_memory(quick: bool) -> dict:
   }
 
 
+def _start(specs: dict) -> tuple[dict, dict]:
+  """Starts a worker per spec; one that cannot start (e.g. torch.compile here) is recorded."""
+  workers, failed = {}, {}
+  for name, spec in specs.items():
+    try:
+      workers[name] = Worker(spec)
+    except RuntimeError as e:
+      failed[name] = str(e)
+  return workers, failed
+
+
+def suite_step(quick: bool) -> dict:
+  """jaxstep's step vs the compute floor, unrolled, MultiSteps, PyTorch; MFU (issue 7)."""
+  import importlib.util
+
+  from benchmarks.step_bench import MODEL, QUICK_MODEL
+  from jaxstep.models import GPTConfig
+
+  model, g, k = (QUICK_MODEL, 16, 4) if quick else (MODEL, 64, 16)
+  base = {"model": model, "g": g, "k": k}
+  specs = {n: {**base, "kind": n} for n in ("jaxstep", "floor", "multisteps", "unrolled")}
+  specs["matmul"] = {
+    "kind": "matmul",
+    "n": 256 if quick else 1024,
+    "model": model,
+    "rows": g // k * model["max_seq_len"],
+  }
+  if not quick:
+    for kk in (1, 4, 64):
+      specs[f"jaxstep_k{kk}"] = {**base, "k": kk, "kind": "jaxstep"}
+      specs[f"floor_k{kk}"] = {**base, "k": kk, "kind": "floor"}
+  torch_names = []
+  if importlib.util.find_spec("torch"):  # quick: eager only (compile and DDP start slowly)
+    torch_names = ["torch_eager"] if quick else ["torch_eager", "torch_compile", "torch_ddp"]
+    specs["torch_eager"] = {**base, "kind": "torch"}
+    if not quick:
+      specs["torch_compile"] = {**base, "kind": "torch", "compile": True}
+      specs["torch_ddp"] = {**base, "kind": "torch_ddp"}
+  workers, failed = _start(specs)
+  try:
+    res = interleaved(workers, rounds=2 if quick else 20)
+  finally:
+    for w in workers.values():
+      w.close()
+  sec = {n: [r["seconds"] for r in rounds] for n, rounds in res.items() if n != "matmul"}
+  out = {
+    "spec": base,
+    "raw": res,
+    "failed": failed,
+    "info": {n: w.info for n, w in workers.items()},
+  }
+  out["scan_over_floor"] = ratio_stats(sec["jaxstep"], sec["floor"])
+  out["tokens_vs_multisteps"] = ratio_stats(sec["multisteps"], sec["jaxstep"])
+  out["tokens_vs_unrolled"] = ratio_stats(sec["unrolled"], sec["jaxstep"])
+  flops = GPTConfig(**model).flops_per_token(model["max_seq_len"]) * g * model["max_seq_len"]
+  out["cpu_mfu"] = ratio_stats(
+    [flops / s for s in sec["jaxstep"]], [r["flops"] for r in res["matmul"]]
+  )
+  out["cpu_mfu_model_shapes"] = ratio_stats(
+    [flops / s for s in sec["jaxstep"]], [r["model_shape_flops"] for r in res["matmul"]]
+  )
+  rows = [
+    (f"time per global batch ÷ compute floor (K={k})", fmt(out["scan_over_floor"]), "≤ 0.80"),
+    ("tokens/s ÷ optax.MultiSteps host loop", fmt(out["tokens_vs_multisteps"]), "≥ 1.5"),
+    ("tokens/s ÷ Python-unrolled in one jit", fmt(out["tokens_vs_unrolled"]), ""),
+    ("MFU: model FLOP/s ÷ fp32 1024² matmul FLOP/s, same round", fmt(out["cpu_mfu"]), "≥ 0.60"),
+    ("model FLOP/s ÷ the model's own matmul shapes' FLOP/s", fmt(out["cpu_mfu_model_shapes"]), ""),
+  ]
+  summary = {
+    "scan_over_floor": out["scan_over_floor"]["median"],
+    "tokens_vs_multisteps": out["tokens_vs_multisteps"]["median"],
+    "cpu_mfu": out["cpu_mfu"]["median"],
+  }
+  live_torch = [n for n in torch_names if n in sec]
+  if live_torch:
+    best = [min(vals) for vals in zip(*(sec[n] for n in live_torch), strict=True)]
+    out["tokens_vs_pytorch"] = ratio_stats(best, sec["jaxstep"])
+    for n in live_torch:
+      out[f"tokens_vs_{n}"] = ratio_stats(sec[n], sec["jaxstep"])
+      rows.append((f"tokens/s ÷ PyTorch {n[6:]}", fmt(out[f"tokens_vs_{n}"]), ""))
+    rows.append(("tokens/s ÷ fastest PyTorch each round", fmt(out["tokens_vs_pytorch"]), "≥ 1.3"))
+    summary["tokens_vs_pytorch"] = out["tokens_vs_pytorch"]["median"]
+  for name in failed:
+    rows.append((name, "did not run here (see `failed` in step.json)", ""))
+  for kk in (1, 4, 64):
+    if f"jaxstep_k{kk}" in sec:
+      stats = ratio_stats(sec[f"jaxstep_k{kk}"], sec[f"floor_k{kk}"])
+      out[f"scan_over_floor_k{kk}"] = stats
+      rows.append((f"time per global batch ÷ compute floor (K={kk})", fmt(stats), ""))
+  out["rows"], out["summary"] = rows, summary
+  return out
+
+
+def suite_compile(quick: bool) -> dict:
+  """Compile time and temp memory vs K at a fixed micro-batch of 4 sequences (G = 4K): the
+  scan stays flat, Python unrolling grows with K."""
+  from benchmarks.step_bench import MODEL, QUICK_MODEL
+
+  model, ks = (QUICK_MODEL, [1, 64]) if quick else (MODEL, [1, 4, 16, 64])
+  w = Worker(
+    {
+      "kind": "compile_vs_k",
+      "model": model,
+      "micro": 4,
+      "ks": ks,
+      "max_unrolled_k": 4 if quick else 64,
+    }
+  )
+  w.close()
+  by_k = w.info["rows"]
+  first, last = by_k[0], by_k[-1]
+  out = {
+    "rows_by_k": by_k,
+    "model": model,
+    "compile_ratio": last["scan_compile_s"] / first["scan_compile_s"],
+    "temp_ratio": last["scan_temp_bytes"] / first["scan_temp_bytes"],
+  }
+  mib = 2**20
+  rows = [
+    (
+      f"compile / temp memory at K={r['k']} (micro-batch 4): scan vs Python-unrolled",
+      f"{r['scan_compile_s']:.2f} s vs {r.get('unrolled_compile_s', float('nan')):.2f} s; "
+      f"{r['scan_temp_bytes'] / mib:.1f} vs "
+      f"{r.get('unrolled_temp_bytes', float('nan')) / mib:.1f} MiB",
+      "",
+    )
+    for r in by_k
+  ]
+  rows.append(
+    (f"scan compile(K={last['k']}) ÷ compile(K=1)", f"{out['compile_ratio']:.2f}", "≤ 1.3")
+  )
+  rows.append((f"scan temp memory(K={last['k']}) ÷ (K=1)", f"{out['temp_ratio']:.2f}", "≤ 1.1"))
+  out["rows"] = rows
+  suffix = f"k{last['k']}_k1"
+  out["summary"] = {
+    f"compile_ratio_{suffix}": out["compile_ratio"],
+    f"temp_mem_ratio_{suffix}": out["temp_ratio"],
+  }
+  return out
+
+
 SUITES = {
+  "step": suite_step,
+  "compile": suite_compile,
   "host_overhead": suite_host_overhead,
   "checkpoint": suite_checkpoint,
   "fsdp_memory": suite_fsdp_memory,

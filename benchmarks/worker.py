@@ -14,7 +14,18 @@ import sys
 def contenders():
   from benchmarks import loop_bench, memory_bench, step_bench
 
-  return {**loop_bench.CONTENDERS, **memory_bench.CONTENDERS, **step_bench.CONTENDERS}
+  try:
+    from benchmarks import torch_bench
+
+    torch_contenders = torch_bench.CONTENDERS
+  except ImportError:  # torch is optional: the benchmarks without it still run
+    torch_contenders = {}
+  return {
+    **loop_bench.CONTENDERS,
+    **memory_bench.CONTENDERS,
+    **step_bench.CONTENDERS,
+    **torch_contenders,
+  }
 
 
 def main() -> None:

@@ -64,6 +64,7 @@ class TrainConfig:
   debug_nan_step: int = 0  # fault injection: make this update step's loss NaN (0 = off)
   spike_factor: float = 0.0  # skip updates with loss > factor × running median (0 = off)
   spike_window: int = 32  # applied updates in the running median
+  scan_unroll: int = 1  # unroll factor of the micro-step scan (speed only)
   log_every: int = 10  # write a metrics line every this many update steps
   eval_every: int = 100  # evaluate every this many update steps (0 = only at the end)
   eval_batches: int = 0  # eval global batches per evaluation (0 = the whole eval split)
@@ -72,7 +73,14 @@ class TrainConfig:
   progress: bool = True  # tqdm progress bar (only shown on a terminal)
 
   def __post_init__(self):
-    for name in ("global_batch_size", "grad_accum_steps", "seq_len", "log_every", "spike_window"):
+    for name in (
+      "global_batch_size",
+      "grad_accum_steps",
+      "seq_len",
+      "log_every",
+      "spike_window",
+      "scan_unroll",
+    ):
       if getattr(self, name) <= 0:
         raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
     for name in (
@@ -129,6 +137,7 @@ class MeshConfig:
   coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
+  cpu_devices: int = 0  # CLI on a CPU-only host: virtual devices (0 = per core that fits G/K)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,6 +109,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     mesh=mesh if mesh.devices.size > 1 else None,
     loss_scale=scaler,
     spike_factor=t.spike_factor,
+    scan_unroll=t.scan_unroll,
   )
 
   def eval_step(params, batch):

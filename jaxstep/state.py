@@ -30,7 +30,8 @@ class TrainState:
       produced a non-finite loss/gradient (int32 scalar).
     loss_scale: ``LossScaleState(scale, good_steps)``; the scale stays 1.0 unless fp16
       training with dynamic loss scaling (``jaxstep.loss_scale``).
-    recent_losses: float32 ring buffer of the last applied updates' losses (NaN = empty),
+    recent_losses: float32 ring buffer of the last applied updates' losses (inf = empty;
+      not NaN, which multi-process equality checks of the initial state reject),
       slot ``step % window``; the optional loss-spike guard compares against its median.
   """
 
@@ -73,7 +74,7 @@ class TrainState:
       rng=rng,
       skipped=jnp.zeros((), jnp.int32),
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
-      recent_losses=jnp.full((loss_window,), jnp.nan, jnp.float32),
+      recent_losses=jnp.full((loss_window,), jnp.inf, jnp.float32),
     )
 
 

@@ -314,8 +314,9 @@ def loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax.
   """``loss > factor × median(recent)`` once the window is at least half full (else False)."""
   if factor <= 0:
     return jnp.zeros((), bool)
-  filled = jnp.sum(jnp.isfinite(recent_losses))
-  return (filled * 2 >= recent_losses.shape[0]) & (loss > factor * jnp.nanmedian(recent_losses))
+  filled = jnp.isfinite(recent_losses)
+  median = jnp.nanmedian(jnp.where(filled, recent_losses, jnp.nan))
+  return (jnp.sum(filled) * 2 >= recent_losses.shape[0]) & (loss > factor * median)
 
 
 def make_train_step(

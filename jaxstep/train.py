@@ -56,7 +56,9 @@ def main(argv=None) -> int:
   try:
     cfg = config_lib.load(args.config, args.overrides)
     from jaxstep import run, sharding  # heavy imports only after the config is valid
+    from jaxstep.cpu import configure_cpu_defaults
 
+    configure_cpu_defaults(cfg)
     m = cfg.mesh
     sharding.initialize_distributed(m.coordinator, m.num_processes, m.process_id)
     result = run.train(cfg, resume=not args.no_resume, resume_from=args.resume_from)

@@ -82,3 +82,20 @@ def make_cfg(tmp_path, *overrides, docs=200):
 
 def read_lines(path):
   return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def restore_state_arrays(run_dir, step=None):
+  """``(step, state tree)`` of a run's checkpoint onto this process's first device, whatever
+  device layout wrote it (the CLI splits a CPU into several devices)."""
+  import orbax.checkpoint as ocp
+
+  from jaxstep.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
+  step = step or ckpt.manager.latest_step()
+  meta = ckpt.manager.item_metadata(step)["state"].tree
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+  ckpt.close()
+  return step, out.state

@@ -1,5 +1,6 @@
 """The benchmark scripts run (tiny sizes) and emit valid JSON with every summary key."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -26,8 +27,10 @@ def test_quick_benchmarks_write_results(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert SUMMARY_KEYS <= set(summary)
+  if importlib.util.find_spec("torch"):  # torch is installed only for benchmarks
+    assert "tokens_vs_pytorch" in summary
   assert all(isinstance(v, float) and v > 0 for v in summary.values())
-  for name in ("host_overhead", "checkpoint", "fsdp_memory"):
+  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory"):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["environment"]["jax"] and result["rows"]
   assert "| measurement |" in (tmp_path / "results.md").read_text()

@@ -135,14 +135,9 @@ def nan_run(tmp_path, policy):
 
 def checkpoint_params(run_dir, step):
   import jax
-  import orbax.checkpoint as ocp
+  from conftest import restore_state_arrays
 
-  from jaxstep.checkpoint import Checkpointer
-
-  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
-  out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  ckpt.close()
-  return jax.tree.leaves(out.state["params"])
+  return jax.tree.leaves(restore_state_arrays(run_dir, step)[1]["params"])
 
 
 def test_nan_mid_run_is_skipped_and_the_bad_batch_kept(tmp_path):
@@ -174,3 +169,44 @@ def test_nan_mid_run_halts_with_a_checkpoint_of_the_last_good_state(tmp_path):
   ):
     np.testing.assert_array_equal(a, b)
   assert not (tmp_path / "run" / "checkpoints" / "4").exists()
+
+
+def test_progress_bar_shows_on_a_terminal(tmp_path):
+  import fcntl
+  import os
+  import pty
+  import struct
+  import termios
+
+  from conftest import SMALL_MODEL, make_cfg
+
+  make_cfg(tmp_path)
+  primary, secondary = pty.openpty()
+  fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a real size
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "jaxstep.train",
+      *[a for a in SMALL_MODEL if "progress" not in a],
+      "train.max_steps=12",
+      f"data.path={tmp_path / 'corpus.txt'}",
+      f"run_dir={tmp_path / 'run'}",
+    ],
+    stdout=subprocess.DEVNULL,
+    stderr=secondary,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  os.close(secondary)
+  chunks = []
+  while True:
+    try:
+      data = os.read(primary, 4096)
+    except OSError:  # the child closed the terminal
+      break
+    if not data:
+      break
+    chunks.append(data)
+  assert proc.wait(timeout=300) == 0
+  screen = b"".join(chunks).decode(errors="replace")
+  assert "\r" in screen and "12/12" in screen and "loss=" in screen and "tok_s=" in screen

@@ -9,11 +9,10 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import SMALL_MODEL, make_cfg, read_lines
+from conftest import SMALL_MODEL, make_cfg, read_lines, restore_state_arrays
 
-from jaxstep.checkpoint import Checkpointer, list_checkpoints
+from jaxstep.checkpoint import list_checkpoints
 
 ARGS = [
   *SMALL_MODEL,
@@ -38,11 +37,7 @@ def cli_args(tmp_path, name):
 
 
 def final_arrays(run_dir):
-  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
-  step = ckpt.manager.latest_step()
-  out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  ckpt.close()
-  return step, out.state
+  return restore_state_arrays(run_dir)
 
 
 def assert_same_final_state(a_dir, b_dir):

@@ -279,3 +279,14 @@ def test_loss_spike_guard_skips_outliers_only_when_enabled():
     assert (float(state.params["w"]) == before) is expect_skip
     state, metrics = step(state, normal)
     assert bool(metrics["updated"])
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_scan_unroll_changes_speed_not_results(np_rng, k):
+  batch = lm_batch(np_rng, 12, 5, vocab=11)
+  states = []
+  for unroll in (1, 2):
+    state = TrainState.create(params=tiny_lm_params(), optimizer=OPTIMIZER, rng=0)
+    step = jax.jit(make_train_step(LM_LOSS, OPTIMIZER, grad_accum_steps=k, scan_unroll=unroll))
+    states.append(step(state, batch)[0])
+  chex.assert_trees_all_close(states[0].params, states[1].params, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,70 @@
+"""CPU defaults, applied by the CLI before JAX starts its backend (measured in benchmarks/).
+
+On a CPU-only host XLA runs one device's program on a shared thread pool; splitting the
+global batch over one virtual device per core, each single-threaded, and reducing once per
+update is faster than one device using every core (measured: 1.10× for 2 devices + YNN off,
+then +6 % for one thread per device). On jaxlib 0.10, where these were measured, YNNPACK
+fusion is turned off and eigen runs one thread per device; XLA aborts on unknown flags, so
+the flags are only set on the jaxlib they were measured on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import jax
+import jaxlib
+from jax._src import xla_bridge
+
+log = logging.getLogger("jaxstep")
+YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
+# One thread per virtual device: the devices already use every core (+6 %, benchmarks/).
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "libtpu")
+
+
+def cpu_only() -> bool:
+  """True when JAX will run on the CPU: forced by JAX_PLATFORMS, or no accelerator plugin."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  return not any(importlib.util.find_spec(p) for p in ACCELERATOR_PLUGINS)
+
+
+def cpu_device_count(cfg, cores: int) -> int:
+  """Devices to split one CPU into: the mesh's explicit size, else the most (≤ cores) that
+  divide the global batch into equal micro-batch shards (G % (devices × K) == 0)."""
+  m, t = cfg.mesh, cfg.train
+  if m.cpu_devices:
+    return m.cpu_devices
+  if m.data > 0 and m.fsdp > 0:
+    return m.data * m.fsdp
+  fixed = max(m.data, m.fsdp, 1)
+  fits = [
+    d
+    for d in range(1, max(cores, 1) + 1)
+    if d % fixed == 0 and t.global_batch_size % (d * t.grad_accum_steps) == 0
+  ]
+  return max(fits) if fits else 1
+
+
+def configure_cpu_defaults(cfg) -> None:
+  """Sets the CPU device count and XLA flags for ``cfg``; a no-op on accelerators, when the
+  user already chose (``XLA_FLAGS`` device count), or once the backend has started."""
+  if not cpu_only() or xla_bridge.backends_are_initialized():
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" in flags:
+    return
+  n = cpu_device_count(cfg, os.cpu_count() or 1)
+  if jaxlib.__version__.startswith("0.10.") and "ynn_fusion_type" not in flags:
+    extra = f"{YNN_OFF} {ONE_THREAD}" if n > 1 else YNN_OFF
+    os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
+  jax.config.update("jax_num_cpu_devices", n)
+  log.info(
+    "CPU: %d devices (one per core that divides the batch); XLA_FLAGS %r",
+    n,
+    os.environ.get("XLA_FLAGS", ""),
+  )
