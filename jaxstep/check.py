@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument("--config", default=None)
-  p.add_argument("overrides", nargs="*", metavar="key=value")
+  config_lib.add_config_args(p)
   args = p.parse_args(argv)
   try:
     cfg = config_lib.load(args.config, args.overrides)

@@ -299,6 +299,16 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     raise ConfigError(str(e)) from None
 
 
+def add_config_args(parser) -> None:
+  """``--config`` and the ``key=value`` overrides, for every command that takes a config."""
+  parser.add_argument(
+    "--config",
+    default=None,
+    help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
+  )
+  parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+
 def dump(cfg: Config) -> str:
   """The resolved config as YAML (what ``run_dir/config.yaml`` holds)."""
   return yaml.safe_dump(to_dict(cfg), sort_keys=False)

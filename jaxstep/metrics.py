@@ -18,6 +18,7 @@ from tensorboardX import SummaryWriter
 
 log = logging.getLogger("jaxstep")
 
+# What every metrics.jsonl line holds (DESIGN §8); aux sums and counters come on top.
 TRAIN_FIELDS = (
   "step",
   "epoch",

@@ -23,12 +23,7 @@ def parser() -> argparse.ArgumentParser:
     "train.global_batch_size=32 optim.lr=3e-4 run_dir=runs/x.",
     epilog="config keys: " + ", ".join(config_lib.valid_keys()),
   )
-  p.add_argument(
-    "--config",
-    default=None,
-    help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
-  )
-  p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+  config_lib.add_config_args(p)
   resume = p.add_mutually_exclusive_group()
   resume.add_argument(
     "--resume-from",
