@@ -41,7 +41,8 @@ def compare(
   loss_fn, apply_fn, optimizer, params, batch, *, grad_accum_steps: int, precision: str = "fp32"
 ) -> list[Stage]:
   """The five stages for K = ``grad_accum_steps`` against K = 1 on the same global batch."""
-  from jaxstep.step import PRECISIONS, accumulate, split_micro_batches
+  from jaxstep.accumulate import accumulate, split_micro_batches
+  from jaxstep.step import PRECISIONS
 
   dtype = PRECISIONS[precision]
   cast = (

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstep.accumulate import LossFn, micro_gradients
 from jaxstep.errors import AccumulationError, EmptyBatchError
 from jaxstep.state import TrainState
-from jaxstep.step import PRECISIONS, LossFn, apply_update, current_lr, micro_gradients
+from jaxstep.step import PRECISIONS, apply_update, current_lr
 
 
 class StepReport(NamedTuple):

@@ -19,14 +19,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
+from jaxstep.accumulate import (  # noqa: F401 - re-exported: the step's building blocks
+  LossFn,
+  accumulate,
+  micro_gradients,
+  sharded_accumulate,
+  split_micro_batches,
+)
 from jaxstep.errors import BatchError
-from jaxstep.layout import AXES, tree_specs
+from jaxstep.layout import tree_specs
 from jaxstep.loss_scale import DynamicLossScale
 from jaxstep.state import TrainState
 
-LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
 
 PRECISIONS = {None: None, "fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -70,208 +75,6 @@ def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int) -> int:
       f"pick a global_batch_size that is a multiple of {grad_accum_steps}"
     )
   return g
-
-
-def split_micro_batches(batch: Mapping[str, jax.Array], grad_accum_steps: int):
-  """Reshapes every leaf ``[G, ...] -> [K, G/K, ...]``, micro-batch k = rows k, k+K, ….
-
-  Reshaping ``[G/K, K]`` then swapping axes (as MaxText does) keeps each micro-batch spread
-  evenly over the data-parallel devices when G is sharded in contiguous blocks, so no
-  device idles during a micro-step and no resharding is needed.
-  """
-  k = grad_accum_steps
-  return jax.tree.map(
-    lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch
-  )
-
-
-def micro_gradients(
-  loss_fn: LossFn,
-  params,
-  micro_batch,
-  units,
-  rng,
-  *,
-  grad_accum_steps: int,
-  compute_dtype=None,
-  loss_scale=1.0,
-):
-  """Gradient of one micro-batch's share of the global objective.
-
-  The objective is ``loss_sum_k / N + extra_loss_k / K``: the un-normalized loss sum is
-  divided by the global unit count N; a per-micro-batch mean-type ``aux["extra_loss"]`` is
-  averaged over the K micro-steps (MaxText's treatment of aux losses).
-
-  Args:
-    loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)``.
-    params: fp32 master parameters.
-    micro_batch: one micro-batch, leaves ``[G/K, ...]``.
-    units: N for the whole global batch (float32 scalar, already clamped to ≥ 1).
-    rng: this micro-step's PRNG key.
-    grad_accum_steps: K.
-    compute_dtype: if set (bf16/fp16), floating params are cast to it at the model
-      boundary; gradients still flow back to (and come out as) fp32.
-    loss_scale: the objective is multiplied by it before differentiation (fp16), so the
-      returned grads are scaled; the reported loss is not.
-
-  Returns:
-    ``(grads, (loss_sum, extra_loss, aux))`` with fp32 grads shaped like params.
-  """
-
-  def objective(p):
-    if compute_dtype is not None:
-      p = jax.tree.map(
-        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
-      )
-    loss_sum, aux = loss_fn(p, micro_batch, rng)
-    aux = dict(aux)
-    extra = jnp.asarray(aux.pop("extra_loss", 0.0), jnp.float32)
-    loss_sum = jnp.asarray(loss_sum, jnp.float32)
-    objective = loss_sum / units + extra / grad_accum_steps
-    return objective * loss_scale, (loss_sum, extra, aux)
-
-  grads, out = jax.grad(objective, has_aux=True)(params)
-  return optax.tree.cast(grads, jnp.float32), out
-
-
-def accumulate(
-  loss_fn: LossFn,
-  params,
-  micro_batches,
-  units,
-  step_rng,
-  *,
-  compute_dtype=None,
-  extra_terms: int | None = None,
-  unroll: int = 1,
-  loss_scale=1.0,
-):
-  """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
-
-  Args:
-    micro_batches: leaves ``[K, G/K, ...]`` (see ``split_micro_batches``).
-    units: global N as float32, clamped to ≥ 1 (a zero-unit batch is skipped later).
-    step_rng: this update's key; micro-step k uses ``fold_in(step_rng, k)``.
-    extra_terms: how many ``extra_loss`` values are averaged: K, or K × devices when each
-      device computes its own (default K).
-    unroll: ``lax.scan`` unroll factor (a speed knob; the result is the same).
-    loss_scale: multiplies every micro-objective (fp16); the caller unscales the sum.
-
-  Returns:
-    ``(grads, loss, extra_loss, aux)``: ``grads = Σ_k grad(loss_sum_k / N + extra_k / K)``,
-    ``loss = Σ_k loss_sum_k / N``, ``extra_loss = Σ_k extra_k / K`` and aux summed over k.
-  """
-  k_steps = jax.tree.leaves(micro_batches)[0].shape[0]
-  extra_terms = extra_terms or k_steps
-  grad_fn = lambda mb, rng: micro_gradients(  # noqa: E731
-    loss_fn,
-    params,
-    mb,
-    units,
-    rng,
-    grad_accum_steps=extra_terms,
-    compute_dtype=compute_dtype,
-    loss_scale=loss_scale,
-  )
-  first = jax.tree.map(lambda x: x[0], micro_batches)
-  _, (_, _, aux_shape) = jax.eval_shape(grad_fn, first, step_rng)
-  zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
-
-  def body(carry, xs):
-    grads_acc, loss_acc, extra_acc, aux_acc = carry
-    k, mb = xs
-    grads, (loss_sum, extra, aux) = grad_fn(mb, jax.random.fold_in(step_rng, k))
-    return (
-      optax.tree.add(grads_acc, grads),
-      loss_acc + loss_sum / units,
-      extra_acc + extra / extra_terms,
-      jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux),
-    ), None
-
-  init = (
-    optax.tree.zeros_like(params, jnp.float32),
-    jnp.zeros((), jnp.float32),
-    jnp.zeros((), jnp.float32),
-    zero_aux,
-  )
-  (grads, loss, extra, aux), _ = jax.lax.scan(
-    body, init, (jnp.arange(k_steps), micro_batches), unroll=unroll
-  )
-  return grads, loss, extra, aux
-
-
-def sharded_accumulate(
-  loss_fn: LossFn,
-  params,
-  batch,
-  units,
-  step_rng,
-  *,
-  grad_accum_steps: int,
-  mesh: Mesh,
-  param_specs,
-  compute_dtype=None,
-  unroll: int = 1,
-  loss_scale=1.0,
-):
-  """``accumulate`` with device-local accumulators and ONE reduction per update step.
-
-  Under ``jax.shard_map`` over ``("data", "fsdp")`` each device: all-gathers its fsdp-sharded
-  parameters once, splits ITS rows of the global batch into K micro-batches (the same
-  micro-batch membership as the unsharded split when ``K`` divides the per-device rows),
-  scans them into a local fp32 accumulator, and only after the scan reduces: ``psum`` over
-  ``data`` then ``psum_scatter`` over ``fsdp`` (or ``psum`` over both for replicated
-  leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside every micro-step.
-
-  Args:
-    batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
-    units: global N (float32, ≥ 1), computed on the global batch outside.
-    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.sharding``).
-  """
-  devices = mesh.devices.size
-
-  def local(params, batch, units, step_rng, loss_scale):
-    full = jax.tree.map(_gather, params, param_specs)
-    grads, loss, extra, aux = accumulate(
-      loss_fn,
-      full,
-      split_micro_batches(batch, grad_accum_steps),
-      units,
-      step_rng,
-      compute_dtype=compute_dtype,
-      extra_terms=grad_accum_steps * devices,
-      unroll=unroll,
-      loss_scale=loss_scale,
-    )
-    grads = jax.tree.map(_reduce, grads, param_specs)
-    return grads, *jax.lax.psum((loss, extra, aux), AXES)
-
-  specs = (param_specs, P(AXES), P(), P(), P())
-  # check_vma=False: the scan's zero-initialized carries are device-invariant while the
-  # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
-  return jax.shard_map(
-    local,
-    mesh=mesh,
-    in_specs=specs,
-    out_specs=(param_specs, P(), P(), P()),
-    check_vma=False,
-  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32))
-
-
-def _fsdp_dim(spec: P) -> int | None:
-  return next((d for d, name in enumerate(spec) if name == "fsdp"), None)
-
-
-def _gather(x, spec: P):
-  dim = _fsdp_dim(spec)
-  return x if dim is None else jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
-
-
-def _reduce(g, spec: P):
-  dim = _fsdp_dim(spec)
-  if dim is None:
-    return jax.lax.psum(g, AXES)
-  return jax.lax.psum_scatter(jax.lax.psum(g, "data"), "fsdp", scatter_dimension=dim, tiled=True)
 
 
 def current_lr(opt_state) -> jax.Array:
