@@ -48,18 +48,20 @@ def assert_same_final_state(a_dir, b_dir):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def uninterrupted_run(tmp_path) -> dict:
+  """Runs the reference to the end in ``tmp_path/straight``; returns the env to reuse."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run(cli_args(tmp_path, "straight"), env=env, capture_output=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return env
+
+
 def metric_columns(run_dir):
   return [(r["step"], r["loss"]) for r in read_lines(run_dir / "metrics.jsonl")]
 
 
 def test_sigterm_saves_at_the_update_boundary_and_resume_matches(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  assert (
-    subprocess.run(
-      cli_args(tmp_path, "straight"), env=env, capture_output=True, timeout=300
-    ).returncode
-    == 0
-  )
+  env = uninterrupted_run(tmp_path)
   args = cli_args(tmp_path, "stopped")
   proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
@@ -80,13 +82,7 @@ def test_sigterm_saves_at_the_update_boundary_and_resume_matches(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_or_corrupts(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  assert (
-    subprocess.run(
-      cli_args(tmp_path, "straight"), env=env, capture_output=True, timeout=300
-    ).returncode
-    == 0
-  )
+  env = uninterrupted_run(tmp_path)
   args = cli_args(tmp_path, "killed")
   rng = random.Random(0)
   kills = 0
