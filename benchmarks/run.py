@@ -15,15 +15,30 @@ import time
 from benchmarks.harness import RESULTS, Worker, environment, fmt, interleaved, ratio_stats, write
 
 
-def suite_host_overhead(quick: bool) -> dict:
-  """Host-side data + logging overhead per update step on the tiny config (issue 3)."""
-  spec = {"kind": "loop", "config": "tiny", "steps": 6 if quick else 30}
-  workers = {"real": Worker(spec), "noop": Worker({**spec, "noop": True})}
+def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
+  """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker.
+
+  Returns ``(results per name, ready-info per name, failed)``; a worker that cannot start
+  (e.g. torch.compile on some hosts) is recorded in ``failed`` instead of stopping the suite.
+  """
+  workers, failed = {}, {}
   try:
-    res = interleaved(workers, rounds=2 if quick else 10)
+    for name, spec in specs.items():
+      try:
+        workers[name] = Worker(spec)
+      except RuntimeError as e:
+        failed[name] = str(e)
+    res = interleaved(workers, rounds=rounds)
   finally:
     for w in workers.values():
       w.close()
+  return res, {n: w.info for n, w in workers.items()}, failed
+
+
+def suite_host_overhead(quick: bool) -> dict:
+  """Host-side data + logging overhead per update step on the tiny config (issue 3)."""
+  spec = {"kind": "loop", "config": "tiny", "steps": 6 if quick else 30}
+  res, _, _ = measure({"real": spec, "noop": {**spec, "noop": True}}, rounds=2 if quick else 10)
   real = [r["median_step"] for r in res["real"]]
   noop = [r["median_step"] for r in res["noop"]]
   stats = ratio_stats(noop, real)
@@ -41,18 +56,14 @@ def suite_checkpoint(quick: bool) -> dict:
   config = "tiny" if quick else "small"
   steps, every = (6, 3) if quick else (12, 4)
   base = {"kind": "loop", "config": config, "steps": steps}
-  workers = {
-    "none": Worker({**base, "rates": True}),
-    "async": Worker({**base, "save_every": every, "async_save": True}),
-    "sync": Worker({**base, "save_every": every, "async_save": False}),
+  specs = {
+    "none": {**base, "rates": True},
+    "async": {**base, "save_every": every, "async_save": True},
+    "sync": {**base, "save_every": every, "async_save": False},
   }
-  try:
-    res = interleaved(workers, rounds=2 if quick else 6)
-  finally:
-    for w in workers.values():
-      w.close()
+  res, info, _ = measure(specs, rounds=2 if quick else 6)
   step = [r["median_step"] for r in res["none"]]
-  out = {"spec": base, "every": every, "raw": res, "rates": workers["none"].info}
+  out = {"spec": base, "every": every, "raw": res, "rates": info["none"]}
   rows = []
   for mode in ("async", "sync"):
     stall = [
@@ -66,7 +77,7 @@ def suite_checkpoint(quick: bool) -> dict:
         "≤ 0.10" if mode == "async" else "",
       )
     )
-  rates = workers["none"].info
+  rates = info["none"]
   rows.append(
     (
       f"save / restore MB/s ({rates['state_mb']:.1f} MB state)",
@@ -115,17 +126,6 @@ def suite_fsdp_memory(quick: bool) -> dict:
   }
 
 
-def _start(specs: dict) -> tuple[dict, dict]:
-  """Starts a worker per spec; one that cannot start (e.g. torch.compile here) is recorded."""
-  workers, failed = {}, {}
-  for name, spec in specs.items():
-    try:
-      workers[name] = Worker(spec)
-    except RuntimeError as e:
-      failed[name] = str(e)
-  return workers, failed
-
-
 def suite_step(quick: bool) -> dict:
   """jaxstep's step vs the compute floor, unrolled, MultiSteps, PyTorch; MFU (issue 7)."""
   import importlib.util
@@ -153,18 +153,13 @@ def suite_step(quick: bool) -> dict:
     if not quick:
       specs["torch_compile"] = {**base, "kind": "torch", "compile": True}
       specs["torch_ddp"] = {**base, "kind": "torch_ddp"}
-  workers, failed = _start(specs)
-  try:
-    res = interleaved(workers, rounds=2 if quick else 20)
-  finally:
-    for w in workers.values():
-      w.close()
+  res, info, failed = measure(specs, rounds=2 if quick else 20)
   sec = {n: [r["seconds"] for r in rounds] for n, rounds in res.items() if n != "matmul"}
   out = {
     "spec": base,
     "raw": res,
     "failed": failed,
-    "info": {n: w.info for n, w in workers.items()},
+    "info": info,
   }
   out["scan_over_floor"] = ratio_stats(sec["jaxstep"], sec["floor"])
   out["tokens_vs_multisteps"] = ratio_stats(sec["multisteps"], sec["jaxstep"])
