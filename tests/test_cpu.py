@@ -3,7 +3,7 @@
 import pytest
 
 from jaxstep import config as config_lib
-from jaxstep.cpu import configure_cpu_defaults, cpu_device_count
+from jaxstep.cpu import configure_cpu_defaults, cpu_device_count, extra_xla_flags
 
 
 @pytest.mark.parametrize(
@@ -29,3 +29,16 @@ def test_nothing_changes_once_the_backend_runs(monkeypatch):
   import os
 
   assert "XLA_FLAGS" not in os.environ
+
+
+@pytest.mark.parametrize(
+  "devices, flags, version, expected",
+  [
+    (2, "", "0.10.2", "--xla_cpu_multi_thread_eigen=false"),  # YNN fusions stay on
+    (1, "", "0.10.2", "--xla_cpu_experimental_ynn_fusion_type="),
+    (1, "--xla_cpu_experimental_ynn_fusion_type=dot", "0.10.2", ""),  # the user's choice
+    (1, "", "0.12.0", ""),  # not measured there: leave XLA's default
+  ],
+)
+def test_extra_xla_flags(devices, flags, version, expected):
+  assert extra_xla_flags(devices, flags, version) == expected
