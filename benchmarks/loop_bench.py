@@ -2,7 +2,10 @@
 
 * host overhead = step time with the device step replaced by a jitted no-op ÷ real step time
   (batch assembly, host checks, device_put, dispatch, metric read-back, logging).
-* checkpoint stall = extra loop time per save ÷ one step time, async and sync saves.
+* checkpoint stall = extra loop time per save ÷ one step time, async and sync saves, two
+  ways: across runs (total loop time with saves − without, per save; this includes any
+  slowdown of the steps while the async write runs) and within one run (the update step
+  whose interval holds the save − the median step without one: the blocking part).
 """
 
 from __future__ import annotations
@@ -107,10 +110,18 @@ def loop_contender(spec: dict):
     run_lib.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
     shutil.rmtree(ck_dir)
     steady = times.values[1:]  # the first includes compilation
+    every = spec.get("save_every", 0)
+    # A save after update s blocks (at least) until s is computed and copied to the host,
+    # before update s + 1 is dispatched: it lands in the interval reported for s.
+    hit = [s for s in range(2, len(times.values) + 1) if every and s % every == 0]
+    plain = [t for s, t in enumerate(times.values[1:], start=2) if s not in hit]
     return {
       "median_step": statistics.median(steady),
       "total": sum(steady),
-      "saves": spec["steps"] // spec["save_every"] if spec.get("save_every") else 0,
+      "saves": spec["steps"] // every if every else 0,
+      "blocking_per_save": (
+        statistics.mean(times.values[s - 1] for s in hit) - statistics.median(plain) if hit else 0.0
+      ),
     }
 
   run_once()  # compile + warm up
