@@ -10,7 +10,6 @@ Dropout is switched off for the comparison (its masks depend on the micro-batch 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -121,24 +120,14 @@ def format_stages(stages: list[Stage], k: int, precision: str) -> str:
 
 def main(argv=None) -> int:
   from jaxstep import config as config_lib
-  from jaxstep.errors import ConfigError, DataError
 
-  p = argparse.ArgumentParser(
-    prog="python -m jaxstep.check",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  config_lib.add_config_args(p)
-  args = p.parse_args(argv)
-  try:
-    cfg = config_lib.load(args.config, args.overrides)
+  def action(cfg) -> int:
     stages = check_config(cfg)
-  except (ConfigError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  k = cfg.train.grad_accum_steps if cfg.train.grad_accum_steps > 1 else 2
-  print(format_stages(stages, k, cfg.train.precision))
-  return 0 if all(s.passed for s in stages) else 1
+    k = cfg.train.grad_accum_steps if cfg.train.grad_accum_steps > 1 else 2
+    print(format_stages(stages, k, cfg.train.precision))
+    return 0 if all(s.passed for s in stages) else 1
+
+  return config_lib.config_command("python -m jaxstep.check", __doc__, action, argv)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,18 @@ validates. Unknown keys name the nearest valid key; wrong types name key, value 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import pathlib
+import sys
 import types
 import typing
 from typing import Any
 
 import yaml
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import GPTConfig
 from jaxstep.optim import OptimConfig
 
@@ -307,6 +309,21 @@ def add_config_args(parser) -> None:
     help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
   )
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+
+def config_command(prog: str, doc: str, action, argv=None) -> int:
+  """``main`` of a tool that takes ``--config`` + overrides and runs ``action(cfg) -> exit
+  code``; a bad config or bad data prints one ``error:`` line and returns 2."""
+  p = argparse.ArgumentParser(
+    prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  add_config_args(p)
+  args = p.parse_args(argv)
+  try:
+    return action(load(args.config, args.overrides))
+  except (ConfigError, DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 def dump(cfg: Config) -> str:

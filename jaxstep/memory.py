@@ -15,7 +15,6 @@ add 4P when F > 1, and bf16/fp16 compute adds a 2P cast copy.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -107,21 +106,12 @@ def report(cfg) -> str:
 
 def main(argv=None) -> int:
   from jaxstep import config as config_lib
-  from jaxstep.errors import ConfigError, DataError
 
-  p = argparse.ArgumentParser(
-    prog="python -m jaxstep.memory",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  config_lib.add_config_args(p)
-  args = p.parse_args(argv)
-  try:
-    print(report(config_lib.load(args.config, args.overrides)))
-  except (ConfigError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  def action(cfg) -> int:
+    print(report(cfg))
+    return 0
+
+  return config_lib.config_command("python -m jaxstep.memory", __doc__, action, argv)
 
 
 if __name__ == "__main__":
