@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -192,8 +193,7 @@ def sharded_accumulate(
       unroll=unroll,
       loss_scale=loss_scale,
     )
-    grads = jax.tree.map(_reduce, grads, param_specs)
-    return grads, *jax.lax.psum((loss, extra, aux), AXES)
+    return _reduce(grads, (loss, extra, aux), param_specs)
 
   specs = (param_specs, P(AXES), P(), P(), P())
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
@@ -216,8 +216,24 @@ def _gather(x, spec: P):
   return x if dim is None else jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
 
 
-def _reduce(g, spec: P):
-  dim = _fsdp_dim(spec)
-  if dim is None:
-    return jax.lax.psum(g, AXES)
-  return jax.lax.psum_scatter(jax.lax.psum(g, "data"), "fsdp", scatter_dimension=dim, tiled=True)
+def _reduce(grads, sums, param_specs):
+  """The update's reduction: ``(grads, *sums)`` summed over every device.
+
+  Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
+  one ``psum``: gloo (multi-process CPU) runs a tuple all-reduce of 30 operands ~23× slower
+  than one buffer of the same size (124 vs 5.4 ms for 0.46 M floats, 2 processes).
+  fsdp-sharded leaves: ``psum`` over data, then ``psum_scatter`` over fsdp.
+  """
+  leaves, treedef = jax.tree.flatten(grads)
+  specs = treedef.flatten_up_to(param_specs)
+  replicated = [i for i, spec in enumerate(specs) if _fsdp_dim(spec) is None]
+  flat, unravel = ravel_pytree(([leaves[i] for i in replicated], sums))
+  summed, sums = unravel(jax.lax.psum(flat, AXES))
+  for i, g in zip(replicated, summed, strict=True):
+    leaves[i] = g
+  for i, spec in enumerate(specs):
+    if i not in replicated:
+      leaves[i] = jax.lax.psum_scatter(
+        jax.lax.psum(leaves[i], "data"), "fsdp", scatter_dimension=_fsdp_dim(spec), tiled=True
+      )
+  return jax.tree.unflatten(treedef, leaves), *sums

@@ -107,6 +107,15 @@ def test_no_collective_inside_the_micro_step_loop(equivalence):
   assert by_mesh[(1, 8)]["all-gather"] >= 1
 
 
+def test_replicated_gradients_and_metrics_are_reduced_as_one_flat_buffer(equivalence):
+  # gloo runs a tuple all-reduce of 30 operands ~23x slower than one buffer of the same size
+  sharded, _ = equivalence
+  data_parallel = [r for r in sharded if tuple(r["mesh"]) == (8, 1)]
+  for r in data_parallel:
+    assert r["all_reduce_operands"] and all(n == 1 for n in r["all_reduce_operands"]), r
+    assert len(r["all_reduce_operands"]) <= 2, r  # the token count N, then everything else
+
+
 def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

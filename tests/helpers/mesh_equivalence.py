@@ -97,6 +97,12 @@ def adamw_leaf_errors(params, ref):
   return max(rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def all_reduce_operands(hlo: str) -> list[int]:
+  """Operand count of every all-reduce in the program (a tuple all-reduce has several)."""
+  calls = (re.search(r" all-reduce(?:-start)?\(([^)]*)\)", line) for line in hlo.splitlines())
+  return [len(re.findall(r"%[\w.\-]+", c.group(1))) for c in calls if c]
+
+
 def rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -134,6 +140,7 @@ def main():
             "bias_spec": list(state.params["ln_f"]["bias"].sharding.spec),
             "step_spec": list(state.step.sharding.spec),
             "loop_collectives": loop_collectives(hlo),
+            "all_reduce_operands": all_reduce_operands(hlo),
           }
         ),
         flush=True,
