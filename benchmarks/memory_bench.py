@@ -41,10 +41,10 @@ def fsdp_memory(spec: dict):
     mem = compiled.memory_analysis()
     dev0 = jax.devices()[0]
     state_bytes = sum(
-      sh.data.nbytes
+      shard.data.nbytes
       for x in jax.tree.leaves(state)
-      for sh in x.addressable_shards
-      if sh.device == dev0
+      for shard in x.addressable_shards
+      if shard.device == dev0
     )
     rows.append(
       {

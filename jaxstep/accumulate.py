@@ -225,15 +225,15 @@ def _reduce(grads, sums, param_specs):
   fsdp-sharded leaves: ``psum`` over data, then ``psum_scatter`` over fsdp.
   """
   leaves, treedef = jax.tree.flatten(grads)
-  specs = treedef.flatten_up_to(param_specs)
-  replicated = [i for i, spec in enumerate(specs) if _fsdp_dim(spec) is None]
+  dims = [_fsdp_dim(spec) for spec in treedef.flatten_up_to(param_specs)]
+  replicated = [i for i, dim in enumerate(dims) if dim is None]
   flat, unravel = ravel_pytree(([leaves[i] for i in replicated], sums))
   summed, sums = unravel(jax.lax.psum(flat, AXES))
   for i, g in zip(replicated, summed, strict=True):
     leaves[i] = g
-  for i, spec in enumerate(specs):
-    if i not in replicated:
+  for i, dim in enumerate(dims):
+    if dim is not None:
       leaves[i] = jax.lax.psum_scatter(
-        jax.lax.psum(leaves[i], "data"), "fsdp", scatter_dimension=_fsdp_dim(spec), tiled=True
+        jax.lax.psum(leaves[i], "data"), "fsdp", scatter_dimension=dim, tiled=True
       )
   return jax.tree.unflatten(treedef, leaves), *sums

@@ -208,10 +208,10 @@ class LateMetrics:
     self.peak = peak_flops_per_device(run.cfg.train.peak_tflops)
     self.tokens_per_step = run.cfg.train.global_batch_size * run.cfg.train.seq_len
 
-  def submit(self, step: int, epoch: int, metrics: dict, batch: dict, position: dict) -> None:
+  def submit(self, step: int, metrics: dict, batch: dict, position: dict) -> None:
     """Queues step ``step``; reports the previous one. ``batch`` (host arrays) and its
     ``position`` are kept one step so a non-finite update can be saved for debugging."""
-    previous, self.pending = self.pending, (step, epoch, metrics, batch, position)
+    previous, self.pending = self.pending, (step, metrics, batch, position)
     if previous:
       self._report(*previous)
 
@@ -223,7 +223,7 @@ class LateMetrics:
   def restart_clock(self) -> None:
     self.clock = time.perf_counter()
 
-  def _report(self, step: int, epoch: int, metrics: dict, batch: dict, position: dict) -> None:
+  def _report(self, step: int, metrics: dict, batch: dict, position: dict) -> None:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step
     skipped_total = values.pop("skipped_total", 0.0)
     now = time.perf_counter()
@@ -231,7 +231,7 @@ class LateMetrics:
     tokens_per_sec = self.tokens_per_step / step_time
     record = {
       "step": step,
-      "epoch": epoch,
+      "epoch": position["epoch"],
       **values,
       "updated": bool(values["updated"]),
       "skipped": not values["updated"],
@@ -340,7 +340,7 @@ def loop(
         state, metrics = run.step_fn(state, sharding.put_batch(batch, run.batch_sharding))
         position = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
         rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
-        late.submit(rs.step, position["epoch"], metrics, batch, position)
+        late.submit(rs.step, metrics, batch, position)
         if t.nonfinite == "halt":  # read back now: stop before another update is dispatched
           late.flush()
         ckpt.save(state, rs)
