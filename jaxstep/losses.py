@@ -33,5 +33,19 @@ def masked_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):
   logits = logits.astype(jnp.float32)
   mask = loss_mask.astype(jnp.float32)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  correct = argmax_hits(logits, targets).astype(jnp.float32)
   return jnp.sum(nll * mask), {"correct": jnp.sum(correct * mask)}
+
+
+def argmax_hits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """``argmax(logits, -1) == targets`` for finite or infinite logits, without argmax.
+
+  The first index holding the row max, found as a min over indices, is argmax's answer
+  (ties go to the first). The row max is the softmax's own, so this adds one plain
+  min-reduction; XLA:CPU runs argmax's (value, index) reduction unvectorized, ~2 % of a
+  bundled-GPT step (measured in benchmarks/). Shapes ``[..., V]``, ``[...]``.
+  """
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  first_max = jnp.min(jnp.where(logits == row_max, index, logits.shape[-1]), axis=-1)
+  return first_max == targets

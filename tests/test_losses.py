@@ -4,8 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxstep.losses import next_token_loss
+from jaxstep.losses import argmax_hits, next_token_loss
 
 
 def test_nll_sum_counts_only_masked_positions_and_upcasts():
@@ -19,3 +21,19 @@ def test_nll_sum_counts_only_masked_positions_and_upcasts():
   assert float(loss_sum) == pytest.approx(float(nll[0, 0] + nll[0, 2] + nll[1, 2]), rel=1e-6)
   hits = (jnp.argmax(logits, -1) == targets) * mask
   assert float(aux["correct"]) == float(hits.sum())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 7)),
+  levels=st.integers(1, 4),
+  seed=st.integers(0, 2**16),
+)
+def test_argmax_hits_equals_argmax_including_ties(shape, levels, seed):
+  # Few distinct logit values force ties; argmax's rule is the FIRST maximal index.
+  rng = np.random.default_rng(seed)
+  values = np.array([-np.inf, -1.0, 0.0, 2.5])[-levels:]
+  logits = jnp.asarray(rng.choice(values, size=shape), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, shape[-1], size=shape[:-1]), jnp.int32)
+  expected = jnp.argmax(logits, axis=-1) == targets
+  np.testing.assert_array_equal(argmax_hits(logits, targets), expected)
