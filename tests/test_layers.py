@@ -1,4 +1,6 @@
-"""The hand-written dense backward equals autodiff of the plain matmul."""
+"""The hand-written dense and attention backwards equal autodiff of the plain math."""
+
+import math
 
 import chex
 import jax
@@ -7,7 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxstep import models
-from jaxstep.models.layers import dense_dot_general
+from jaxstep.models import gpt
+from jaxstep.models.layers import causal_attention, dense_dot_general
 
 
 def _plain_and_custom(d_in, d_out):
@@ -40,8 +43,9 @@ def test_other_contractions_fall_back_to_lax():
   chex.assert_trees_all_close(dense_dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
 
 
-def test_gpt_gradient_matches_the_autodiff_model():
-  """The bundled GPT with the custom backward vs the same weights with plain nnx.Linear."""
+def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
+  """The bundled GPT with the custom backwards vs the same weights with plain nnx.Linear
+  and plain einsum attention."""
   cfg = models.GPTConfig(vocab_size=16, max_seq_len=8, d_model=16, n_layers=1, n_heads=2)
   apply_fn, params = models.build(cfg, 0)
   tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, 16)
@@ -55,9 +59,50 @@ def test_gpt_gradient_matches_the_autodiff_model():
       node.dot_general = jax.lax.dot_general  # flax's default
   ref_apply, ref_params = models.from_nnx(ref_module)
   chex.assert_trees_all_close(ref_params, params)
+  custom = jax.grad(lambda p: loss(apply_fn, p))(params)
+  with monkeypatch.context() as patch:
+    patch.setattr(gpt, "causal_attention", reference_attention)
+    expected = jax.grad(lambda p: loss(ref_apply, p))(params)
   chex.assert_trees_all_close(
-    jax.grad(lambda p: loss(apply_fn, p))(params),
-    jax.grad(lambda p: loss(ref_apply, p))(params),
+    custom,
+    expected,
     rtol=1e-5,
     atol=1e-6,
   )
+
+
+def reference_attention(q, k, v):
+  """The plain einsum causal attention (fp32 softmax) that autodiff differentiates."""
+  s, dh = q.shape[1], q.shape[-1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(dh)
+  scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 2, 4), (1, 5, 3, 8), (3, 1, 1, 2)])  # [B, S, H, Dh]
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_value_and_grads_match_autodiff(shape, dtype):
+  q, k, v = (jax.random.normal(jax.random.key(i), shape, dtype) for i in range(3))
+  probe = jax.random.normal(jax.random.key(9), shape, jnp.float32)
+
+  def objective(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe)
+
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  chex.assert_trees_all_close(
+    causal_attention(q, k, v), reference_attention(q, k, v), rtol=tol, atol=tol
+  )
+  grads = jax.jit(jax.grad(objective(causal_attention), argnums=(0, 1, 2)))(q, k, v)
+  expected = jax.grad(objective(reference_attention), argnums=(0, 1, 2))(q, k, v)
+  chex.assert_trees_all_close(grads, expected, rtol=tol, atol=tol)
+  assert [g.dtype for g in grads] == [dtype] * 3
+
+
+def test_attention_is_causal():
+  """Changing a later token's k/v leaves every earlier output and its gradient unchanged."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 6, 2, 4)) for i in range(3))
+  k2, v2 = k.at[:, 4:].add(1.0), v.at[:, 4:].add(1.0)
+  chex.assert_trees_all_close(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
+  early = lambda q, k, v: jnp.sum(causal_attention(q, k, v)[:, :4])  # noqa: E731
+  assert float(jnp.abs(jax.grad(early, argnums=1)(q, k, v)[:, 4:]).max()) == 0.0

@@ -1,22 +1,23 @@
 """A small decoder-only transformer (GPT) in Flax NNX.
 
 Pre-LayerNorm blocks; attention uses one fused QKV projection and two einsums with a causal
-mask (measured 1.16× faster than ``nnx.MultiHeadAttention`` on CPU, PERF_NOTES.md); every
-projection's weight gradient is ordered for XLA:CPU (``layers.dense_dot_general``, ~10 %
-per micro-step); learned position embeddings; tied or untied output head.
+mask (measured 1.16× faster than ``nnx.MultiHeadAttention`` on CPU, PERF_NOTES.md), with a
+hand-written backward that transposes only ``[S, Dh]`` operands (``layers.causal_attention``,
+1.06× per step); every projection's weight gradient is ordered for XLA:CPU
+(``layers.dense_dot_general``, ~10 % per micro-step); learned position embeddings; tied or
+untied output head.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.errors import ConfigError
-from jaxstep.models.layers import dense_dot_general
+from jaxstep.models.layers import causal_attention, dense_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +80,7 @@ class Block(nnx.Module):
     b, s, d = x.shape  # [B, S, D]
     h = self.n_heads
     q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)  # [B, S, H, Dh]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)  # [B, H, S, S]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    # Softmax in fp32 even under bf16 compute: the row sums are where precision is lost.
-    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return self.proj(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d))
+    return self.proj(causal_attention(q, k, v).reshape(b, s, d))
 
   def __call__(self, x, *, rng, train: bool):
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)

@@ -1,4 +1,6 @@
-"""A dense matmul whose backward pass is laid out for XLA:CPU (measured in benchmarks/).
+"""Matmul layers whose backward passes are laid out for XLA:CPU (measured in benchmarks/):
+a dense projection and causal attention. Same math as autodiff; only the operand order of
+the backward's dots differs.
 
 ``dense_dot_general`` is a drop-in ``dot_general`` for ``nnx.Linear``: the forward is the
 plain ``x @ W``; the backward is the textbook one, ``dx = dy @ Wᵀ`` and ``dW = xᵀ @ dy``,
@@ -15,6 +17,8 @@ On accelerators the autodiff backward is already fine, so nothing changes there.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,3 +68,44 @@ def dense_dot_general(x, w, dimension_numbers, precision=None, preferred_element
       x, w, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
     )
   return _matmul(x, w)
+
+
+@jax.custom_vjp
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal softmax attention, ``[B, S, H, Dh]`` each -> ``[B, S, H, Dh]``.
+
+  ``softmax(q·kᵀ / √Dh + causal mask) · v`` per head, the softmax in fp32 whatever the
+  compute dtype. The backward is written out (``dp = do·vᵀ``, ``ds = p ⊙ (dp − Σ dp ⊙ p)``,
+  ``dq = ds·k``, ``dk = dsᵀ·q``, ``dv = pᵀ·do``) so every dot transposes only a small
+  ``[S, Dh]`` operand: autodiff lets XLA:CPU transpose the ``[S, S]`` probabilities and
+  score gradients instead, and attention's fwd+bwd runs 1.15× faster this way (2 × 128
+  tokens, 4 heads of 32, one core).
+  """
+  return _attention_fwd(q, k, v)[0]
+
+
+def _attention_fwd(q, k, v):
+  qh = q.transpose(0, 2, 1, 3)  # [B, H, Sq, Dh]
+  kt = k.transpose(0, 2, 3, 1)  # [B, H, Dh, Sk]
+  vh = v.transpose(0, 2, 1, 3)  # [B, H, Sk, Dh]
+  s = q.shape[1]
+  scores = jnp.einsum("bhqd,bhdk->bhqk", qh, kt).astype(jnp.float32) / math.sqrt(q.shape[-1])
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  p = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vh)
+  return out.transpose(0, 2, 1, 3), (qh, kt, vh, p)
+
+
+def _attention_bwd(residuals, do):
+  qh, kt, vh, p = residuals  # p: fp32 probabilities [B, H, Sq, Sk], 0 where masked
+  doh = do.transpose(0, 2, 1, 3)  # [B, H, Sq, Dh]
+  dp = jnp.einsum("bhqd,bhdk->bhqk", doh, vh.transpose(0, 1, 3, 2)).astype(jnp.float32)
+  dvt = jnp.einsum("bhdq,bhqk->bhdk", doh.transpose(0, 1, 3, 2), p.astype(do.dtype))
+  ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(qh.shape[-1])
+  ds = ds.astype(qh.dtype)  # d(q·kᵀ); masked entries are 0 since p is
+  dq = jnp.einsum("bhqk,bhkd->bhqd", ds, kt.transpose(0, 1, 3, 2))
+  dkt = jnp.einsum("bhdq,bhqk->bhdk", qh.transpose(0, 1, 3, 2), ds)
+  return dq.transpose(0, 2, 1, 3), dkt.transpose(0, 3, 1, 2), dvt.transpose(0, 3, 1, 2)
+
+
+causal_attention.defvjp(_attention_fwd, _attention_bwd)
