@@ -106,3 +106,32 @@ def test_attention_is_causal():
   chex.assert_trees_all_close(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
   early = lambda q, k, v: jnp.sum(causal_attention(q, k, v)[:, :4])  # noqa: E731
   assert float(jnp.abs(jax.grad(early, argnums=1)(q, k, v)[:, 4:]).max()) == 0.0
+
+
+def _dots(jaxpr):
+  """Every dot_general in a jaxpr, nested ones (custom_vjp, pjit, scan) included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        yield from _dots(inner)
+
+
+def test_every_gpt_gradient_dot_is_canonical_on_cpu():
+  """The layout the custom backwards exist for: each dot contracts the lhs's LAST dim with
+  the rhs's first non-batch dim (what YNNPACK and Eigen's fast kernel take). Autodiff of
+  ``x @ W`` or of einsum attention contracts the token dim of both operands instead."""
+  cfg = models.GPTConfig(
+    vocab_size=16, max_seq_len=8, d_model=16, n_layers=1, n_heads=2, tie_embeddings=False
+  )
+  apply_fn, params = models.build(cfg, 0)
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(apply_fn(p, tokens))))(params).jaxpr
+  dots = list(_dots(jaxpr))
+  assert len(dots) >= 20  # 6 projections x 3 dots + 2 x 3 attention dots
+  for eqn in dots:
+    (lhs_c, rhs_c), (_, rhs_b) = eqn.params["dimension_numbers"]
+    lhs_ndim = eqn.invars[0].aval.ndim
+    assert tuple(lhs_c) == (lhs_ndim - 1,) and tuple(rhs_c) == (len(rhs_b),), eqn
