@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxstep import models
-from jaxstep.models import gpt
+from jaxstep.models import gpt, layers
 from jaxstep.models.layers import causal_attention, dense_dot_general
 
 
@@ -44,8 +44,8 @@ def test_other_contractions_fall_back_to_lax():
 
 
 def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
-  """The bundled GPT with the custom backwards vs the same weights with plain nnx.Linear
-  and plain einsum attention."""
+  """The bundled GPT with the custom backwards vs the same weights with plain nnx.Linear,
+  plain einsum attention and flax's LayerNorm."""
   cfg = models.GPTConfig(vocab_size=16, max_seq_len=8, d_model=16, n_layers=1, n_heads=2)
   apply_fn, params = models.build(cfg, 0)
   tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, 16)
@@ -62,6 +62,7 @@ def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
   custom = jax.grad(lambda p: loss(apply_fn, p))(params)
   with monkeypatch.context() as patch:
     patch.setattr(gpt, "causal_attention", reference_attention)
+    patch.setattr(layers.LayerNorm, "__call__", nnx.LayerNorm.__call__)
     expected = jax.grad(lambda p: loss(ref_apply, p))(params)
   chex.assert_trees_all_close(
     custom,
@@ -135,3 +136,38 @@ def test_every_gpt_gradient_dot_is_canonical_on_cpu():
     (lhs_c, rhs_c), (_, rhs_b) = eqn.params["dimension_numbers"]
     lhs_ndim = eqn.invars[0].aval.ndim
     assert tuple(lhs_c) == (lhs_ndim - 1,) and tuple(rhs_c) == (len(rhs_b),), eqn
+
+
+@pytest.mark.parametrize(
+  "dtype, param_dtype",
+  [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+)
+def test_layer_norm_value_and_grads_match_flax(dtype, param_dtype):
+  # bf16 params: the step casts params to the compute dtype at the model boundary.
+  flax_ln = nnx.LayerNorm(16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+  ours = layers.LayerNorm(16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+  scale = (jax.random.normal(jax.random.key(4), (16,)) + 1.0).astype(param_dtype)
+  bias = jax.random.normal(jax.random.key(5), (16,)).astype(param_dtype)
+  ours.scale[...] = flax_ln.scale[...] = scale
+  ours.bias[...] = flax_ln.bias[...] = bias
+  x = (3.0 * jax.random.normal(jax.random.key(6), (2, 5, 16)) + 1.5).astype(dtype)
+  probe = jax.random.normal(jax.random.key(7), (2, 5, 16), jnp.float32)
+
+  def objective(layer, x):
+    return jnp.sum(layer(x).astype(jnp.float32) * probe)
+
+  grad = jax.jit(nnx.grad(objective, argnums=(0, 1)))
+  (g_ours, gx_ours), (g_flax, gx_flax) = grad(ours, x), grad(flax_ln, x)
+  tol = 1e-5 if dtype == param_dtype == jnp.float32 else 3e-2
+  assert ours(x).dtype == flax_ln(x).dtype
+  chex.assert_trees_all_close(ours(x), flax_ln(x), rtol=tol, atol=tol)
+  chex.assert_trees_all_close(nnx.state(g_ours), nnx.state(g_flax), rtol=tol, atol=tol)
+  chex.assert_trees_all_close(gx_ours, gx_flax, rtol=tol, atol=tol)
+  assert gx_ours.dtype == dtype
+
+
+def test_layer_norm_other_configurations_run_flax():
+  ln = layers.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
+  x = jnp.arange(8.0).reshape(2, 4)
+  flax_ln = nnx.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
+  chex.assert_trees_all_close(ln(x), flax_ln(x))
