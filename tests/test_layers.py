@@ -1,4 +1,4 @@
-"""The hand-written dense and attention backwards equal autodiff of the plain math."""
+"""The hand-written dense, attention and LayerNorm backwards equal autodiff of the plain math."""
 
 import math
 
