@@ -22,7 +22,10 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 class Worker:
-  """``python -m benchmarks.worker SPEC``: prints ``ready JSON``, then one JSON per ``run``."""
+  """``python -m benchmarks.worker SPEC``: prints ``ready JSON``, then one JSON per ``run``.
+
+  The process starts at construction; ``info`` waits for its ``ready`` line, so several
+  workers can be started first and build (import, compile, warm up) side by side."""
 
   def __init__(self, spec: dict, env: dict | None = None):
     self.spec = spec
@@ -34,7 +37,13 @@ class Worker:
       env={**os.environ, **(env or {})},
       cwd=pathlib.Path(__file__).resolve().parent.parent,
     )
-    self.info = self._read("ready")
+    self._info = None
+
+  @property
+  def info(self) -> dict:
+    if self._info is None:
+      self._info = self._read("ready")
+    return self._info
 
   def _read(self, tag: str) -> dict:
     for line in self.proc.stdout:
@@ -42,10 +51,17 @@ class Worker:
         return json.loads(line[len(tag) + 1 :])
     raise RuntimeError(f"worker {self.spec} exited with {self.proc.wait()}")
 
-  def run(self) -> dict:
+  def start_run(self) -> None:
+    self.info  # noqa: B018 -- the ready line comes first
     self.proc.stdin.write("run\n")
     self.proc.stdin.flush()
+
+  def result(self) -> dict:
     return self._read("result")
+
+  def run(self) -> dict:
+    self.start_run()
+    return self.result()
 
   def close(self) -> None:
     if self.proc.poll() is None:
