@@ -69,6 +69,28 @@ class Worker:
       self.proc.wait(timeout=60)
 
 
+class Together:
+  """``copies`` workers of one spec that run at the same moment; a run lasts as long as the
+  slowest of them. Timing this against one copy alone shows how much the cores slow each
+  other down when all are busy (shared execution units, caches, memory bandwidth)."""
+
+  def __init__(self, spec: dict, copies: int, env: dict | None = None):
+    self.workers = [Worker(spec, env) for _ in range(copies)]
+
+  @property
+  def info(self) -> dict:
+    return [w.info for w in self.workers][0]
+
+  def run(self) -> dict:
+    for w in self.workers:
+      w.start_run()
+    return max((w.result() for w in self.workers), key=lambda r: r["seconds"])
+
+  def close(self) -> None:
+    for w in self.workers:
+      w.close()
+
+
 def interleaved(workers: dict[str, Worker], rounds: int, seed: int = 0) -> dict[str, list]:
   """``rounds`` rounds; in each, every worker runs once, in a fresh random order."""
   rng = random.Random(seed)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import time
 
 from benchmarks.harness import (
   RESULTS,
+  Together,
   Worker,
   environment,
   fmt,
@@ -26,14 +28,16 @@ from benchmarks.harness import (
 def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
   """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker.
 
-  A spec's ``env`` is added to its worker's environment. Returns ``(results per name,
-  ready-info per name, failed)``; a worker that cannot start (e.g. torch.compile on some
-  hosts) is recorded in ``failed`` instead of stopping the suite.
+  A spec's ``env`` is added to its worker's environment; ``copies: n`` runs n workers of it
+  at the same moment (``Together``). Returns ``(results per name, ready-info per name,
+  failed)``; a worker that cannot start (e.g. torch.compile on some hosts) is recorded in
+  ``failed`` instead of stopping the suite.
   """
   workers, failed = {}, {}
   try:
     for name, spec in specs.items():  # start them all; they build side by side
-      workers[name] = Worker(spec, spec.get("env"))
+      env, copies = spec.get("env"), spec.get("copies")
+      workers[name] = Together(spec, copies, env) if copies else Worker(spec, env)
     for name in list(workers):
       try:
         workers[name].info  # noqa: B018 -- waits until built and warmed up
@@ -154,6 +158,7 @@ def suite_step(quick: bool) -> dict:
   import importlib.util
 
   from benchmarks.step_bench import MODEL, QUICK_MODEL
+  from jaxstep.cpu import ONE_THREAD
   from jaxstep.models import GPTConfig
 
   model, g, k = (QUICK_MODEL, 16, 4) if quick else (MODEL, 64, 16)
@@ -169,6 +174,12 @@ def suite_step(quick: bool) -> dict:
     for kk in (1, 4, 64):
       specs[f"jaxstep_k{kk}"] = {**base, "k": kk, "kind": "jaxstep"}
       specs[f"floor_k{kk}"] = {**base, "k": kk, "kind": "floor"}
+  cores = os.cpu_count() or 1
+  if cores > 1 and g % (cores * k) == 0:  # how much the busy cores slow each other down
+    alone = {**base, "g": g // cores, "kind": "jaxstep", "cpu_defaults": False}
+    alone["env"] = {"XLA_FLAGS": ONE_THREAD}  # one device, one thread
+    specs["core_alone"] = alone
+    specs["cores_together"] = {**alone, "copies": cores}
   torch_names = []
   if importlib.util.find_spec("torch"):  # quick: eager only (compile and DDP start slowly)
     torch_names = ["torch_eager"] if quick else ["torch_eager", "torch_compile", "torch_ddp"]
@@ -206,6 +217,25 @@ def suite_step(quick: bool) -> dict:
     "tokens_vs_multisteps": out["tokens_vs_multisteps"]["median"],
     "cpu_mfu": out["cpu_mfu"]["median"],
   }
+  if "cores_together" in sec:
+    out["cores_together_over_alone"] = ratio_stats(sec["cores_together"], sec["core_alone"])
+    out["scan_over_cores_together"] = ratio_stats(sec["jaxstep"], sec["cores_together"])
+    rows.append(
+      (
+        f"{cores} one-thread processes, each 1/{cores} of the batch, all at once ÷ one alone "
+        "(1.00: busy cores do not slow each other)",
+        fmt(out["cores_together_over_alone"]),
+        "",
+      )
+    )
+    rows.append(
+      (
+        f"time per global batch ÷ those {cores} processes at once",
+        fmt(out["scan_over_cores_together"]),
+        "",
+      )
+    )
+    summary["cores_together_over_alone"] = out["cores_together_over_alone"]["median"]
   live_torch = [n for n in torch_names if n in sec]
   if live_torch:
     best = [min(vals) for vals in zip(*(sec[n] for n in live_torch), strict=True)]
