@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxstep import models
 from jaxstep.models import gpt, layers
-from jaxstep.models.layers import causal_attention, dense_dot_general
+from jaxstep.models.layers import causal_attention, dense_dot_general, query_blocks
 
 
 def _plain_and_custom(d_in, d_out):
@@ -81,7 +81,11 @@ def reference_attention(q, k, v):
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-@pytest.mark.parametrize("shape", [(2, 8, 2, 4), (1, 5, 3, 8), (3, 1, 1, 2)])  # [B, S, H, Dh]
+# [B, S, H, Dh]: query blocks of 4 + 4, 3 + 2, one row, 64 + 64, and 4 × 64 + 44 rows
+ATTENTION_SHAPES = [(2, 8, 2, 4), (1, 5, 3, 8), (3, 1, 1, 2), (1, 128, 2, 8), (1, 300, 1, 4)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_attention_value_and_grads_match_autodiff(shape, dtype):
   q, k, v = (jax.random.normal(jax.random.key(i), shape, dtype) for i in range(3))
@@ -107,6 +111,24 @@ def test_attention_is_causal():
   chex.assert_trees_all_close(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
   early = lambda q, k, v: jnp.sum(causal_attention(q, k, v)[:, :4])  # noqa: E731
   assert float(jnp.abs(jax.grad(early, argnums=1)(q, k, v)[:, 4:]).max()) == 0.0
+
+
+@pytest.mark.parametrize("s", [1, 2, 5, 8, 127, 128, 300, 1024, 4099])
+def test_query_blocks_cover_every_row_once(s):
+  blocks = query_blocks(s)
+  assert blocks[0][0] == 0 and blocks[-1][1] == s
+  assert all(hi == lo for (_, hi), (lo, _) in zip(blocks[:-1], blocks[1:], strict=True))
+  assert all(hi > lo for lo, hi in blocks) and len(blocks) <= 8
+
+
+def test_attention_never_computes_the_masked_block():
+  """At 128 tokens the scores are a 64 × 64 and a 64 × 128 block: no dot of the forward or
+  backward makes the full 128 × 128 score matrix, whose upper-right quarter is masked."""
+  q = jnp.ones((1, 128, 2, 8))
+  jaxpr = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(causal_attention(q, q, q))))(q).jaxpr
+  trailing = [tuple(e.outvars[0].aval.shape[-2:]) for e in _dots(jaxpr)]
+  assert (64, 64) in trailing and (64, 128) in trailing
+  assert (128, 128) not in trailing
 
 
 def _dots(jaxpr):
