@@ -99,7 +99,8 @@ def accumulate(
   """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
 
   Args:
-    micro_batches: leaves ``[K, G/K, ...]`` (see ``split_micro_batches``).
+    micro_batches: leaves ``[K, G/K, ...]`` from ``split_micro_batches`` in the same jit
+      (then no copy of the batch is made; see below).
     units: global N as float32, clamped to ≥ 1 (a zero-unit batch is skipped later).
     step_rng: this update's key; micro-step k uses ``fold_in(step_rng, k)``.
     extra_terms: how many ``extra_loss`` values are averaged: K, or K × devices when each
@@ -127,9 +128,15 @@ def accumulate(
   _, (_, _, aux_shape) = jax.eval_shape(grad_fn, first, step_rng)
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
-  def body(carry, xs):
+  # Micro-batch k is read in place from the [G/K, K, ...] view of the batch: swapping the
+  # split's axes back undoes split_micro_batches' swap (XLA folds the two transposes into a
+  # free reshape), where scanning over [K, G/K, ...] would first copy the whole global batch
+  # into micro-batch order, scratch memory that grows with G = K × micro-batch.
+  in_place = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), micro_batches)
+
+  def body(carry, k):
     grads_acc, loss_acc, extra_acc, aux_acc = carry
-    k, mb = xs
+    mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False), in_place)
     grads, (loss_sum, extra, aux) = grad_fn(mb, jax.random.fold_in(step_rng, k))
     return (
       optax.tree.add(grads_acc, grads),
@@ -144,9 +151,7 @@ def accumulate(
     jnp.zeros((), jnp.float32),
     zero_aux,
   )
-  (grads, loss, extra, aux), _ = jax.lax.scan(
-    body, init, (jnp.arange(k_steps), micro_batches), unroll=unroll
-  )
+  (grads, loss, extra, aux), _ = jax.lax.scan(body, init, jnp.arange(k_steps), unroll=unroll)
   return grads, loss, extra, aux
 
 

@@ -290,3 +290,21 @@ def test_scan_unroll_changes_speed_not_results(np_rng, k):
     step = jax.jit(make_train_step(LM_LOSS, OPTIMIZER, grad_accum_steps=k, scan_unroll=unroll))
     states.append(step(state, batch)[0])
   chex.assert_trees_all_close(states[0].params, states[1].params, rtol=1e-6, atol=1e-7)
+
+
+def test_temp_memory_does_not_grow_with_the_global_batch():
+  """At a fixed micro-batch, K = 64 needs no more scratch memory than K = 4: the scan reads
+  each micro-batch out of the batch in place instead of first copying the whole global
+  batch into micro-batch order (that copy grows with G = K × micro-batch)."""
+  from jaxstep import models
+
+  cfg = models.GPTConfig(vocab_size=32, max_seq_len=64, d_model=8, n_layers=1, n_heads=1)
+  apply_fn, params = models.build(cfg, 0)
+  state = TrainState.create(params=params, optimizer=OPTIMIZER, rng=0)
+  temp = {}
+  for k in (4, 64):
+    batch = {n: jnp.zeros((4 * k, 64), jnp.int32) for n in ("inputs", "targets", "loss_mask")}
+    step = jax.jit(make_train_step(next_token_loss(apply_fn), OPTIMIZER, grad_accum_steps=k))
+    temp[k] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+  one_leaf = 4 * 64 * 64 * 4  # bytes of one [G, S] int32 leaf at K = 64
+  assert temp[64] - temp[4] < one_leaf, temp
