@@ -79,7 +79,8 @@ class Together:
 
   @property
   def info(self) -> dict:
-    return [w.info for w in self.workers][0]
+    ready = [w.info for w in self.workers]  # waits for every copy
+    return ready[0]
 
   def run(self) -> dict:
     for w in self.workers:
