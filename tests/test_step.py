@@ -12,7 +12,7 @@ from conftest import lm_batch, regression_loss, tiny_lm_apply, tiny_lm_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxstep import BatchError, TrainState, make_train_step
+from jaxstep import BatchError, TrainState, make_train_step, models
 from jaxstep.losses import next_token_loss
 from jaxstep.optim import OptimConfig, make_optimizer
 from jaxstep.step import split_micro_batches
@@ -296,8 +296,6 @@ def test_temp_memory_does_not_grow_with_the_global_batch():
   """At a fixed micro-batch, K = 64 needs no more scratch memory than K = 4: the scan reads
   each micro-batch out of the batch in place instead of first copying the whole global
   batch into micro-batch order (that copy grows with G = K × micro-batch)."""
-  from jaxstep import models
-
   cfg = models.GPTConfig(vocab_size=32, max_seq_len=64, d_model=8, n_layers=1, n_heads=1)
   apply_fn, params = models.build(cfg, 0)
   state = TrainState.create(params=params, optimizer=OPTIMIZER, rng=0)
