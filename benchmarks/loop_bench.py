@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxstep import config as config_lib
-from jaxstep import run as run_lib
-from jaxstep.callbacks import Callback
-from jaxstep.checkpoint import Checkpointer
-from jaxstep.state import RunState
+from jaxstep import trainer
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.callbacks import Callback
+from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.run_state import RunState
 
 
 class StepTimes(Callback):
@@ -62,7 +62,7 @@ def _build(spec: dict, tmp: pathlib.Path):
     f"train.max_steps={spec['steps']}",
   ]
   cfg = config_lib.load(spec.get("config", "tiny"), overrides)
-  run, state, rs = run_lib.build(cfg)
+  run, state, rs = trainer.build(cfg)
   if spec.get("noop"):
     run = dataclasses.replace(run, step_fn=jax.jit(noop_step, donate_argnums=0))
   (tmp / "run").mkdir()
@@ -107,7 +107,7 @@ def loop_contender(spec: dict):
       ck_dir, every=spec.get("save_every", 0), async_save=spec.get("async_save", True)
     )
     times = StepTimes()
-    run_lib.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
+    trainer.loop.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
     shutil.rmtree(ck_dir)
     steady = times.values[1:]  # the first includes compilation
     every = spec.get("save_every", 0)

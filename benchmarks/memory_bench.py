@@ -1,4 +1,4 @@
-"""Per-device memory of params + optimizer state under fsdp = 1, 2, 4, 8 (issue 5).
+"""Per-device memory of params + optimizer state under fsdp = 1, 2, 4, 8.
 
 Runs in a worker with 8 virtual CPU devices; reads ``memory_analysis()`` of the compiled
 train step (argument bytes = state + batch per device) and the bytes of the state's own
@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxstep import TrainState, make_train_step, models, sharding
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep import TrainState, make_train_step, models, parallel
+from jaxstep.core.losses import next_token_loss
+from jaxstep.core.optim import OptimConfig, make_optimizer
 
 
 def fsdp_memory(spec: dict):
@@ -20,18 +20,18 @@ def fsdp_memory(spec: dict):
   g, s, k = spec.get("global_batch_size", 16), cfg.max_seq_len, spec.get("k", 2)
   rows = []
   for fsdp in (1, 2, 4, 8):
-    mesh = sharding.make_mesh(jax.device_count() // fsdp, fsdp)
+    mesh = parallel.make_mesh(jax.device_count() // fsdp, fsdp)
     apply_fn, params = models.build(cfg, 0)
     opt = make_optimizer(OptimConfig(), 100)
     state = TrainState.create(params=params, optimizer=opt, rng=0)
-    sh = sharding.tree_shardings(state, mesh)
+    sh = parallel.tree_shardings(state, mesh)
     state = jax.device_put(state, sh)
     step = make_train_step(next_token_loss(apply_fn), opt, grad_accum_steps=k, mesh=mesh)
     batch = {n: jax.ShapeDtypeStruct((g, s), "int32") for n in ("inputs", "targets", "loss_mask")}
     compiled = (
       jax.jit(
         step,
-        in_shardings=(sh, sharding.batch_sharding(mesh)),
+        in_shardings=(sh, parallel.batch_sharding(mesh)),
         out_shardings=(sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
       )

@@ -2,7 +2,7 @@
 
 Each suite writes ``benchmarks/results/<suite>.json`` (environment, config, raw per-round
 numbers, ratios); ``summary.json`` collects the headline numbers and ``results.md`` the
-table the README embeds.
+table of every row (docs/performance.md links it).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
 
 
 def suite_host_overhead(quick: bool) -> dict:
-  """Host-side data + logging overhead per update step on the tiny config (issue 3)."""
+  """Host-side data + logging overhead per update step on the tiny config."""
   spec = {"kind": "loop", "config": "tiny", "steps": 6 if quick else 30}
   res, _, _ = measure({"real": spec, "noop": {**spec, "noop": True}}, rounds=2 if quick else 10)
   real = [r["median_step"] for r in res["real"]]
@@ -68,7 +68,7 @@ def suite_host_overhead(quick: bool) -> dict:
 
 
 def suite_checkpoint(quick: bool) -> dict:
-  """Loop stall per checkpoint save, async vs sync, and save/restore MB/s (issue 4)."""
+  """Loop stall per checkpoint save, async vs sync, and save/restore MB/s."""
   config = "tiny" if quick else "small"
   steps, every = (6, 3) if quick else (12, 4)
   base = {"kind": "loop", "config": config, "steps": steps}
@@ -154,12 +154,12 @@ def suite_fsdp_memory(quick: bool) -> dict:
 
 
 def suite_step(quick: bool) -> dict:
-  """jaxstep's step vs the compute floor, unrolled, MultiSteps, PyTorch; MFU (issue 7)."""
+  """jaxstep's step vs the compute floor, unrolled, MultiSteps, PyTorch; MFU."""
   import importlib.util
 
   from benchmarks.step_bench import MODEL, QUICK_MODEL
-  from jaxstep.cpu import ONE_THREAD
   from jaxstep.models import GPTConfig
+  from jaxstep.parallel.cpu_devices import ONE_THREAD
 
   model, g, k = (QUICK_MODEL, 16, 4) if quick else (MODEL, 64, 16)
   base = {"model": model, "g": g, "k": k}
@@ -337,22 +337,12 @@ def markdown(out_dir: pathlib.Path) -> str:
   return "\n".join(lines) + "\n"
 
 
-def embed_in_readme(table: str) -> None:
-  """Replaces the README block between the benchmark markers with ``table``."""
-  readme = RESULTS.parent.parent / "README.md"
-  text = readme.read_text()
-  start, end = "<!-- benchmarks:start -->\n", "<!-- benchmarks:end -->"
-  if start in text and end in text:
-    head, rest = text.split(start, 1)
-    readme.write_text(head + start + table + end + rest.split(end, 1)[1])
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
   p.add_argument(
     "--quick",
     action="store_true",
-    help="tiny sizes, few rounds (CI smoke); writes results/quick/, not the README",
+    help="tiny sizes, few rounds (the test suite's smoke run); writes results/quick/",
   )
   p.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
   p.add_argument("--out", type=pathlib.Path, help="output folder (default: results[/quick])")
@@ -376,8 +366,6 @@ def main(argv=None) -> int:
   write("summary", summary, out_dir)
   table = markdown(out_dir)
   (out_dir / "results.md").write_text(table)
-  if out_dir == RESULTS:
-    embed_in_readme(table)
   print(table)
   return 0
 

@@ -1,4 +1,4 @@
-"""Step contenders (issue 7): the same GPT, the same global batch, the same math.
+"""Step contenders: the same GPT, the same global batch, the same math.
 
 Model: bundled GPT fp32 (vocab 264, d 128, 2 layers, 4 heads, S 128); global batch 64
 sequences (8192 tokens); AdamW + clip 1.0; loss normalized by the global masked-token count.
@@ -34,8 +34,8 @@ def _jax_parts(spec):
   import jax
 
   from jaxstep import models
-  from jaxstep.losses import next_token_loss
-  from jaxstep.optim import OptimConfig, make_optimizer
+  from jaxstep.core.losses import next_token_loss
+  from jaxstep.core.optim import OptimConfig, make_optimizer
 
   cfg = models.GPTConfig(**spec["model"])
   apply_fn, params = models.build(cfg, 0)
@@ -46,8 +46,8 @@ def _jax_parts(spec):
 
 def jaxstep_contender(spec):
   """``make_train_step`` exactly as ``python -m jaxstep.train`` builds it (CPU defaults)."""
-  from jaxstep import config as config_lib
-  from jaxstep.cpu import configure_cpu_defaults
+  from jaxstep.parallel.cpu_devices import configure_cpu_defaults
+  from jaxstep.trainer import config as config_lib
 
   m = spec["model"]
   overrides = [f"model.{k}={v}" for k, v in m.items()] + [
@@ -63,14 +63,14 @@ def jaxstep_contender(spec):
     configure_cpu_defaults(cfg)
   import jax
 
-  from jaxstep import run, sharding
+  from jaxstep import parallel, trainer
 
-  r, state, _ = run.build(cfg)
+  r, state, _ = trainer.build(cfg)
   batch = make_batch(spec["g"], m["max_seq_len"], m["vocab_size"])
   holder = {"state": state}
 
   def once():
-    global_batch = sharding.put_batch(batch, r.batch_sharding)
+    global_batch = parallel.put_batch(batch, r.batch_sharding)
     holder["state"], metrics = r.step_fn(holder["state"], global_batch)
     jax.block_until_ready(metrics)
 
@@ -188,7 +188,7 @@ def matmul_contender(spec):
   import jax
   import jax.numpy as jnp
 
-  from jaxstep.perf import measured_matmul_flops
+  from jaxstep.trainer.perf import measured_matmul_flops
 
   m = spec.get("model", MODEL)
   rows, d = spec.get("rows", 512), m["d_model"]

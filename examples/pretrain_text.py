@@ -8,17 +8,22 @@ import sys
 
 import jax
 
-from jaxstep import TrainState, data, make_train_step, models
-from jaxstep.config import DataConfig
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep import (
+  OptimConfig,
+  TrainState,
+  data,
+  make_optimizer,
+  make_train_step,
+  models,
+  next_token_loss,
+)
 
 GLOBAL_BATCH_SIZE, GRAD_ACCUM_STEPS, SEQ_LEN = 16, 4, 64
 
 
 def main(path: str = "bundled:text", num_update_steps: int = 60) -> list[float]:
   model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN)
-  dataset = data.load_dataset(DataConfig(path=path), SEQ_LEN, model_cfg.vocab_size)
+  dataset = data.load_dataset(data.DataConfig(path=path), SEQ_LEN, model_cfg.vocab_size)
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=10), num_update_steps)
   step = jax.jit(

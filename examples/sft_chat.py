@@ -7,10 +7,15 @@ count, then trains a few steps. Run: ``python examples/sft_chat.py``.
 import jax
 import numpy as np
 
-from jaxstep import TrainState, data, make_train_step, models
-from jaxstep.config import DataConfig
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep import (
+  OptimConfig,
+  TrainState,
+  data,
+  make_optimizer,
+  make_train_step,
+  models,
+  next_token_loss,
+)
 
 SEQ_LEN = 96
 
@@ -29,7 +34,7 @@ def show_sample(dataset) -> str:
 def main(num_update_steps: int = 40) -> tuple[float, float]:
   model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN)
   dataset = data.load_dataset(
-    DataConfig(path="bundled:chat", pack=False), SEQ_LEN, model_cfg.vocab_size
+    data.DataConfig(path="bundled:chat", pack=False), SEQ_LEN, model_cfg.vocab_size
   )
   print(show_sample(dataset))
   real = dataset.train.targets != dataset.pad_id

@@ -1,8 +1,28 @@
-"""jaxstep: exact token-normalized gradient accumulation for JAX training."""
+"""jaxstep: exact token-normalized gradient accumulation for JAX training.
+
+The package by layer:
+
+- ``jaxstep.core``: pure JAX, no I/O — the train step, the accumulation scan, ``Session``,
+  ``TrainState``, losses, optimizer, loss scaling.
+- ``jaxstep.parallel``: the ``("data", "fsdp")`` mesh, sharding rules, multi-process start.
+- ``jaxstep.models``: the bundled GPT, its CPU kernels, adapters for your own model.
+- ``jaxstep.data``: readers, tokenizer, samples with loss masks, global batches.
+- ``jaxstep.trainer``: config, the update loop, checkpoints, resume, metrics, guards.
+- ``jaxstep.cli``: the commands (``jaxstep train``, ``check``, ``memory``, ``checkpoints``,
+  ``plot``); ``jaxstep/<command>.py`` lets ``python -m jaxstep.<command>`` run each one.
+
+This module is the public API: the names below are what docs and examples use.
+"""
 
 __version__ = "0.1.0"
 
-from jaxstep import config, errors, losses, models, optim  # noqa: E402
+from jaxstep import data, errors, models, parallel  # noqa: E402
+from jaxstep.core.check import Stage, compare  # noqa: E402
+from jaxstep.core.losses import masked_nll, next_token_loss  # noqa: E402
+from jaxstep.core.optim import OptimConfig, make_optimizer, make_schedule  # noqa: E402
+from jaxstep.core.session import Session, StepReport  # noqa: E402
+from jaxstep.core.state import TrainState  # noqa: E402
+from jaxstep.core.step import make_train_step  # noqa: E402
 from jaxstep.errors import (  # noqa: E402
   AccumulationError,
   BatchError,
@@ -12,10 +32,9 @@ from jaxstep.errors import (  # noqa: E402
   EmptyBatchError,
   JaxstepError,
   NonFiniteError,
+  RunDirError,
 )
-from jaxstep.session import Session, StepReport  # noqa: E402
-from jaxstep.state import RunState, TrainState  # noqa: E402
-from jaxstep.step import make_train_step  # noqa: E402
+from jaxstep.trainer import config  # noqa: E402
 
 __all__ = [
   "AccumulationError",
@@ -26,14 +45,21 @@ __all__ = [
   "EmptyBatchError",
   "JaxstepError",
   "NonFiniteError",
-  "RunState",
+  "OptimConfig",
+  "RunDirError",
   "Session",
+  "Stage",
   "StepReport",
   "TrainState",
+  "compare",
   "config",
+  "data",
   "errors",
-  "losses",
+  "make_optimizer",
+  "make_schedule",
   "make_train_step",
+  "masked_nll",
   "models",
-  "optim",
+  "next_token_loss",
+  "parallel",
 ]

@@ -11,11 +11,11 @@ class JaxstepError(Exception):
 
 
 class ConfigError(JaxstepError, ValueError):
-  """A config key, value or type is invalid (typo, wrong type, inconsistent numbers)."""
+  """A config key or a library option is invalid (typo, wrong type, inconsistent numbers)."""
 
 
 class BatchError(JaxstepError, ValueError):
-  """A global batch has the wrong structure or shape for the step."""
+  """A batch or model input has the wrong structure or shape."""
 
 
 class EmptyBatchError(BatchError):
@@ -24,6 +24,10 @@ class EmptyBatchError(BatchError):
 
 class DataError(JaxstepError, ValueError):
   """A dataset is missing, empty, malformed, or has token ids outside the vocabulary."""
+
+
+class RunDirError(JaxstepError, FileNotFoundError):
+  """A run directory lacks what a command reads (metrics, checkpoints)."""
 
 
 class CheckpointError(JaxstepError, RuntimeError):

@@ -89,7 +89,7 @@ def restore_state_arrays(run_dir, step=None):
   device layout wrote it (the CLI splits a CPU into several devices)."""
   import orbax.checkpoint as ocp
 
-  from jaxstep.checkpoint import Checkpointer
+  from jaxstep.trainer.checkpoint import Checkpointer
 
   ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
   step = step or ckpt.manager.latest_step()

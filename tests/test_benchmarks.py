@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SUMMARY_KEYS = {  # the issue's headline figures, then the other suites'
+SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "scan_over_floor",
   "compile_ratio_k64_k1",
   "temp_mem_ratio_k64_k1",

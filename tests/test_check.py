@@ -5,9 +5,9 @@ import sys
 
 import jax.numpy as jnp
 
-from jaxstep import check
-from jaxstep import config as config_lib
-from jaxstep.losses import masked_nll
+from jaxstep.cli import check
+from jaxstep.core.losses import masked_nll
+from jaxstep.trainer import config as config_lib
 
 
 def test_default_config_passes_through_the_cli():

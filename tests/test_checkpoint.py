@@ -10,10 +10,11 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import make_cfg, read_lines
 
-from jaxstep import CheckpointError, RunState, run
-from jaxstep.callbacks import Callback
-from jaxstep.checkpoint import Checkpointer, list_checkpoints
-from jaxstep.resume import reconcile
+from jaxstep import CheckpointError, trainer
+from jaxstep.trainer.callbacks import Callback
+from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints
+from jaxstep.trainer.resume import reconcile
+from jaxstep.trainer.run_state import RunState
 
 
 def saved_state(run_dir, step=None):
@@ -27,8 +28,8 @@ def saved_state(run_dir, step=None):
 
 def test_round_trip_of_every_state_field(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2")
-  r, state, rs = run.build(cfg)
-  state, _ = r.step_fn(state, jax.device_put(run.next_batch(r, rs)))
+  r, state, rs = trainer.build(cfg)
+  state, _ = r.step_fn(state, jax.device_put(trainer.loop.next_batch(r, rs)))
   state = state.replace(skipped=state.skipped + 3)
   rs = RunState(
     step=1,
@@ -70,12 +71,12 @@ class StopAfter(Callback):
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
   args = ["train.max_steps=12", "train.log_every=1", "checkpoint.every=3", "model.dropout=0.1"]
-  straight = run.train(make_cfg(tmp_path / "a", *args))
+  straight = trainer.train(make_cfg(tmp_path / "a", *args))
   cfg = make_cfg(tmp_path / "b", *args)
-  first = run.train(cfg, callbacks=[StopAfter(4)])  # metrics are late: stops after step 5
+  first = trainer.train(cfg, callbacks=[StopAfter(4)])  # metrics are late: stops after step 5
   assert first.run_state.step == 5
   counter = StepCounter()
-  resumed = run.train(cfg, callbacks=[counter])
+  resumed = trainer.train(cfg, callbacks=[counter])
   assert counter.steps == list(range(6, 13))  # continued from 5, did not start over
   chex.assert_trees_all_equal(resumed.state.params, straight.state.params)
   chex.assert_trees_all_equal(resumed.state.opt_state, straight.state.opt_state)
@@ -98,12 +99,12 @@ def corrupt(step_dir, how):
 def test_corrupt_newest_falls_back_to_previous_loudly(tmp_path, how, caplog):
   args = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
   cfg = make_cfg(tmp_path, *args)
-  run.train(cfg)
+  trainer.train(cfg)
   ckpt_dir = tmp_path / "run" / "checkpoints"
   corrupt(ckpt_dir / "6", how)
   counter = StepCounter()
   with caplog.at_level(logging.WARNING, logger="jaxstep"):
-    run.train(make_cfg(tmp_path, "train.max_steps=8", *args[1:]), callbacks=[counter])
+    trainer.train(make_cfg(tmp_path, "train.max_steps=8", *args[1:]), callbacks=[counter])
   assert "CHECKPOINT SKIPPED: update step 6" in caplog.text
   assert counter.steps == [5, 6, 7, 8]  # restored step 4
   assert list((tmp_path / "run" / "checkpoints.corrupt").iterdir())  # set aside, not deleted
@@ -112,21 +113,21 @@ def test_corrupt_newest_falls_back_to_previous_loudly(tmp_path, how, caplog):
 
 def test_all_checkpoints_corrupt_is_an_error_not_a_fresh_start(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2")
-  run.train(cfg)
+  trainer.train(cfg)
   ckpt_dir = tmp_path / "run" / "checkpoints"
   for step_dir in ckpt_dir.iterdir():
     corrupt(step_dir, "no_commit_marker")
   with pytest.raises(CheckpointError, match="none restores.*refusing to start again"):
-    run.train(cfg)
+    trainer.train(cfg)
   assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4"]  # nothing moved or lost
 
 
 def test_leftover_tmp_directories_are_cleaned(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2", "checkpoint.every=1")
-  run.train(cfg)
+  trainer.train(cfg)
   ckpt_dir = tmp_path / "run" / "checkpoints"
   shutil.copytree(ckpt_dir / "2", ckpt_dir / "3.orbax-checkpoint-tmp-1234")
-  run.train(make_cfg(tmp_path, "train.max_steps=3", "checkpoint.every=1"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=3", "checkpoint.every=1"))
   assert sorted(p.name for p in ckpt_dir.iterdir()) == ["1", "2", "3"]
 
 
@@ -138,23 +139,25 @@ def test_leftover_tmp_directories_are_cleaned(tmp_path):
   ],
 )
 def test_incompatible_resume_is_a_clear_error(tmp_path, override, match):
-  run.train(make_cfg(tmp_path, "train.max_steps=2"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
   with pytest.raises(CheckpointError, match=match):
-    run.train(make_cfg(tmp_path, "train.max_steps=4", override))
+    trainer.train(make_cfg(tmp_path, "train.max_steps=4", override))
 
 
 def test_changed_data_needs_the_override(tmp_path):
-  run.train(make_cfg(tmp_path, "train.max_steps=2"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
   (tmp_path / "corpus.txt").write_text((tmp_path / "corpus.txt").read_text() + "\n\n1 + 1 = 2")
   with pytest.raises(CheckpointError, match="dataset changed.*allow_data_change=true"):
-    run.train(make_cfg(tmp_path, "train.max_steps=4"))
-  result = run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.allow_data_change=true"))
+    trainer.train(make_cfg(tmp_path, "train.max_steps=4"))
+  result = trainer.train(
+    make_cfg(tmp_path, "train.max_steps=4", "checkpoint.allow_data_change=true")
+  )
   assert result.run_state.step == 4
 
 
 def test_changing_k_with_the_same_g_resumes(tmp_path):
-  run.train(make_cfg(tmp_path, "train.max_steps=2", "train.grad_accum_steps=4"))
-  result = run.train(make_cfg(tmp_path, "train.max_steps=3", "train.grad_accum_steps=2"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2", "train.grad_accum_steps=4"))
+  result = trainer.train(make_cfg(tmp_path, "train.max_steps=3", "train.grad_accum_steps=2"))
   assert result.run_state.step == 3
 
 
@@ -182,7 +185,7 @@ def test_legacy_checkpoint_resumes_at_the_next_update_boundary(tmp_path):
   cfg = make_cfg(
     tmp_path, "train.max_steps=4", "train.global_batch_size=8", "train.grad_accum_steps=4"
   )
-  r, state, rs = run.build(cfg)
+  r, state, rs = trainer.build(cfg)
   ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
   legacy = {
     "epoch": 0,
@@ -197,29 +200,29 @@ def test_legacy_checkpoint_resumes_at_the_next_update_boundary(tmp_path):
   )
   ckpt.wait()
   ckpt.close()
-  result = run.train(cfg)
+  result = trainer.train(cfg)
   assert result.run_state.step == 4 and result.run_state.step_in_epoch == 3 + 2
 
 
 def test_no_resume_sets_the_old_run_aside(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2")
-  run.train(cfg)
-  result = run.train(cfg, resume=False)
+  trainer.train(cfg)
+  result = trainer.train(cfg, resume=False)
   assert result.run_state.step == 2
   previous = list((tmp_path / "run").glob("previous-*"))
   assert len(previous) == 1 and (previous[0] / "checkpoints" / "2").is_dir()
 
 
 def test_resume_from_another_runs_checkpoint(tmp_path):
-  run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
   cfg = make_cfg(tmp_path, "train.max_steps=6", "run_dir=" + str(tmp_path / "other"))
-  result = run.train(cfg, resume_from=str(tmp_path / "run" / "checkpoints" / "2"))
+  result = trainer.train(cfg, resume_from=str(tmp_path / "run" / "checkpoints" / "2"))
   assert result.run_state.step == 6
   assert [r["step"] for r in read_lines(tmp_path / "other" / "metrics.jsonl")][0] > 2
 
 
 def test_list_checkpoints_reports_validity(tmp_path):
-  run.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
   ckpt_dir = tmp_path / "run" / "checkpoints"
   corrupt(ckpt_dir / "4", "no_commit_marker")
   infos = {i.step: i for i in list_checkpoints(ckpt_dir)}
@@ -228,7 +231,7 @@ def test_list_checkpoints_reports_validity(tmp_path):
 
 
 def test_saved_state_matches_live_state(tmp_path):
-  result = run.train(make_cfg(tmp_path, "train.max_steps=3"))
+  result = trainer.train(make_cfg(tmp_path, "train.max_steps=3"))
   saved = saved_state(tmp_path / "run")
   np.testing.assert_array_equal(saved["step"], 3)
   for a, b in zip(

@@ -1,16 +1,22 @@
-"""``python -m jaxstep.train`` / ``jaxstep.plot`` as a user runs them, in subprocesses."""
+"""The commands as a user runs them, in subprocesses."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import yaml
+
+from jaxstep.cli import COMMANDS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 FAST = ["train.max_steps=24", "train.log_every=4", "train.eval_every=12"]
 
 
-def cli(*args, module="jaxstep.train", timeout=300):
+def cli(*args, module="jaxstep.train", timeout=300, cwd=None):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   return subprocess.run(
     [sys.executable, "-m", module, *map(str, args)],
@@ -18,7 +24,53 @@ def cli(*args, module="jaxstep.train", timeout=300):
     text=True,
     timeout=timeout,
     env=env,
+    cwd=cwd,
   )
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_runs_three_ways(command):
+  script = pathlib.Path(sys.executable).parent / "jaxstep"  # the console script pip installed
+  ways = [
+    cli(command, "--help", module="jaxstep"),
+    cli("--help", module=f"jaxstep.{command}"),
+    subprocess.run([script, command, "--help"], capture_output=True, text=True, timeout=120),
+  ]
+  for proc in ways:
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: jaxstep {command}" in proc.stdout
+
+
+def test_unknown_command_names_the_nearest_one():
+  proc = cli("trian", module="jaxstep")
+  assert proc.returncode == 2 and "did you mean 'train'?" in proc.stderr
+
+
+# Shrinks any config to a seconds-long CPU run; everything else comes from the file.
+SHRINK = {
+  "model.d_model": 32,
+  "model.n_layers": 1,
+  "model.n_heads": 2,
+  "model.max_seq_len": 32,
+  "train.seq_len": 32,
+  "train.global_batch_size": 8,
+  "train.grad_accum_steps": 2,
+  "train.max_steps": 2,
+  "train.eval_batches": 1,
+  "train.progress": False,
+}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_file_in_configs_trains_from_the_repository_root(tmp_path, name):
+  overrides = [f"{k}={v}" for k, v in SHRINK.items()]
+  proc = cli("--config", f"configs/{name}", *overrides, f"run_dir={tmp_path}", cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+  for section, values in yaml.safe_load((ROOT / "configs" / name).read_text()).items():
+    for key, value in values.items() if isinstance(values, dict) else []:
+      if f"{section}.{key}" not in SHRINK:
+        assert resolved[section][key] == value, f"{section}.{key}"  # the file was read
 
 
 def test_default_config_trains_and_writes_every_output(tmp_path):
@@ -92,7 +144,7 @@ def test_plot_without_metrics_exits_2(tmp_path):
   assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr
 
 
-def test_inspect_lists_checkpoints_and_all_corrupt_exits_nonzero(tmp_path):
+def test_checkpoints_lists_them_and_all_corrupt_exits_nonzero(tmp_path):
   from conftest import SMALL_MODEL, make_cfg
 
   make_cfg(tmp_path)
@@ -104,7 +156,7 @@ def test_inspect_lists_checkpoints_and_all_corrupt_exits_nonzero(tmp_path):
     f"run_dir={tmp_path / 'run'}",
   ]
   assert cli(*args).returncode == 0
-  listing = cli(tmp_path / "run", module="jaxstep.inspect")
+  listing = cli(tmp_path / "run", module="jaxstep.checkpoints")
   assert listing.returncode == 0, listing.stderr
   rows = listing.stdout.strip().splitlines()
   assert rows[0].split() == ["step", "epoch", "loss", "size", "MB", "status"]
@@ -113,7 +165,9 @@ def test_inspect_lists_checkpoints_and_all_corrupt_exits_nonzero(tmp_path):
     marker.unlink()
   proc = cli(*args)
   assert proc.returncode == 2 and "none restores" in proc.stderr
-  assert "INVALID: missing commit marker" in cli(tmp_path / "run", module="jaxstep.inspect").stdout
+  assert (
+    "INVALID: missing commit marker" in cli(tmp_path / "run", module="jaxstep.checkpoints").stdout
+  )
 
 
 def nan_run(tmp_path, policy):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from jaxstep import DataError
-from jaxstep.config import DataConfig
 from jaxstep.data import (
   ByteTokenizer,
+  DataConfig,
   Split,
   epoch_order,
   global_batch,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL, make_cfg, read_lines, restore_state_arrays
 
-from jaxstep.checkpoint import list_checkpoints
+from jaxstep.trainer.checkpoint import list_checkpoints
 
 ARGS = [
   *SMALL_MODEL,

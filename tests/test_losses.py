@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxstep.losses import argmax_hits, next_token_loss
+from jaxstep.core.losses import argmax_hits, next_token_loss
 
 
 def test_nll_sum_counts_only_masked_positions_and_upcasts():

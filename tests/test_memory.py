@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from jaxstep import config as config_lib
-from jaxstep.memory import GIB, compiled_memory, jaxstep_layout, textbook_state_bytes
+from jaxstep.cli.memory import GIB
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.memory import compiled_memory, jaxstep_layout, textbook_state_bytes
 
 
 @pytest.mark.parametrize(

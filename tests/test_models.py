@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxstep import ConfigError, TrainState, make_train_step, models
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep import BatchError, ConfigError, TrainState, make_train_step, models
+from jaxstep.core.losses import next_token_loss
+from jaxstep.core.optim import OptimConfig, make_optimizer
 
 SMALL = models.GPTConfig(vocab_size=16, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
@@ -38,7 +38,7 @@ def test_tied_head_has_no_separate_weights(tie):
 
 
 def test_flops_per_token_matches_perf_notes_model():
-  # PERF_NOTES: vocab 256, d 128, 2 layers, S 128 → 6 × 425,984 + attention ≈ 2.95 MFLOP.
+  # vocab 256, d 128, 2 layers, S 128 → 6 × 425,984 + attention ≈ 2.95 MFLOP.
   cfg = models.GPTConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4)
   assert cfg.matmul_params() == 425_984
   assert cfg.flops_per_token(128) == pytest.approx(2.949e6, rel=1e-3)
@@ -71,7 +71,7 @@ def test_from_nnx_adapts_a_plain_module():
 
 def test_sequence_longer_than_max_seq_len_is_a_clear_error():
   apply_fn, params = models.build(SMALL, 0)
-  with pytest.raises(ValueError, match="exceeds model.max_seq_len 16"):
+  with pytest.raises(BatchError, match="exceeds model.max_seq_len 16"):
     apply_fn(params, jnp.zeros((1, 17), jnp.int32))
 
 

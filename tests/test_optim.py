@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from jaxstep import ConfigError, TrainState, make_train_step
-from jaxstep.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
+from jaxstep.core.optim import OptimConfig, decay_mask, make_optimizer, make_schedule
 
 
 @pytest.mark.parametrize("s", [0, 50, 100])

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import make_cfg, read_lines
 
-from jaxstep import NonFiniteError, run
-from jaxstep.callbacks import Callback
+from jaxstep import NonFiniteError, trainer
+from jaxstep.core.losses import masked_nll
 from jaxstep.data import eval_batches
-from jaxstep.losses import masked_nll
-from jaxstep.metrics import TRAIN_FIELDS
+from jaxstep.trainer.callbacks import Callback
+from jaxstep.trainer.metrics import TRAIN_FIELDS
 
 
 def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
@@ -21,7 +21,7 @@ def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
     "train.max_steps=3",
     "train.log_every=1",
   )
-  result = run.train(cfg)
+  result = trainer.train(cfg)
   assert int(result.state.step) == 3 and result.run_state.step == 3
   assert result.run_state.sample_cursor == 24  # 3 updates × 8 samples = 12 micro-batches of 2
   assert [r["step"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
@@ -29,7 +29,7 @@ def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
 
 def test_one_metrics_line_per_logged_update_step(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=5", "train.log_every=2", "train.eval_every=0")
-  run.train(cfg)
+  trainer.train(cfg)
   lines = read_lines(tmp_path / "run" / "metrics.jsonl")
   assert [r["step"] for r in lines] == [2, 4, 5]
   assert set(lines[0]) >= set(TRAIN_FIELDS)
@@ -46,10 +46,10 @@ def test_epochs_end_the_run_and_the_tail_batch_still_updates(tmp_path):
     "data.eval_fraction=0",
     docs=12,
   )
-  r, _, _ = run.build(cfg)
+  r, _, _ = trainer.build(cfg)
   n = len(r.dataset.train)
   assert n % 8 != 0
-  result = run.train(cfg)
+  result = trainer.train(cfg)
   spe = math.ceil(n / 8)
   assert result.run_state.step == 2 * spe and result.run_state.epoch == 2
   lines = read_lines(tmp_path / "run" / "metrics.jsonl")
@@ -68,8 +68,8 @@ def test_eval_loss_is_token_weighted_over_the_eval_split(tmp_path):
     "train.grad_accum_steps=1",
     "data.eval_fraction=0.2",
   )
-  r, state, _ = run.build(cfg)
-  got = run.evaluate(r, state.params)
+  r, state, _ = trainer.build(cfg)
+  got = trainer.evaluate(r, state.params)
   nll = tokens = 0.0
   for batch in eval_batches(r.dataset.eval, 4, r.dataset.pad_id):
     apply_fn = lambda p, x: __import__("jaxstep").models.build(cfg.model, 0)[0](p, x)  # noqa: E731
@@ -86,7 +86,7 @@ def test_callback_should_stop_ends_the_run_after_that_step(tmp_path):
       if step == 2:
         control.stop("enough")
 
-  result = run.train(make_cfg(tmp_path, "train.max_steps=10"), callbacks=[StopAtTwo()])
+  result = trainer.train(make_cfg(tmp_path, "train.max_steps=10"), callbacks=[StopAtTwo()])
   # Metrics come back one step late, so step 3 was already dispatched when step 2 reported.
   assert result.run_state.step == 3 and result.stop_reason == "enough"
 
@@ -100,7 +100,7 @@ def test_early_stopping_on_eval_loss(tmp_path):
     "optim.lr=1e-9",
     "optim.schedule=constant",
   )
-  result = run.train(cfg)
+  result = trainer.train(cfg)
   assert result.run_state.step < 40 and "early stopping" in result.stop_reason
 
 
@@ -114,7 +114,7 @@ def test_nonfinite_halt_stops_with_the_step_number(tmp_path):
     "optim.schedule=constant",
   )
   with pytest.raises(NonFiniteError, match=r"update step \d was non-finite"):
-    run.train(cfg)
+    trainer.train(cfg)
 
 
 def test_nonfinite_skip_keeps_going_and_counts(tmp_path):
@@ -126,6 +126,6 @@ def test_nonfinite_skip_keeps_going_and_counts(tmp_path):
     "optim.schedule=constant",
     "train.log_every=1",
   )
-  result = run.train(cfg)
+  result = trainer.train(cfg)
   assert result.run_state.step == 6 and int(result.state.skipped) >= 1
   assert not all(r["updated"] for r in read_lines(tmp_path / "run" / "metrics.jsonl"))

@@ -9,9 +9,9 @@ import pytest
 from conftest import lm_batch, regression_loss, tiny_lm_apply, tiny_lm_params
 
 from jaxstep import AccumulationError, EmptyBatchError, Session, TrainState, make_train_step
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
-from jaxstep.step import split_micro_batches
+from jaxstep.core.accumulate import split_micro_batches
+from jaxstep.core.losses import next_token_loss
+from jaxstep.core.optim import OptimConfig, make_optimizer
 
 
 def micro(xs, ys, mask=None):

@@ -10,14 +10,14 @@ import pathlib
 import socket
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 from conftest import SMALL_MODEL, make_cfg, read_lines
 from jax.sharding import PartitionSpec as P
 
 from jaxstep import ConfigError
-from jaxstep.sharding import check_batch_divisible, leaf_spec, mesh_shape
+from jaxstep.core.geometry import split_problem
+from jaxstep.parallel import leaf_spec, mesh_shape
 
 HELPERS = pathlib.Path(__file__).parent / "helpers"
 
@@ -52,10 +52,10 @@ def test_leaf_spec_takes_the_largest_divisible_dim():
 
 
 def test_batch_must_split_over_devices_times_k():
-  mesh = SimpleNamespace(devices=SimpleNamespace(size=8))
-  check_batch_divisible(32, 4, mesh)
-  with pytest.raises(ConfigError, match=r"16 must be divisible by devices × grad_accum_steps = 8"):
-    check_batch_divisible(16, 4, mesh)
+  assert split_problem(32, 4, 8) is None
+  problem = split_problem(16, 4, 8)
+  assert "16 is not divisible by devices × grad_accum_steps = 8 × 4 = 32" in problem
+  assert "multiple of 32" in problem
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,12 @@
-"""Local data → fixed-shape samples with loss masks → global batches (DESIGN §6)."""
+"""Local data → fixed-shape samples with loss masks → global batches.
+
+``readers`` (files → documents), ``tokenizer``, ``samples`` (documents → windows with loss
+masks), ``dataset`` (splits, epoch order, global batches) and ``corpus`` (regenerates the
+bundled corpus in ``corpus/``).
+"""
 
 from jaxstep.data.dataset import (
+  DataConfig,
   Dataset,
   Split,
   epoch_order,
@@ -13,6 +19,7 @@ from jaxstep.data.tokenizer import ByteTokenizer
 
 __all__ = [
   "ByteTokenizer",
+  "DataConfig",
   "Dataset",
   "Split",
   "epoch_order",

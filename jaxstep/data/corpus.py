@@ -1,4 +1,4 @@
-"""Generates the bundled corpus (``jaxstep/corpus/``) so the default config needs no files.
+"""Generates the bundled corpus (``jaxstep/data/corpus/``) so the default config needs no files.
 
 Text with learnable structure: paragraphs of two-digit arithmetic (``17 + 25 = 42``) and of
 sentences from a small grammar; plus a tiny chat set of arithmetic questions. Deterministic:

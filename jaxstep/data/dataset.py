@@ -16,9 +16,30 @@ import numpy as np
 from jaxstep.data.readers import read_documents
 from jaxstep.data.samples import make_samples
 from jaxstep.data.tokenizer import get_tokenizer
-from jaxstep.errors import DataError
+from jaxstep.errors import ConfigError, DataError
 
 SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the text comes from and how it becomes samples."""
+
+  path: str = "bundled:text"  # file, directory or glob; bundled:text | bundled:chat
+  format: str = "auto"  # auto | txt | jsonl | chat (auto: by extension and first record)
+  tokenizer: str = "byte"  # byte: UTF-8 bytes + PAD/BOS/EOS (no downloads)
+  pack: bool = True  # concatenate documents into one stream before cutting windows
+  eval_fraction: float = 0.05  # fraction of documents held out for eval (0 = no eval set)
+
+  def __post_init__(self):
+    if self.format not in ("auto", "txt", "jsonl", "chat"):
+      raise ConfigError(f"data.format must be auto, txt, jsonl or chat, got {self.format!r}")
+    if self.tokenizer != "byte":
+      raise ConfigError(
+        f"data.tokenizer must be 'byte' (the only bundled one), got {self.tokenizer!r}"
+      )
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +109,8 @@ def _fingerprint(samples: dict, data_config: dict, seq_len: int) -> str:
   return h.hexdigest()[:16]
 
 
-def load_dataset(data_cfg, seq_len: int, vocab_size: int) -> Dataset:
-  """Reads, tokenizes and cuts the data of ``data_cfg`` (a ``DataConfig``).
+def load_dataset(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
+  """Reads, tokenizes and cuts the data of ``data_cfg``.
 
   Documents (not windows) are split into train/eval so no text leaks between them.
 

@@ -13,7 +13,7 @@ import re
 
 from jaxstep.errors import DataError
 
-BUNDLED = pathlib.Path(__file__).resolve().parent.parent / "corpus"
+BUNDLED = pathlib.Path(__file__).resolve().parent / "corpus"
 BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED / "chat.jsonl"}
 ROLES = ("system", "user", "assistant")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxstep.errors import ConfigError
+
 
 class ByteTokenizer:
   """ids 0-255 = bytes; ``PAD = 256``, ``BOS = 257``, ``EOS = 258``; ``vocab_size = 259``."""
@@ -22,5 +24,5 @@ class ByteTokenizer:
 
 def get_tokenizer(name: str) -> ByteTokenizer:
   if name != "byte":
-    raise ValueError(f"unknown tokenizer {name!r}; only 'byte' is bundled")
+    raise ConfigError(f"unknown tokenizer {name!r}; only 'byte' is bundled")
   return ByteTokenizer()

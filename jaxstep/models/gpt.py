@@ -1,12 +1,12 @@
 """A small decoder-only transformer (GPT) in Flax NNX.
 
 Pre-LayerNorm blocks; attention uses one fused QKV projection and two einsums with a causal
-mask (measured 1.16× faster than ``nnx.MultiHeadAttention`` on CPU, PERF_NOTES.md), with a
-hand-written backward that transposes only ``[S, Dh]`` operands and query blocks that skip
-the fully masked scores (``layers.causal_attention``: 1.06× per step at 128 tokens, the
-blocks another 1.21× at 512); every projection's weight gradient is ordered for XLA:CPU
-(``layers.dense_dot_general``, ~10 % per micro-step); LayerNorm with a closed-form backward
-(``layers.LayerNorm``, 1.016×); learned position embeddings; tied or untied output head.
+mask (faster on CPU than ``nnx.MultiHeadAttention``), with a hand-written backward that
+transposes only ``[S, Dh]`` operands and query blocks that skip the fully masked scores
+(``cpu_kernels.causal_attention``); every projection's weight gradient is ordered for
+XLA:CPU (``cpu_kernels.dense_dot_general``); LayerNorm with a closed-form backward
+(``cpu_kernels.LayerNorm``); learned position embeddings; tied or untied output head. What
+each kernel is worth: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.errors import ConfigError
-from jaxstep.models.layers import LayerNorm, causal_attention, dense_dot_general
+from jaxstep.errors import BatchError, ConfigError
+from jaxstep.models.cpu_kernels import LayerNorm, causal_attention, dense_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class GPTConfig:
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * self.d_model * seq_len
 
 
-# Every projection uses the CPU-friendly backward (jaxstep/models/layers.py; same math).
+# Every projection uses the CPU-friendly backward (same math as autodiff).
 _DENSE = {"dot_general": dense_dot_general}
 
 
@@ -111,7 +111,7 @@ class GPT(nnx.Module):
   ) -> jax.Array:
     s = inputs.shape[1]
     if s > self.cfg.max_seq_len:
-      raise ValueError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+      raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
     keys = (
       jax.random.split(rng, len(self.blocks) + 1)
       if rng is not None

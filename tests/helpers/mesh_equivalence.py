@@ -13,9 +13,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxstep import TrainState, make_train_step, models, sharding
-from jaxstep.losses import next_token_loss
-from jaxstep.optim import OptimConfig, make_optimizer
+from jaxstep import TrainState, make_train_step, models, parallel
+from jaxstep.core.losses import next_token_loss
+from jaxstep.core.optim import OptimConfig, make_optimizer
 
 CFG = models.GPTConfig(vocab_size=32, max_seq_len=8, d_model=32, n_layers=1, n_heads=2)
 G, S = 32, 8
@@ -66,15 +66,15 @@ def run(mesh, k, opt_name="adamw", layout_mesh=None):
     state = jax.device_put(state, jax.devices()[0])
     put = lambda b: jax.device_put(b, jax.devices()[0])  # noqa: E731
   else:
-    state_sh = sharding.tree_shardings(state, mesh)
+    state_sh = parallel.tree_shardings(state, mesh)
     step = jax.jit(
       step,
-      in_shardings=(state_sh, sharding.batch_sharding(mesh)),
+      in_shardings=(state_sh, parallel.batch_sharding(mesh)),
       out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
       donate_argnums=0,
     )
     state = jax.device_put(state, state_sh)
-    put = lambda b: sharding.put_batch(b, sharding.batch_sharding(mesh))  # noqa: E731
+    put = lambda b: parallel.put_batch(b, parallel.batch_sharding(mesh))  # noqa: E731
   hlo = step.lower(state, put(batches()[0])).compile().as_text()
   for b in batches():
     state, metrics = step(state, put(b))
@@ -113,7 +113,7 @@ def main():
     ref, ref_metrics, _ = run(None, k)
     sgd_ref, _, _ = run(None, k, "sgd")
     for shape in ((8, 1), (1, 8), (2, 4)):
-      mesh = sharding.make_mesh(*shape)
+      mesh = parallel.make_mesh(*shape)
       state, metrics, hlo = run(mesh, k)
       sgd_state, _, _ = run(mesh, k, "sgd")
       sgd_errs = [
@@ -150,7 +150,7 @@ def main():
 def plain_jit_contrast():
   """What XLA does without shard_map: collectives inside the micro-step loop."""
   for shape in ((8, 1), (1, 8)):
-    _, _, hlo = run(None, 4, layout_mesh=sharding.make_mesh(*shape))
+    _, _, hlo = run(None, 4, layout_mesh=parallel.make_mesh(*shape))
     print(json.dumps({"plain_jit_mesh": shape, "loop_collectives": loop_collectives(hlo)}))
 
 

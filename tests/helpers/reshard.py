@@ -13,8 +13,9 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxstep import RunState, TrainState
-from jaxstep.checkpoint import Checkpointer
+from jaxstep import TrainState
+from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.run_state import RunState
 
 
 def layout(x, mesh):

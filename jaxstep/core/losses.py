@@ -42,8 +42,8 @@ def argmax_hits(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
   The first index holding the row max, found as a min over indices, is argmax's answer
   (ties go to the first). The row max is the softmax's own, so this adds one plain
-  min-reduction; XLA:CPU runs argmax's (value, index) reduction unvectorized, ~2 % of a
-  bundled-GPT step (measured in benchmarks/). Shapes ``[..., V]``, ``[...]``.
+  min-reduction, where XLA:CPU runs argmax's (value, index) reduction unvectorized
+  (docs/performance.md). Shapes ``[..., V]``, ``[...]``.
   """
   index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
   row_max = jnp.max(logits, axis=-1, keepdims=True)

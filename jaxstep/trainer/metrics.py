@@ -1,4 +1,5 @@
-"""Where metrics go: ``metrics.jsonl`` / ``eval.jsonl``, TensorBoard events, progress bar.
+"""Where metrics go: ``metrics.jsonl`` / ``eval.jsonl``, TensorBoard events, progress bar;
+and ``LateMetrics``, which reads each update's device metrics back one update late.
 
 TensorBoard events are written with tensorboardX: maintained, small, and needs neither
 TensorFlow nor a JAX-specific runtime (clu's writers pull in TensorFlow).
@@ -6,19 +7,23 @@ TensorFlow nor a JAX-specific runtime (clu's writers pull in TensorFlow).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import pathlib
 import sys
+import time
 
-import numpy as np
+import jax
 import tqdm
 from tensorboardX import SummaryWriter
 
+from jaxstep.trainer.perf import mfu
+
 log = logging.getLogger("jaxstep")
 
-# What every metrics.jsonl line holds (DESIGN §8); aux sums and counters come on top.
+# What every metrics.jsonl line holds; aux sums and counters come on top.
 TRAIN_FIELDS = (
   "step",
   "epoch",
@@ -117,15 +122,6 @@ class MetricsSink:
     else:
       self.bar.write(message)
 
-  def bad_batch(self, step: int, batch: dict, position: dict) -> pathlib.Path:
-    """Saves a global batch whose update was non-finite: ``bad_batches/step_N.npz``."""
-    folder = self.run_dir / "bad_batches"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"step_{step:08d}.npz"
-    np.savez(path, **batch)
-    path.with_suffix(".json").write_text(json.dumps({"step": step, **position}) + "\n")
-    return path
-
   def close(self) -> None:
     self.bar.close()
     self.tb.close()
@@ -139,8 +135,89 @@ class NullSink:
 
   train = eval = advance
 
-  def bad_batch(self, step: int, batch: dict, position: dict) -> None:
-    return None
-
   def close(self) -> None:
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Reported:
+  """One update step's host record, with the global batch it consumed and where from."""
+
+  step: int
+  record: dict
+  batch: dict
+  position: dict
+
+
+class LateMetrics:
+  """Reads update s's device metrics only after update s+1 was dispatched, so the host
+  never stalls the device; turns them into a ``metrics.jsonl`` record and writes it.
+
+  Args:
+    sink: where records go (``MetricsSink`` or ``NullSink``).
+    log_every: write every this many update steps (and at ``total_steps``).
+    total_steps: the run's last update step.
+    tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``.
+    flops_per_token: model FLOPs per token, for ``mfu``.
+    peak_flops: per-device peak FLOP/s, for ``mfu``.
+  """
+
+  def __init__(
+    self,
+    sink: MetricsSink | NullSink,
+    *,
+    log_every: int,
+    total_steps: int,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peak_flops: float,
+  ):
+    self.sink, self.log_every, self.total_steps = sink, log_every, total_steps
+    self.tokens_per_step, self.flops_per_token, self.peak = (
+      tokens_per_step,
+      flops_per_token,
+      peak_flops,
+    )
+    self.pending = None
+    self.last_record: dict = {}
+    self.clock = time.perf_counter()
+
+  def submit(self, step: int, metrics: dict, batch: dict, position: dict) -> Reported | None:
+    """Queues update ``step`` (device metrics, host batch, position); reports the previous."""
+    previous, self.pending = self.pending, (step, metrics, batch, position)
+    return self._report(*previous) if previous else None
+
+  def flush(self) -> Reported | None:
+    """Reports the queued update now (waits for it)."""
+    previous, self.pending = self.pending, None
+    return self._report(*previous) if previous else None
+
+  def restart_clock(self) -> None:
+    """Time spent outside the step (an evaluation) is not charged to the next update."""
+    self.clock = time.perf_counter()
+
+  def _report(self, step: int, metrics: dict, batch: dict, position: dict) -> Reported:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+    skipped_total = values.pop("skipped_total", 0.0)
+    now = time.perf_counter()
+    step_time, self.clock = now - self.clock, now
+    tokens_per_sec = self.tokens_per_step / step_time
+    record = {
+      "step": step,
+      "epoch": position["epoch"],
+      **values,
+      "updated": bool(values["updated"]),
+      "skipped": not values["updated"],
+      "spike": bool(values.get("spike", 0.0)),
+      # every skip of the run: the driver never dispatches N = 0, so non-finite or spike
+      "nonfinite_total": int(skipped_total),
+      "tokens": int(values["tokens"]),
+      "tokens_per_sec": tokens_per_sec,
+      "mfu": mfu(self.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),
+      "step_time": step_time,
+    }
+    self.last_record = record
+    self.sink.advance(record)
+    if step % self.log_every == 0 or step == self.total_steps:
+      self.sink.train(record)
+    return Reported(step, record, batch, position)

@@ -1,7 +1,8 @@
-"""Layers whose backward passes are written for XLA:CPU (measured in benchmarks/): a dense
-projection, causal attention and LayerNorm. Same math as autodiff; only the operand order
-of the backward's dots, the number of passes over the activations, or (attention) the fully
-masked score blocks left out, differs.
+"""Layers whose backward passes are written for XLA:CPU: a dense projection, causal
+attention and LayerNorm. Same math as autodiff; only the operand order of the backward's
+dots, the number of passes over the activations, or (attention) the fully masked score
+blocks left out, differs. Each was found by profiling the bundled GPT's step; what each
+is worth is measured in docs/performance.md.
 
 ``dense_dot_general`` is a drop-in ``dot_general`` for ``nnx.Linear``: the forward is the
 plain ``x @ W``; the backward is the textbook one, ``dx = dy @ Wᵀ`` and ``dW = xᵀ @ dy``,
@@ -15,11 +16,8 @@ on CPU the backward materializes the transpose of the SMALLER activation (``[row
 or ``[rows, d_out]``, never the ``[rows, max]`` one) and does a canonical dot: ``xᵀ @ dy``
 for wide or square kernels, ``(dyᵀ @ x)ᵀ`` for tall ones (the ``[d_out, d_in]`` result is
 transposed back). The same sums of the same products. ``optimization_barrier`` stops XLA's
-algebraic simplifier from folding the transposes back into the dots. Measured on a 2-core
-host (bundled GPT, 2 sequences × 128 tokens per device): ordering tall kernels gave the
-micro-step ~10 %; routing every weight gradient this way another 1.02× (two devices) and
-1.03× (one two-threaded device). On accelerators the autodiff backward is already fine,
-so nothing changes there.
+algebraic simplifier from folding the transposes back into the dots. On accelerators the
+autodiff backward is already fine, so nothing changes there.
 """
 
 from __future__ import annotations
@@ -90,13 +88,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
   - The query rows go in blocks (``query_blocks``) and block ``[lo, hi)`` only meets keys
     ``[0, hi)``: the fully masked scores right of the diagonal block are never computed,
-    (nb + 1) / (2 nb) of the S² work is (3/4 at 128 tokens, 9/16 from 1024 on). Bundled
-    GPT (d 128, 4 heads of 32), whole step on two CPU devices: 1.21× at 512 tokens, 1.04×
-    at 256, within noise at 128 (1.006×; attention is ~20 % of that step).
+    (nb + 1) / (2 nb) of the S² work is (3/4 at 128 tokens, 9/16 from 1024 on).
   - The backward is written out (``dp = do·vᵀ``, ``ds = p ⊙ (dp − Σ dp ⊙ p)``, ``dq =
     ds·k``, ``dk = dsᵀ·q``, ``dv = pᵀ·do``, summed over the query blocks) so every dot
     transposes only a small ``[S, Dh]`` operand: autodiff lets XLA:CPU transpose the
-    ``[S, S]`` probabilities and score gradients instead (1.15× for attention alone).
+    ``[S, S]`` probabilities and score gradients instead.
   """
   return _attention_fwd(q, k, v)[0]
 
@@ -157,8 +153,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float) 
 
   The backward is the closed form ``dx = rstd · (g − mean(g) − x̂ · mean(g · x̂))`` with
   ``g = dy · scale``: two row reductions, where autodiff of flax's ``LayerNorm`` (fast
-  variance ``E[x²] − E[x]²``) makes XLA:CPU run several more small kernels; 1.016× per
-  bundled-GPT step. x, scale and bias share one dtype, which the output keeps.
+  variance ``E[x²] − E[x]²``) makes XLA:CPU run several more small kernels. x, scale and
+  bias share one dtype, which the output keeps.
   """
   return _layer_norm_fwd(x, scale, bias, epsilon)[0]
 

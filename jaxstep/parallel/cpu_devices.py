@@ -1,12 +1,11 @@
-"""CPU defaults, applied by the CLI before JAX starts its backend (measured in benchmarks/).
+"""CPU defaults, applied by the CLI before JAX starts its backend.
 
 On a CPU-only host XLA runs one device's program on a shared thread pool; splitting the
 global batch over one virtual device per core, each single-threaded, and reducing once per
-update is faster than one device using every core. Measured on a 2-core host, bundled GPT,
-K=16, G=64 × 128 tokens (jaxlib 0.10.2): 2 devices 1.47× the one-device compute floor.
-XLA's YNNPACK fusions are kept on for several devices (turning them off there costs 10 %)
-but turned off for a single multi-threaded device, where they cost 1.46×. XLA aborts on
-unknown flags, so the YNN flag is only set on the jaxlib it was measured on.
+update is faster than one device using every core. XLA's YNNPACK fusions are kept on for
+several devices but turned off for a single multi-threaded device, where they are slower.
+XLA aborts on unknown flags, so the YNN flag is only set on the jaxlib it was measured on.
+The measurements behind each choice, and how to repeat them: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import os
 import jax
 import jaxlib
 from jax._src import xla_bridge
+
+from jaxstep.core import geometry
 
 log = logging.getLogger("jaxstep")
 YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
@@ -46,7 +47,7 @@ def cpu_device_count(cfg, cores: int) -> int:
   fits = [
     d
     for d in range(1, max(cores, 1) + 1)
-    if d % fixed == 0 and t.global_batch_size % (d * t.grad_accum_steps) == 0
+    if d % fixed == 0 and geometry.divides(t.global_batch_size, t.grad_accum_steps, d)
   ]
   return max(fits) if fits else 1
 

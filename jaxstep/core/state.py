@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxstep.loss_scale import LossScaleState, fixed_state
+from jaxstep.core.loss_scale import LossScaleState, fixed_state
 
 
 @struct.dataclass
@@ -29,7 +28,7 @@ class TrainState:
     skipped: number of update steps skipped because the global batch had zero units or
       produced a non-finite loss/gradient (int32 scalar).
     loss_scale: ``LossScaleState(scale, good_steps)``; the scale stays 1.0 unless fp16
-      training with dynamic loss scaling (``jaxstep.loss_scale``).
+      training with dynamic loss scaling (``jaxstep.core.loss_scale``).
     recent_losses: float32 ring buffer of the last applied updates' losses (inf = empty;
       not NaN, which multi-process equality checks of the initial state reject),
       slot ``step % window``; the optional loss-spike guard compares against its median.
@@ -76,49 +75,3 @@ class TrainState:
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
       recent_losses=jnp.full((loss_window,), jnp.inf, jnp.float32),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class RunState:
-  """Host-side position of a run, JSON-able; checkpointed next to ``TrainState``.
-
-  Attributes:
-    step: update steps done (mirrors ``TrainState.step`` without a device read).
-    epoch: current pass over the data (0-based).
-    step_in_epoch: global batches of this epoch already consumed.
-    sample_cursor: samples of this epoch already consumed (≤ num_samples).
-    dataset_fingerprint: hash of the tokenized training samples + data config.
-    global_batch_size: G, samples per update step.
-    grad_accum_steps: K, micro-steps per update step.
-    batch_size_semantics: ``"global"``: ``global_batch_size`` counts samples per update.
-    config_digest: hash of the resolved config.
-    jaxstep_version: the version that wrote it.
-  """
-
-  step: int = 0
-  epoch: int = 0
-  step_in_epoch: int = 0
-  sample_cursor: int = 0
-  dataset_fingerprint: str = ""
-  global_batch_size: int = 0
-  grad_accum_steps: int = 1
-  batch_size_semantics: str = "global"
-  config_digest: str = ""
-  jaxstep_version: str = ""
-
-  def advanced(self, *, steps_per_epoch: int, num_samples: int) -> RunState:
-    """The position after consuming one global batch (one update step)."""
-    step_in_epoch = self.step_in_epoch + 1
-    if step_in_epoch == steps_per_epoch:
-      return dataclasses.replace(
-        self, step=self.step + 1, epoch=self.epoch + 1, step_in_epoch=0, sample_cursor=0
-      )
-    return dataclasses.replace(
-      self,
-      step=self.step + 1,
-      step_in_epoch=step_in_epoch,
-      sample_cursor=min(step_in_epoch * self.global_batch_size, num_samples),
-    )
-
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)

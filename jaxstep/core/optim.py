@@ -1,4 +1,4 @@
-"""Optimizer and lr schedule from config, built only from optax parts (DESIGN §5).
+"""Optimizer and lr schedule from config, built only from optax parts.
 
 Schedules count *update steps* (optax's own count advances once per applied update).
 """
@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import optax
 
+from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -70,9 +71,7 @@ def decay_mask(params, *, decay_embeddings: bool = False):
   """
 
   def decays(path, leaf):
-    is_embedding = any(
-      "embed" in str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path
-    )
+    is_embedding = any("embed" in key_name(k).lower() for k in path)
     return leaf.ndim >= 2 and (decay_embeddings or not is_embedding)
 
   return jax.tree_util.tree_map_with_path(decays, params)

@@ -1,5 +1,5 @@
 """``Session``: the same exact accumulation for callers that produce micro-batches one at a
-time (an RL loop, a data source with its own pacing) — the seed protocol.
+time (an RL loop, a data source with its own pacing) — the micro-step protocol.
 
 Each call adds one micro-batch: ``grad(loss_sum_k + extra_k/K)`` into an fp32 accumulator
 on device (``micro_gradients`` with N = 1) and its ``normalization_units`` to a host count.
@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxstep.accumulate import LossFn, micro_gradients
-from jaxstep.errors import AccumulationError, EmptyBatchError
-from jaxstep.state import TrainState
-from jaxstep.step import PRECISIONS, apply_update, current_lr
+from jaxstep.core import geometry
+from jaxstep.core.accumulate import LossFn, micro_gradients
+from jaxstep.core.precision import compute_dtype as precision_dtype
+from jaxstep.core.state import TrainState
+from jaxstep.core.step import apply_update, current_lr
+from jaxstep.errors import AccumulationError, ConfigError, EmptyBatchError
 
 
 class StepReport(NamedTuple):
@@ -38,7 +40,7 @@ class Session:
   Args:
     loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)`` as for ``make_train_step``.
     optimizer: an optax transformation; ``lr=`` overrides need an injected learning rate
-      (``jaxstep.optim.make_optimizer`` injects it).
+      (``jaxstep.make_optimizer`` injects it).
     params: initial parameters.
     grad_accum_steps: K, micro-steps per update.
     rng: seed or key; micro-step k of update s uses ``fold_in(fold_in(rng, s), k)``.
@@ -59,13 +61,12 @@ class Session:
     rng=0,
     precision: str | None = None,
   ):
-    if not isinstance(grad_accum_steps, int) or grad_accum_steps <= 0:
-      raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
-    if precision not in ("fp32", "bf16", None):
-      raise ValueError(f"Session supports precision fp32 or bf16, got {precision!r}")
+    grad_accum_steps = geometry.grad_accum_steps(grad_accum_steps)
+    compute_dtype = precision_dtype(precision)
+    if precision == "fp16":
+      raise ConfigError("Session supports precision fp32 or bf16 (fp16 needs loss scaling)")
     self.grad_accum_steps = grad_accum_steps
     self.state = TrainState.create(params=params, optimizer=optimizer, rng=rng)
-    compute_dtype = PRECISIONS[precision]
 
     def micro(params, grads_acc, loss_acc, micro_batch, rng):
       grads, (loss_sum, _, _) = micro_gradients(

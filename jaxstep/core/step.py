@@ -1,4 +1,4 @@
-"""The exact gradient-accumulation train step (DESIGN §2).
+"""The exact gradient-accumulation train step.
 
 One update step consumes one *global batch* of G samples. It is split into K micro-batches
 of G/K samples, walked by ``lax.scan``; every micro-gradient is of ``loss_sum_k / N`` where
@@ -20,22 +20,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxstep.accumulate import (  # noqa: F401 - re-exported: the step's building blocks
-  LossFn,
-  accumulate,
-  micro_gradients,
-  sharded_accumulate,
-  split_micro_batches,
-)
+from jaxstep.core import geometry
+from jaxstep.core.accumulate import LossFn, accumulate, sharded_accumulate, split_micro_batches
+from jaxstep.core.loss_scale import DynamicLossScale
+from jaxstep.core.precision import compute_dtype as precision_dtype
+from jaxstep.core.state import TrainState
+from jaxstep.core.trees import path_name
 from jaxstep.errors import BatchError
-from jaxstep.layout import tree_specs
-from jaxstep.loss_scale import DynamicLossScale
-from jaxstep.state import TrainState
+from jaxstep.parallel.layout import tree_specs
 
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
-
-PRECISIONS = {None: None, "fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-NONFINITE_POLICIES = ("skip", "halt")
 
 
 def default_units_fn(batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -61,19 +55,15 @@ def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int) -> int:
   leaves = jax.tree_util.tree_leaves_with_path(batch)
   if not leaves:
     raise BatchError("the batch is empty: it has no arrays")
-  dims = {
-    jax.tree_util.keystr(path): (leaf.shape[0] if leaf.ndim else None) for path, leaf in leaves
-  }
+  dims = {path_name(path): (leaf.shape[0] if leaf.ndim else None) for path, leaf in leaves}
   if len(set(dims.values())) != 1 or None in dims.values():
     raise BatchError(f"every batch leaf needs the same leading (sample) dimension G; got {dims}")
   (g,) = set(dims.values())
   if g <= 0:
     raise BatchError(f"the global batch holds {g} samples; it needs at least one")
-  if g % grad_accum_steps:
-    raise ValueError(
-      f"global batch size {g} is not divisible by grad_accum_steps {grad_accum_steps}; "
-      f"pick a global_batch_size that is a multiple of {grad_accum_steps}"
-    )
+  problem = geometry.split_problem(g, grad_accum_steps)
+  if problem:
+    raise BatchError(problem)
   return g
 
 
@@ -129,7 +119,6 @@ def make_train_step(
   grad_accum_steps: int,
   units_fn: UnitsFn | None = None,
   precision: str | None = None,
-  nonfinite: str = "skip",
   mesh: Mesh | None = None,
   scan_unroll: int = 1,
   loss_scale: DynamicLossScale | None = None,
@@ -142,17 +131,16 @@ def make_train_step(
       *un-normalized* loss summed over the micro-batch and a dict of scalar metrics
       (summed over micro-steps). ``aux["extra_loss"]``, if present, is a mean-type term
       added to the objective as ``extra_loss / K``.
-    optimizer: an optax transformation (e.g. from ``jaxstep.optim.make_optimizer``); it
+    optimizer: an optax transformation (e.g. from ``jaxstep.make_optimizer``); it
       sees the accumulated gradient exactly once per update step.
     grad_accum_steps: K, the number of micro-batches per global batch.
     units_fn: ``(global_batch) -> N``; defaults to counting ``batch["loss_mask"]``.
-    precision: ``None``/``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 params and
-      accumulator).
-    nonfinite: ``"skip"`` or ``"halt"``. The step itself always skips a bad update (a
-      jitted program cannot raise); ``"halt"`` is acted on by the driver.
+    precision: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"`` (low-precision compute, fp32
+      params and accumulator; see ``jaxstep.core.precision``). A non-finite update is
+      always skipped: a jitted program cannot raise, so halting is the caller's choice.
     mesh: a ``("data", "fsdp")`` mesh: accumulate device-locally under ``shard_map`` and
       reduce once per update (see ``sharded_accumulate``). Params must then be laid out by
-      ``jaxstep.sharding`` rules and the batch sharded over both axes.
+      ``jaxstep.parallel`` rules and the batch sharded over both axes.
     scan_unroll: unroll factor of the micro-step scan (speed only).
     loss_scale: dynamic loss scaling (default on for ``precision="fp16"``, off otherwise);
       its state lives in ``state.loss_scale``. Grads are unscaled after the scan, before
@@ -169,14 +157,9 @@ def make_train_step(
     >>> step = jax.jit(make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4))
     >>> state, metrics = step(state, batch)  # batch leaves have leading dim G
   """
-  if not isinstance(grad_accum_steps, int) or grad_accum_steps <= 0:
-    raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
-  if precision not in PRECISIONS:
-    raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-  if nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+  grad_accum_steps = geometry.grad_accum_steps(grad_accum_steps)
+  compute_dtype = precision_dtype(precision)
   units_fn = units_fn or default_units_fn
-  compute_dtype = PRECISIONS[precision]
   scaler = loss_scale or (DynamicLossScale() if precision == "fp16" else None)
 
   def param_specs(params):

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxstep import models
-from jaxstep.models import gpt, layers
-from jaxstep.models.layers import causal_attention, dense_dot_general, query_blocks
+from jaxstep.models import cpu_kernels, gpt
+from jaxstep.models.cpu_kernels import causal_attention, dense_dot_general, query_blocks
 
 
 def _plain_and_custom(d_in, d_out):
@@ -62,7 +62,7 @@ def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
   custom = jax.grad(lambda p: loss(apply_fn, p))(params)
   with monkeypatch.context() as patch:
     patch.setattr(gpt, "causal_attention", reference_attention)
-    patch.setattr(layers.LayerNorm, "__call__", nnx.LayerNorm.__call__)
+    patch.setattr(cpu_kernels.LayerNorm, "__call__", nnx.LayerNorm.__call__)
     expected = jax.grad(lambda p: loss(ref_apply, p))(params)
   chex.assert_trees_all_close(
     custom,
@@ -167,7 +167,7 @@ def test_every_gpt_gradient_dot_is_canonical_on_cpu():
 def test_layer_norm_value_and_grads_match_flax(dtype, param_dtype):
   # bf16 params: the step casts params to the compute dtype at the model boundary.
   flax_ln = nnx.LayerNorm(16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-  ours = layers.LayerNorm(16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+  ours = cpu_kernels.LayerNorm(16, param_dtype=param_dtype, rngs=nnx.Rngs(0))
   scale = (jax.random.normal(jax.random.key(4), (16,)) + 1.0).astype(param_dtype)
   bias = jax.random.normal(jax.random.key(5), (16,)).astype(param_dtype)
   ours.scale[...] = flax_ln.scale[...] = scale
@@ -189,7 +189,7 @@ def test_layer_norm_value_and_grads_match_flax(dtype, param_dtype):
 
 
 def test_layer_norm_other_configurations_run_flax():
-  ln = layers.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
+  ln = cpu_kernels.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
   x = jnp.arange(8.0).reshape(2, 4)
   flax_ln = nnx.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
   chex.assert_trees_all_close(ln(x), flax_ln(x))

@@ -1,4 +1,4 @@
-"""Checkpoints with orbax and exact resume (DESIGN §7).
+"""Checkpoints with orbax and exact resume.
 
 ``run_dir/checkpoints/<update step>/`` holds two orbax items: ``state`` (the ``TrainState``
 via ``StandardSave``) and ``run`` (the ``RunState`` via ``JsonSave``). orbax writes each
@@ -16,13 +16,14 @@ import dataclasses
 import logging
 import pathlib
 import shutil
-import time
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxstep.core.trees import path_name
 from jaxstep.errors import CheckpointError
-from jaxstep.state import RunState
+from jaxstep.trainer.run_dir import stamped
+from jaxstep.trainer.run_state import RunState
 
 log = logging.getLogger("jaxstep")
 STATE, RUN = "state", "run"
@@ -70,12 +71,7 @@ def _params_mismatch(saved_tree, abstract_params) -> str | None:
 
   def flat(tree):
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-      "/".join(
-        str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
-      ): tuple(leaf.shape)
-      for path, leaf in leaves
-    }
+    return {path_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
   saved, expected = flat(saved_tree), flat(abstract_params)
   if saved.keys() != expected.keys():
@@ -212,7 +208,7 @@ class Checkpointer:
     target = self.directory.parent / f"{self.directory.name}.corrupt"
     target.mkdir(exist_ok=True)
     for s, path, problem in skipped:
-      dest = target / f"{s}-{time.strftime('%Y%m%d-%H%M%S')}"
+      dest = target / stamped(str(s))
       shutil.move(str(path), dest)
       log.warning("moved unusable checkpoint of update step %d (%s) to %s", s, problem, dest)
     self.manager.reload()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxstep import config as config_lib
-from jaxstep.cpu import configure_cpu_defaults, cpu_device_count, extra_xla_flags
+from jaxstep.parallel.cpu_devices import configure_cpu_defaults, cpu_device_count, extra_xla_flags
+from jaxstep.trainer import config as config_lib
 
 
 @pytest.mark.parametrize(

@@ -10,18 +10,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import shutil
-import time
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstep.checkpoint import Checkpointer, step_dirs
 from jaxstep.errors import CheckpointError
-from jaxstep.state import RunState
+from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
+from jaxstep.trainer.run_dir import archive_previous
+from jaxstep.trainer.run_state import RunState
 
 log = logging.getLogger("jaxstep")
-RUN_OUTPUTS = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "eval.jsonl", "tensorboard")
 
 
 def convert_legacy(saved: dict) -> dict:
@@ -91,18 +89,6 @@ def reconcile(
     step_in_epoch=step_in_epoch,
     sample_cursor=step_in_epoch * current.global_batch_size if step_in_epoch else 0,
   )
-
-
-def archive_previous(run_dir: pathlib.Path) -> None:
-  """``--no-resume``: moves an earlier run's outputs into ``run_dir/previous-<time>/``."""
-  present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-  if not present:
-    return
-  dest = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-  dest.mkdir()
-  for name in present:
-    shutil.move(str(run_dir / name), dest / name)
-  log.warning("--no-resume: moved the previous run's %s to %s", ", ".join(present), dest)
 
 
 def _locate(path: str) -> tuple[pathlib.Path, int | None]:

@@ -17,7 +17,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxstep.layout import AXES
+from jaxstep.core.precision import cast_floating
+from jaxstep.parallel.layout import AXES
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
 
@@ -69,11 +70,7 @@ def micro_gradients(
   """
 
   def objective(p):
-    if compute_dtype is not None:
-      p = jax.tree.map(
-        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
-      )
-    loss_sum, aux = loss_fn(p, micro_batch, rng)
+    loss_sum, aux = loss_fn(cast_floating(p, compute_dtype), micro_batch, rng)
     aux = dict(aux)
     extra = jnp.asarray(aux.pop("extra_loss", 0.0), jnp.float32)
     loss_sum = jnp.asarray(loss_sum, jnp.float32)
@@ -181,7 +178,7 @@ def sharded_accumulate(
   Args:
     batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
     units: global N (float32, ≥ 1), computed on the global batch outside.
-    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.sharding``).
+    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.parallel.layout``).
   """
   devices = mesh.devices.size
 
@@ -225,8 +222,8 @@ def _reduce(grads, sums, param_specs):
   """The update's reduction: ``(grads, *sums)`` summed over every device.
 
   Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
-  one ``psum``: gloo (multi-process CPU) runs a tuple all-reduce of 30 operands ~23× slower
-  than one buffer of the same size (124 vs 5.4 ms for 0.46 M floats, 2 processes).
+  one ``psum``: gloo (the multi-process CPU transport) runs a tuple all-reduce of many
+  operands far slower than one buffer of the same size (docs/performance.md).
   fsdp-sharded leaves: ``psum`` over data, then ``psum_scatter`` over fsdp.
   """
   leaves, treedef = jax.tree.flatten(grads)

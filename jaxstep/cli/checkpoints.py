@@ -1,4 +1,4 @@
-"""``python -m jaxstep.inspect RUN_DIR``: list checkpoints with step, epoch, loss, size, validity.
+"""``jaxstep checkpoints RUN_DIR``: list checkpoints with step, epoch, loss, size, validity.
 
 The loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not logged).
 """
@@ -9,9 +9,10 @@ import argparse
 import json
 import logging
 import pathlib
-import sys
 
-from jaxstep.checkpoint import list_checkpoints
+from jaxstep.cli._common import report
+from jaxstep.errors import RunDirError
+from jaxstep.trainer.checkpoint import list_checkpoints
 
 
 def table(run_dir: pathlib.Path) -> list[str]:
@@ -35,17 +36,12 @@ def table(run_dir: pathlib.Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxstep.inspect", description=__doc__)
+  p = argparse.ArgumentParser(prog="jaxstep checkpoints", description=__doc__)
   p.add_argument("run_dir")
   args = p.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
   run_dir = pathlib.Path(args.run_dir)
   if not (run_dir / "checkpoints").is_dir():
-    print(f"error: {run_dir / 'checkpoints'} does not exist", file=sys.stderr)
-    return 2
+    return report(RunDirError(f"{run_dir / 'checkpoints'} does not exist"))
   print("\n".join(table(run_dir)))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -7,44 +7,29 @@ validates. Unknown keys name the nearest valid key; wrong types name key, value 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import pathlib
-import sys
 import types
 import typing
 from typing import Any
 
 import yaml
 
-from jaxstep.errors import ConfigError, DataError
+from jaxstep.core import geometry
+from jaxstep.core.optim import OptimConfig
+from jaxstep.core.precision import PRECISIONS
+from jaxstep.data import DataConfig
+from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig
-from jaxstep.optim import OptimConfig
+from jaxstep.trainer.guards import NONFINITE_POLICIES
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Where the text comes from and how it becomes samples."""
-
-  path: str = "bundled:text"  # file, directory or glob; bundled:text | bundled:chat
-  format: str = "auto"  # auto | txt | jsonl | chat (auto: by extension and first record)
-  tokenizer: str = "byte"  # byte: UTF-8 bytes + PAD/BOS/EOS (no downloads)
-  pack: bool = True  # concatenate documents into one stream before cutting windows
-  eval_fraction: float = 0.05  # fraction of documents held out for eval (0 = no eval set)
-
-  def __post_init__(self):
-    if self.format not in ("auto", "txt", "jsonl", "chat"):
-      raise ConfigError(f"data.format must be auto, txt, jsonl or chat, got {self.format!r}")
-    if self.tokenizer != "byte":
-      raise ConfigError(
-        f"data.tokenizer must be 'byte' (the only bundled one), got {self.tokenizer!r}"
-      )
-    if not 0.0 <= self.eval_fraction < 1.0:
-      raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+# How the CLI's user spells G and K in messages about batch geometry.
+CONFIG_NAMES_OF_G_AND_K = ("train.global_batch_size", "train.grad_accum_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,21 +80,25 @@ class TrainConfig:
     ):
       if getattr(self, name) < 0:
         raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-    if self.global_batch_size % self.grad_accum_steps:
-      raise ConfigError(
-        f"train.global_batch_size {self.global_batch_size} is not divisible by "
-        f"train.grad_accum_steps {self.grad_accum_steps}; micro-batches must be equal"
-      )
+    problem = geometry.split_problem(
+      self.global_batch_size, self.grad_accum_steps, names=CONFIG_NAMES_OF_G_AND_K
+    )
+    if problem:
+      raise ConfigError(problem)
     if self.max_steps == 0 and self.epochs == 0:
       raise ConfigError("set train.max_steps or train.epochs (both are 0: the run never ends)")
-    if self.precision not in ("fp32", "bf16", "fp16"):
-      raise ConfigError(f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+    if self.precision not in PRECISIONS:
+      raise ConfigError(
+        f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+      )
     if not 0 < self.loss_scale_min <= self.loss_scale_init <= self.loss_scale_max:
       raise ConfigError("need 0 < train.loss_scale_min <= loss_scale_init <= loss_scale_max")
     if self.loss_scale_growth_interval <= 0:
       raise ConfigError("train.loss_scale_growth_interval must be > 0")
-    if self.nonfinite not in ("skip", "halt"):
-      raise ConfigError(f"train.nonfinite must be skip or halt, got {self.nonfinite!r}")
+    if self.nonfinite not in NONFINITE_POLICIES:
+      raise ConfigError(
+        f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,31 +288,6 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     return _build(Config, tree)
   except TypeError as e:  # a dataclass refused a value _coerce let through
     raise ConfigError(str(e)) from None
-
-
-def add_config_args(parser) -> None:
-  """``--config`` and the ``key=value`` overrides, for every command that takes a config."""
-  parser.add_argument(
-    "--config",
-    default=None,
-    help="YAML file or bundled name (tiny, small, sft-chat, …); default: tiny",
-  )
-  parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-
-
-def config_command(prog: str, doc: str, action, argv=None) -> int:
-  """``main`` of a tool that takes ``--config`` + overrides and runs ``action(cfg) -> exit
-  code``; a bad config or bad data prints one ``error:`` line and returns 2."""
-  p = argparse.ArgumentParser(
-    prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
-  add_config_args(p)
-  args = p.parse_args(argv)
-  try:
-    return action(load(args.config, args.overrides))
-  except (ConfigError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
 
 
 def dump(cfg: Config) -> str:

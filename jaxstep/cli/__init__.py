@@ -1,0 +1,44 @@
+"""The commands: ``jaxstep <command> …`` (the console script), ``python -m jaxstep <command>``
+and ``python -m jaxstep.<command>`` all run the ``main(argv)`` of one module here."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+
+# command -> (module, one-line description)
+COMMANDS = {
+  "train": ("jaxstep.cli.train", "train from a config (default: the bundled tiny one)"),
+  "check": ("jaxstep.cli.check", "is accumulation exact for a config? K vs 1, stage by stage"),
+  "memory": ("jaxstep.cli.memory", "bytes per device: textbook, jaxstep's layout, compiled"),
+  "checkpoints": ("jaxstep.cli.checkpoints", "list a run's checkpoints and whether each is ok"),
+  "plot": ("jaxstep.cli.plot", "RUN_DIR/loss.png: loss, lr and grad norm by update step"),
+}
+
+
+def usage() -> str:
+  width = max(map(len, COMMANDS))
+  lines = [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
+  return "usage: jaxstep <command> [args …]   (jaxstep <command> --help)\n\n" + "\n".join(lines)
+
+
+def run(command: str, argv=None) -> int:
+  """Runs one command's ``main`` with ``argv`` (default: the process's arguments)."""
+  module = importlib.import_module(COMMANDS[command][0])
+  return module.main(sys.argv[1:] if argv is None else argv)
+
+
+def main(argv=None) -> int:
+  """``jaxstep <command> [args …]``."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if not argv or argv[0] in ("-h", "--help"):
+    print(usage())
+    return 0 if argv else 2
+  command, rest = argv[0], argv[1:]
+  if command not in COMMANDS:
+    near = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f" (commands: {', '.join(COMMANDS)})"
+    print(f"error: unknown command {command!r}{hint}", file=sys.stderr)
+    return 2
+  return run(command, rest)

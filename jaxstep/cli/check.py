@@ -1,0 +1,57 @@
+"""``jaxstep check [--config FILE] [key=value …]``: is accumulation exact here?
+
+Runs one update of the config's model, optimizer and first global batch twice — with the
+config's K micro-steps (2 if K is 1) and with K = 1 — and compares stage by stage: logits →
+loss → gradients → clipped update → new params. Prints max abs / rel error per stage with
+PASS/FAIL against the precision's tolerance and names the first stage that diverges. Exit 0
+only if all pass. Dropout is switched off for the comparison (its masks depend on the
+micro-batch split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxstep.cli._common import config_command
+from jaxstep.core.check import Stage, compare, format_stages
+
+
+def compared_k(cfg) -> int:
+  """The K checked against K = 1: the config's, or 2 when the config has none."""
+  return max(cfg.train.grad_accum_steps, 2)
+
+
+def check_config(cfg, loss_fn=None) -> list[Stage]:
+  """``compare`` on ``cfg``'s model, optimizer and first global batch (dropout off)."""
+  from jaxstep import data, models
+  from jaxstep.core.losses import next_token_loss
+  from jaxstep.core.optim import make_optimizer
+
+  t = cfg.train
+  model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
+  dataset = data.load_dataset(cfg.data, t.seq_len, model_cfg.vocab_size)
+  apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
+  spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
+  optimizer = make_optimizer(cfg.optim, max(t.max_steps, spe))
+  batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
+  return compare(
+    loss_fn or next_token_loss(apply_fn),
+    apply_fn,
+    optimizer,
+    params,
+    jax.tree.map(jnp.asarray, batch),
+    grad_accum_steps=compared_k(cfg),
+    precision=t.precision,
+  )
+
+
+def main(argv=None) -> int:
+  def action(cfg) -> int:
+    stages = check_config(cfg)
+    print(format_stages(stages, compared_k(cfg), cfg.train.precision))
+    return 0 if all(s.passed for s in stages) else 1
+
+  return config_command("jaxstep check", __doc__, action, argv)

@@ -1,0 +1,8 @@
+"""The pure-JAX core: no file, network or logging I/O, no config objects.
+
+``step`` (``make_train_step``: one update from one global batch), ``accumulate`` (the scan
+over micro-batches and its ``shard_map`` form), ``session`` (micro-batches one at a time),
+``state`` (``TrainState``), ``losses``, ``optim``, ``loss_scale`` (fp16), ``precision``,
+``geometry`` (how G, K and devices must divide), ``check`` (K micro-steps vs one batch,
+stage by stage) and ``trees`` (leaf names).
+"""

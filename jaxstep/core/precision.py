@@ -1,0 +1,34 @@
+"""Compute precisions: the one table of names and what each means for the step.
+
+Parameters, gradients and the gradient accumulator stay fp32 under every precision; only
+the forward and backward compute runs in the named dtype (params are cast at the model
+boundary, inside the differentiated function, so gradients flow back to fp32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxstep.errors import ConfigError
+
+# name -> compute dtype (None: fp32, no cast)
+PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def compute_dtype(precision: str | None):
+  """The compute dtype of ``precision`` (``None`` means fp32), or ``ConfigError``."""
+  if precision is None:
+    return None
+  if precision not in PRECISIONS:
+    raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+  return PRECISIONS[precision]
+
+
+def cast_floating(tree, dtype):
+  """Every floating leaf of ``tree`` cast to ``dtype`` (a no-op for ``dtype=None``)."""
+  if dtype is None:
+    return tree
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )

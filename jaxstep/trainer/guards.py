@@ -1,0 +1,69 @@
+"""What the loop does after an update the step skipped.
+
+The jitted step never applies a non-finite update (or, with the spike guard on, a loss
+spike): it leaves params and optimizer state as they were and reports ``updated = False``.
+A program on the device cannot raise, so the host decides what happens next, here: the
+global batch is saved for debugging, and under ``halt`` the run stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import numpy as np
+
+from jaxstep.errors import ConfigError, NonFiniteError
+
+log = logging.getLogger("jaxstep")
+NONFINITE_POLICIES = ("skip", "halt")  # skip: train on; halt: checkpoint and stop
+
+
+def save_bad_batch(run_dir: pathlib.Path, step: int, batch: dict, position: dict) -> pathlib.Path:
+  """Writes ``run_dir/bad_batches/step_N.npz`` (the global batch) and ``.json`` (where it
+  came from); returns the ``.npz`` path."""
+  folder = run_dir / "bad_batches"
+  folder.mkdir(exist_ok=True)
+  path = folder / f"step_{step:08d}.npz"
+  np.savez(path, **batch)
+  path.with_suffix(".json").write_text(json.dumps({"step": step, **position}) + "\n")
+  return path
+
+
+class NonFiniteGuard:
+  """Acts on skipped updates by ``policy`` (one of ``NONFINITE_POLICIES``).
+
+  Args:
+    policy: ``skip`` logs and saves the batch; ``halt`` then raises ``NonFiniteError``.
+    run_dir: where bad batches go; None on processes that write nothing (all but 0).
+  """
+
+  def __init__(self, policy: str, run_dir: pathlib.Path | None):
+    if policy not in NONFINITE_POLICIES:
+      raise ConfigError(f"policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    self.policy, self.run_dir = policy, run_dir
+
+  @property
+  def needs_every_step(self) -> bool:
+    """``halt`` must see each update's metrics before the next update is dispatched."""
+    return self.policy == "halt"
+
+  def after_step(self, step: int, record: dict, batch: dict, position: dict) -> None:
+    """Called with every update's host metrics and the global batch it consumed."""
+    if not record["skipped"]:
+      return
+    saved = None
+    if self.run_dir is not None:
+      saved = save_bad_batch(self.run_dir, step, batch, {**position, "loss": record["loss"]})
+    log.warning(
+      "update step %d was non-finite (loss %s): skipped; batch saved to %s",
+      step,
+      record["loss"],
+      saved,
+    )
+    if self.policy == "halt":
+      raise NonFiniteError(
+        f"update step {step} was non-finite (loss {record['loss']}); train.nonfinite=halt "
+        f"stops here with the last good parameters checkpointed and the batch in {saved}"
+      )

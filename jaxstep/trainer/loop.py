@@ -1,0 +1,206 @@
+"""The update-step loop of a CLI run, and ``train(cfg)`` around it.
+
+Per update step: next global batch → host check (N > 0) → device put → jitted step (state
+donated) → metrics of the *previous* step read back (so the host never stalls the device)
+→ guards and callbacks → checkpoint / eval by update-step cadence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pathlib
+import signal
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxstep import data, models, parallel
+from jaxstep.core.state import TrainState
+from jaxstep.errors import EmptyBatchError, Interrupted
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer import resume as resume_lib
+from jaxstep.trainer import run_dir as run_dir_lib
+from jaxstep.trainer.build import Run, build
+from jaxstep.trainer.callbacks import Callback, EarlyStopping, TrainerControl
+from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.guards import NonFiniteGuard
+from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, Reported
+from jaxstep.trainer.perf import peak_flops_per_device
+from jaxstep.trainer.run_state import RunState
+from jaxstep.trainer.signals import stop_on_signals
+
+log = logging.getLogger("jaxstep")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  state: TrainState
+  run_state: RunState
+  last_metrics: dict
+  last_eval: dict | None
+  stop_reason: str
+
+
+def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
+  """The global batch at position ``rs``, checked on the host to hold N > 0 tokens."""
+  t = run.cfg.train
+  batch = data.global_batch(
+    run.dataset.train, t.seed, rs.epoch, rs.step_in_epoch, t.global_batch_size, run.dataset.pad_id
+  )
+  if t.debug_nan_step:
+    nan = rs.step + 1 == t.debug_nan_step
+    batch["poison"] = np.full(t.global_batch_size, np.nan if nan else 0.0, np.float32)
+  if not batch["loss_mask"].any():
+    raise EmptyBatchError(
+      f"the global batch of epoch {rs.epoch}, step_in_epoch {rs.step_in_epoch} (update "
+      f"step {rs.step + 1}) has no loss-masked tokens; raise train.global_batch_size or "
+      f"check the data's masks (chat data needs assistant turns)"
+    )
+  return batch
+
+
+def evaluate(run: Run, params) -> dict:
+  """Token-weighted eval loss over the eval split: ``Σ NLL / Σ tokens`` and its exp."""
+  t, ds = run.cfg.train, run.dataset
+  sums = [
+    run.eval_fn(params, parallel.put_batch(b, run.batch_sharding))
+    for b in data.eval_batches(ds.eval, t.global_batch_size, ds.pad_id, t.eval_batches)
+  ]
+  nll, tokens = (float(sum(jax.device_get(x))) for x in zip(*sums, strict=True))
+  loss = nll / max(tokens, 1.0)
+  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+
+
+def train(
+  cfg: config_lib.Config,
+  callbacks: Sequence[Callback] = (),
+  *,
+  resume: bool = True,
+  resume_from: str | None = None,
+) -> TrainResult:
+  """Trains ``cfg`` to the end (max_steps / epochs / a callback's stop) and returns the state.
+
+  Re-running with the same ``run_dir`` resumes from its newest valid checkpoint
+  (``resume=False`` sets earlier outputs aside; ``resume_from`` starts from another run's
+  checkpoint). SIGTERM/SIGINT save a checkpoint at the update boundary, then raise
+  ``Interrupted``.
+  """
+  run, state, rs = build(cfg)
+  run_dir = run_dir_lib.prepare(cfg.run_dir, config_lib.dump(cfg))
+  ckpt, state, rs = resume_lib.start(
+    cfg,
+    run_dir,
+    state,
+    rs,
+    resume=resume,
+    resume_from=resume_from,
+    steps_per_epoch=run.steps_per_epoch,
+  )
+  return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+
+
+def loop(
+  run: Run,
+  state: TrainState,
+  rs: RunState,
+  *,
+  ckpt: Checkpointer,
+  run_dir: pathlib.Path,
+  callbacks: Sequence[Callback] = (),
+) -> TrainResult:
+  """The update-step loop from position ``rs`` to ``run.total_steps`` (or a stop)."""
+  t = run.cfg.train
+  log.info(
+    "%d training samples (%d update steps per epoch), %d parameters; update steps "
+    "%d → %d of %d samples in %d micro-steps",
+    len(run.dataset.train),
+    run.steps_per_epoch,
+    models.num_params(state.params),
+    rs.step,
+    run.total_steps,
+    t.global_batch_size,
+    t.grad_accum_steps,
+  )
+  writer = jax.process_index() == 0
+  sink = (
+    MetricsSink(run_dir, start_step=rs.step, total_steps=run.total_steps, progress=t.progress)
+    if writer
+    else NullSink()
+  )
+  guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None)
+  if t.early_stopping_patience:
+    callbacks = [*callbacks, EarlyStopping(t.early_stopping_patience)]
+  control = TrainerControl()
+  late = LateMetrics(
+    sink,
+    log_every=t.log_every,
+    total_steps=run.total_steps,
+    tokens_per_step=t.global_batch_size * t.seq_len,
+    flops_per_token=run.flops_per_token,
+    peak_flops=peak_flops_per_device(t.peak_tflops),
+  )
+
+  def after(reported: Reported | None) -> None:
+    if reported is not None:
+      guard.after_step(reported.step, reported.record, reported.batch, reported.position)
+      for cb in callbacks:
+        cb.on_step_end(reported.step, reported.record, control)
+
+  def evaluate_and_report() -> dict:
+    record = {"step": rs.step, **evaluate(run, state.params)}
+    sink.eval(record)
+    for cb in callbacks:
+      cb.on_evaluate(rs.step, record, control)
+    return record
+
+  last_eval = None
+  try:
+    with stop_on_signals() as stop:
+      while rs.step < run.total_steps and not control.should_stop and not stop.signum:
+        batch = next_batch(run, rs)
+        state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding))
+        position = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
+        rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
+        after(late.submit(rs.step, metrics, batch, position))
+        if guard.needs_every_step:  # read back now: stop before another update is dispatched
+          after(late.flush())
+        ckpt.save(state, rs)
+        if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
+          after(late.flush())
+          last_eval = evaluate_and_report()
+          late.restart_clock()
+      after(late.flush())
+      evaluated = last_eval is not None and last_eval["step"] == rs.step
+      if stop.signum is None and run.dataset.eval and not evaluated:
+        last_eval = evaluate_and_report()
+  except BaseException:  # a halt or an error: keep the state it got to, then re-raise
+    sink.close()
+    _final_save(ckpt, state, rs, quiet=True)
+    raise
+  sink.close()
+  _final_save(ckpt, state, rs)  # always: at the end and on a signal
+  if stop.signum is not None:
+    name = signal.Signals(stop.signum).name
+    raise Interrupted(
+      f"stopped by {name} at update step {rs.step}; checkpoint saved in "
+      f"{run_dir / 'checkpoints'}; re-run the same command to resume",
+      stop.signum,
+    )
+  reason = control.reason or f"reached {rs.step} update steps"
+  log.info("done: %s; run_dir %s", reason, run_dir)
+  return TrainResult(state, rs, late.last_record, last_eval, reason)
+
+
+def _final_save(ckpt, state, rs: RunState, quiet: bool = False) -> None:
+  try:
+    ckpt.save(state, rs, force=True)
+    ckpt.wait()
+  except Exception as e:
+    if not quiet:
+      raise
+    log.error("final checkpoint at update step %d failed: %s", rs.step, e)  # keep the cause
+  finally:
+    ckpt.close()
