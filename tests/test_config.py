@@ -60,6 +60,8 @@ def test_wrong_type_names_key_value_and_type(override, expected):
 def test_non_divisible_batch_is_rejected_before_any_work():
   with pytest.raises(ConfigError, match="32 is not divisible by train.grad_accum_steps 5"):
     config_lib.load(None, ["train.grad_accum_steps=5"])
+  with pytest.raises(ConfigError, match="grad_accum_steps must be a positive integer, got 0"):
+    config_lib.load(None, ["train.grad_accum_steps=0"])
 
 
 @pytest.mark.parametrize("override", ["novalue", "=3"])

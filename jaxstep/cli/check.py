@@ -19,7 +19,7 @@ from jaxstep.cli._common import config_command
 from jaxstep.core.check import Stage, compare, format_stages
 
 
-def compared_k(cfg) -> int:
+def _compared_k(cfg) -> int:
   """The K checked against K = 1: the config's, or 2 when the config has none."""
   return max(cfg.train.grad_accum_steps, 2)
 
@@ -43,7 +43,7 @@ def check_config(cfg, loss_fn=None) -> list[Stage]:
     optimizer,
     params,
     jax.tree.map(jnp.asarray, batch),
-    grad_accum_steps=compared_k(cfg),
+    grad_accum_steps=_compared_k(cfg),
     precision=t.precision,
   )
 
@@ -51,7 +51,7 @@ def check_config(cfg, loss_fn=None) -> list[Stage]:
 def main(argv=None) -> int:
   def action(cfg) -> int:
     stages = check_config(cfg)
-    print(format_stages(stages, compared_k(cfg), cfg.train.precision))
+    print(format_stages(stages, _compared_k(cfg), cfg.train.precision))
     return 0 if all(s.passed for s in stages) else 1
 
   return config_command("jaxstep check", __doc__, action, argv)

@@ -6,25 +6,17 @@ The loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 
 from jaxstep.cli._common import report
 from jaxstep.errors import RunDirError
 from jaxstep.trainer.checkpoint import list_checkpoints
+from jaxstep.trainer.metrics import read_records
 
 
 def table(run_dir: pathlib.Path) -> list[str]:
-  losses = {}
-  metrics = run_dir / "metrics.jsonl"
-  if metrics.exists():
-    for line in metrics.read_text().splitlines():
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut short by a kill
-      losses[record["step"]] = record["loss"]
+  losses = {r["step"]: r["loss"] for r in read_records(run_dir / "metrics.jsonl")}
   rows = [f"{'step':>8} {'epoch':>6} {'loss':>9} {'size MB':>9}  status"]
   for info in list_checkpoints(run_dir / "checkpoints"):
     epoch = info.run.get("epoch", "-") if info.run else "-"

@@ -6,31 +6,25 @@ The x axis is the update step throughout.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import matplotlib
 
 from jaxstep.cli._common import report
 from jaxstep.errors import RunDirError
+from jaxstep.trainer.metrics import read_records
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def read_jsonl(path: pathlib.Path) -> list[dict]:
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plot_run(run_dir: str | pathlib.Path) -> pathlib.Path:
   """Writes and returns ``run_dir/loss.png``; raises ``RunDirError`` without metrics."""
   run_dir = pathlib.Path(run_dir)
-  train = read_jsonl(run_dir / "metrics.jsonl")
+  train = read_records(run_dir / "metrics.jsonl")
   if not train:
     raise RunDirError(f"{run_dir / 'metrics.jsonl'} is missing or empty")
-  evals = read_jsonl(run_dir / "eval.jsonl")
+  evals = read_records(run_dir / "eval.jsonl")
   steps = [r["step"] for r in train]
   fig, (ax_loss, ax_lr, ax_norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
   ax_loss.plot(steps, [float(r["loss"]) for r in train], label="train loss")

@@ -103,7 +103,7 @@ def apply_update(
   )
 
 
-def loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax.Array:
+def _loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax.Array:
   """``loss > factor × median(recent)`` once the window is at least half full (else False)."""
   if factor <= 0:
     return jnp.zeros((), bool)
@@ -200,7 +200,7 @@ def make_train_step(
       grads = optax.tree.scale(1.0 / scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
-    spike = loss_spike(state.recent_losses, loss, spike_factor)
+    spike = _loss_spike(state.recent_losses, loss, spike_factor)
     ok = (units > 0) & finite & ~spike
     new_state = apply_update(optimizer, state, grads, ok)
     window = state.recent_losses.shape[0]

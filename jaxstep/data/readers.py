@@ -18,7 +18,7 @@ BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED /
 ROLES = ("system", "user", "assistant")
 
 
-def list_files(path: str) -> list[pathlib.Path]:
+def _list_files(path: str) -> list[pathlib.Path]:
   """A file, every ``.txt``/``.jsonl`` file under a directory, or a glob; sorted."""
   if path in BUNDLED_PATHS:
     return [BUNDLED_PATHS[path]]
@@ -38,7 +38,7 @@ def list_files(path: str) -> list[pathlib.Path]:
   return files
 
 
-def detect_format(file: pathlib.Path) -> str:
+def _detect_format(file: pathlib.Path) -> str:
   """``txt`` by extension; for ``.jsonl`` the first record decides ``jsonl`` vs ``chat``."""
   if file.suffix != ".jsonl":
     return "txt"
@@ -52,7 +52,7 @@ def detect_format(file: pathlib.Path) -> str:
   return "jsonl"
 
 
-def read_txt(file: pathlib.Path) -> list[str]:
+def _read_txt(file: pathlib.Path) -> list[str]:
   """Documents separated by one or more blank lines (a file without any is one document)."""
   text = _read(file)
   return [d.strip("\n") for d in re.split(r"\n\s*\n", text) if d.strip()]
@@ -105,10 +105,10 @@ def read_documents(path: str, fmt: str = "auto") -> tuple[list, str]:
     DataError: missing path, malformed records, mixed text and chat, or no documents.
   """
   docs, kinds = [], set()
-  for file in list_files(path):
-    f = detect_format(file) if fmt == "auto" else fmt
+  for file in _list_files(path):
+    f = _detect_format(file) if fmt == "auto" else fmt
     if f == "txt":
-      docs += read_txt(file)
+      docs += _read_txt(file)
     else:
       docs += read_jsonl(file, chat=(f == "chat"))
     kinds.add("chat" if f == "chat" else "text")

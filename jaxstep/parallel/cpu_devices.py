@@ -27,7 +27,7 @@ ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "libtpu")
 
 
-def cpu_only() -> bool:
+def _cpu_only() -> bool:
   """True when JAX will run on the CPU: forced by JAX_PLATFORMS, or no accelerator plugin."""
   platforms = os.environ.get("JAX_PLATFORMS", "")
   if platforms:
@@ -66,7 +66,7 @@ def extra_xla_flags(devices: int, flags: str, jaxlib_version: str) -> str:
 def configure_cpu_defaults(cfg) -> None:
   """Sets the CPU device count and XLA flags for ``cfg``; a no-op on accelerators, when the
   user already chose (``XLA_FLAGS`` device count), or once the backend has started."""
-  if not cpu_only() or xla_bridge.backends_are_initialized():
+  if not _cpu_only() or xla_bridge.backends_are_initialized():
     return
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" in flags:

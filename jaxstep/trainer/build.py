@@ -40,7 +40,7 @@ class Run:
   flops_per_token: float
 
 
-def total_update_steps(train_cfg, steps_per_epoch: int) -> int:
+def _total_update_steps(train_cfg, steps_per_epoch: int) -> int:
   """``min(max_steps, epochs × steps_per_epoch)``, where 0 means "no limit"."""
   limits = [train_cfg.max_steps] if train_cfg.max_steps else []
   limits += [train_cfg.epochs * steps_per_epoch] if train_cfg.epochs else []
@@ -51,7 +51,7 @@ def config_digest(cfg: config_lib.Config) -> str:
   return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
 
 
-def loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
+def _loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
   """Dynamic loss scaling for fp16 from ``train.loss_scale_*``; None otherwise."""
   if t.precision != "fp16":
     return None
@@ -60,7 +60,7 @@ def loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
   )
 
 
-def poisonable(loss_fn):
+def _poisonable(loss_fn):
   """Fault injection for ``train.debug_nan_step``: adds ``Σ batch["poison"]`` to the loss."""
 
   def poisoned(params, batch, rng):
@@ -96,13 +96,13 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   mesh = _mesh(cfg)
   dataset = data.load_dataset(cfg.data, t.seq_len, cfg.model.vocab_size)
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
-  total = total_update_steps(t, spe)
+  total = _total_update_steps(t, spe)
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
   optimizer = make_optimizer(cfg.optim, total)
-  scaler = loss_scaler(t)
+  scaler = _loss_scaler(t)
   loss_fn = next_token_loss(apply_fn)
   step = make_train_step(
-    poisonable(loss_fn) if t.debug_nan_step else loss_fn,
+    _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
     optimizer,
     grad_accum_steps=t.grad_accum_steps,
     precision=t.precision,

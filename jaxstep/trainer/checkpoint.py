@@ -47,7 +47,7 @@ def step_dirs(directory: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
   return sorted(steps, reverse=True)
 
 
-def layout_problem(path: pathlib.Path) -> str | None:
+def _layout_problem(path: pathlib.Path) -> str | None:
   """Why a step directory cannot be a complete checkpoint, or None."""
   if not (path / COMMIT_MARKER).exists():
     return f"missing commit marker {COMMIT_MARKER}"
@@ -177,7 +177,7 @@ class Checkpointer:
     )
 
   def _try_restore(self, step, path, abstract_state):
-    problem = layout_problem(path)
+    problem = _layout_problem(path)
     if problem:
       return None, problem
     try:
@@ -227,7 +227,7 @@ def list_checkpoints(directory) -> list[CheckpointInfo]:
   reader = Checkpointer(directory, read_only=True)
   infos = []
   for s, path in step_dirs(directory):
-    problem, run = layout_problem(path), None
+    problem, run = _layout_problem(path), None
     if problem is None:
       try:
         reader.manager.item_metadata(s)[STATE].tree["params"]

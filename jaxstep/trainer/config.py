@@ -60,9 +60,9 @@ class TrainConfig:
   progress: bool = True  # tqdm progress bar (only shown on a terminal)
 
   def __post_init__(self):
+    geometry.grad_accum_steps(self.grad_accum_steps)
     for name in (
       "global_batch_size",
-      "grad_accum_steps",
       "seq_len",
       "log_every",
       "spike_window",
@@ -244,7 +244,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
   node[leaf] = value
 
 
-def resolve_path(path: str | pathlib.Path | None) -> pathlib.Path:
+def _resolve_path(path: str | pathlib.Path | None) -> pathlib.Path:
   """A config file path; a bare name like ``tiny`` means the bundled ``configs/tiny.yaml``."""
   if path is None:
     return DEFAULT_CONFIG
@@ -270,7 +270,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
   Raises:
     ConfigError: unknown key (with the nearest valid one), wrong type, invalid value.
   """
-  file = resolve_path(path)
+  file = _resolve_path(path)
   try:
     tree = yaml.safe_load(file.read_text()) or {}
   except yaml.YAMLError as e:

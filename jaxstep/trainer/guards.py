@@ -20,7 +20,7 @@ log = logging.getLogger("jaxstep")
 NONFINITE_POLICIES = ("skip", "halt")  # skip: train on; halt: checkpoint and stop
 
 
-def save_bad_batch(run_dir: pathlib.Path, step: int, batch: dict, position: dict) -> pathlib.Path:
+def _save_bad_batch(run_dir: pathlib.Path, step: int, batch: dict, position: dict) -> pathlib.Path:
   """Writes ``run_dir/bad_batches/step_N.npz`` (the global batch) and ``.json`` (where it
   came from); returns the ``.npz`` path."""
   folder = run_dir / "bad_batches"
@@ -55,7 +55,7 @@ class NonFiniteGuard:
       return
     saved = None
     if self.run_dir is not None:
-      saved = save_bad_batch(self.run_dir, step, batch, {**position, "loss": record["loss"]})
+      saved = _save_bad_batch(self.run_dir, step, batch, {**position, "loss": record["loss"]})
     log.warning(
       "update step %d was non-finite (loss %s): skipped; batch saved to %s",
       step,

@@ -38,16 +38,26 @@ TRAIN_FIELDS = (
 )
 
 
-def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
-  """Drops lines with ``step > last_step`` (a resumed run rewrites them; no duplicates)."""
+def read_records(path: pathlib.Path) -> list[dict]:
+  """The records of a ``.jsonl`` file (none if it is missing), skipping blank lines and a
+  line cut short by a kill."""
   if not path.exists():
-    return
-  keep = [
-    line
-    for line in path.read_text().splitlines()
-    if line.strip() and json.loads(line)["step"] <= last_step
-  ]
-  path.write_text("".join(line + "\n" for line in keep))
+    return []
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
+
+
+def _truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
+  """Keeps the records with ``step <= last_step`` (a resumed run rewrites the rest, so no
+  step appears twice)."""
+  if path.exists():
+    keep = [r for r in read_records(path) if r["step"] <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _clean(value):
@@ -71,7 +81,7 @@ class MetricsSink:
     self.run_dir = run_dir
     self.train_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     for path in (self.train_path, self.eval_path):
-      truncate_jsonl(path, start_step)
+      _truncate_jsonl(path, start_step)
     # purge_step tells TensorBoard to drop events a resumed run is about to write again
     self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
     self.bar = tqdm.tqdm(

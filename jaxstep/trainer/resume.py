@@ -22,7 +22,7 @@ from jaxstep.trainer.run_state import RunState
 log = logging.getLogger("jaxstep")
 
 
-def convert_legacy(saved: dict) -> dict:
+def _convert_legacy(saved: dict) -> dict:
   """A RunState without ``batch_size_semantics`` counted micro-batches.
 
   Its ``batch_size`` is the micro-batch, so ``G = batch_size × grad_accum_steps``, and its
@@ -58,7 +58,7 @@ def reconcile(
 ) -> RunState:
   """The position to continue from, after checking the saved run fits the current one."""
   if "batch_size_semantics" not in saved:
-    saved = convert_legacy(saved)
+    saved = _convert_legacy(saved)
   if saved["global_batch_size"] != current.global_batch_size:
     raise CheckpointError(
       f"the checkpoint was written with train.global_batch_size "
