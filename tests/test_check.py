@@ -1,10 +1,14 @@
-"""jaxstep.check: passes on the default config, names the stage where a broken loss diverges."""
+"""check_accumulation and ``jaxstep check``: pass on a summed loss, name the stage where a
+mean-type loss diverges."""
 
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import optax
+from conftest import regression_loss
 
+from jaxstep import check_accumulation
 from jaxstep.cli import check
 from jaxstep.core.losses import masked_nll
 from jaxstep.trainer import config as config_lib
@@ -15,7 +19,7 @@ def test_default_config_passes_through_the_cli():
     [sys.executable, "-m", "jaxstep.check"], capture_output=True, text=True, timeout=300
   )
   assert proc.returncode == 0, proc.stderr
-  for stage in ("logits", "loss", "gradients", "clipped update", "new params"):
+  for stage in ("logits", "loss", "gradients", "update", "new params"):
     assert stage in proc.stdout
   assert "PASS: accumulation is exact" in proc.stdout
 
@@ -45,13 +49,35 @@ def test_a_mean_of_means_loss_fails_at_the_loss_stage(monkeypatch, capsys):
     ],
   )
   apply_fn, _ = models.build(cfg.model, 0)
-  stages = check.check_config(cfg, loss_fn=per_micro_batch_mean_loss(apply_fn))
-  by_name = {s.name: s for s in stages}
+  report = check.check_config(cfg, loss_fn=per_micro_batch_mean_loss(apply_fn))
+  by_name = {s.name: s for s in report.stages}
   assert by_name["logits"].passed and not by_name["loss"].passed
   assert not by_name["gradients"].passed
-  text = check.format_stages(stages, 4, "fp32")
-  assert "FAIL: first divergence at stage 'loss'" in text
+  assert not report.passed and report.first_divergence == "loss"
+  assert "FAIL: first divergence at 'loss'" in str(report)
 
-  monkeypatch.setattr(check, "check_config", lambda cfg: stages)
+  monkeypatch.setattr(check, "check_config", lambda cfg: report)
   assert check.main([]) == 1
   assert "FAIL" in capsys.readouterr().out
+
+
+def regression_batch():
+  return {
+    "x": jnp.asarray([1.0, 3.0, 1.0, 5.0, 2.0, 4.0]),
+    "y": jnp.asarray([-2.0, 0.0, -2.0, 0.0, 1.0, 2.0]),
+    "loss_mask": jnp.asarray([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]),
+  }
+
+
+def test_from_python_a_summed_loss_passes_and_a_mean_loss_fails_at_loss():
+  params, batch, opt = {"w": jnp.float32(1.0)}, regression_batch(), optax.sgd(0.1)
+  report = check_accumulation(regression_loss, params, batch, opt, 2)
+  assert report.passed and report.first_divergence is None
+  assert [s.name for s in report.stages] == ["loss", "gradients", "update", "new params"]
+
+  def mean_loss(params, batch, rng):  # the optax.MultiSteps habit: a mean per micro-batch
+    loss_sum, aux = regression_loss(params, batch, rng)
+    return loss_sum / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0), aux
+
+  report = check_accumulation(mean_loss, params, batch, opt, 2)
+  assert report.first_divergence == "loss" and "FAIL" in str(report)

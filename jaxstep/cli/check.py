@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep.cli._common import config_command
-from jaxstep.core.check import Stage, compare, format_stages
+from jaxstep.core.check import CheckReport, check_accumulation
 
 
 def _compared_k(cfg) -> int:
@@ -24,8 +24,9 @@ def _compared_k(cfg) -> int:
   return max(cfg.train.grad_accum_steps, 2)
 
 
-def check_config(cfg, loss_fn=None) -> list[Stage]:
-  """``compare`` on ``cfg``'s model, optimizer and first global batch (dropout off)."""
+def check_config(cfg, loss_fn=None) -> CheckReport:
+  """``check_accumulation`` on ``cfg``'s model, optimizer and first global batch (dropout
+  off)."""
   from jaxstep import data, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
@@ -37,21 +38,21 @@ def check_config(cfg, loss_fn=None) -> list[Stage]:
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   optimizer = make_optimizer(cfg.optim, max(t.max_steps, spe))
   batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
-  return compare(
+  return check_accumulation(
     loss_fn or next_token_loss(apply_fn),
-    apply_fn,
-    optimizer,
     params,
     jax.tree.map(jnp.asarray, batch),
-    grad_accum_steps=_compared_k(cfg),
+    optimizer,
+    _compared_k(cfg),
+    apply_fn=apply_fn,
     precision=t.precision,
   )
 
 
 def main(argv=None) -> int:
   def action(cfg) -> int:
-    stages = check_config(cfg)
-    print(format_stages(stages, _compared_k(cfg), cfg.train.precision))
-    return 0 if all(s.passed for s in stages) else 1
+    report = check_config(cfg)
+    print(report)
+    return 0 if report.passed else 1
 
   return config_command("jaxstep check", __doc__, action, argv)
