@@ -20,13 +20,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 
 from jaxstep import trainer
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer
-from jaxstep.trainer.run_state import RunState
 
 
 class StepTimes(Callback):
@@ -60,6 +58,7 @@ def _build(spec: dict, tmp: pathlib.Path):
     "train.eval_every=0",
     f"run_dir={tmp / 'run'}",
     f"train.max_steps={spec['steps']}",
+    f"checkpoint.every={spec.get('save_every', 0)}",
   ]
   cfg = config_lib.load(spec.get("config", "tiny"), overrides)
   run, state, rs = trainer.build(cfg)
@@ -77,12 +76,11 @@ def _save_restore_rates(state, tmp: pathlib.Path) -> dict:
   """MB/s of a synchronous save and a restore of the whole TrainState (MB = 2^20 bytes)."""
   ckpt = Checkpointer(tmp / "rate", async_save=False, keep=1)
   t = time.perf_counter()
-  ckpt.save(state, RunState(step=1), force=True)
+  ckpt.save(1, state)
   ckpt.wait()
   save_s = time.perf_counter() - t
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   t = time.perf_counter()
-  restored, _, _ = ckpt.restore(abstract)
+  restored = ckpt.restore(state).state
   jax.block_until_ready(restored)
   restore_s = time.perf_counter() - t
   ckpt.close()
@@ -103,9 +101,7 @@ def loop_contender(spec: dict):
   def run_once() -> dict:
     state = jax.tree.map(jnp.copy, state0)  # the loop donates its state
     ck_dir = tmp / f"ck{next(counter)}"
-    ckpt = Checkpointer(
-      ck_dir, every=spec.get("save_every", 0), async_save=spec.get("async_save", True)
-    )
+    ckpt = Checkpointer(ck_dir, async_save=spec.get("async_save", True))
     times = StepTimes()
     trainer.loop.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
     shutil.rmtree(ck_dir)

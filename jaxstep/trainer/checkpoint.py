@@ -1,7 +1,8 @@
-"""Checkpoints with orbax and exact resume.
+"""Checkpoints with orbax: save and restore a train state and a JSON-able dict, exactly.
 
-``run_dir/checkpoints/<update step>/`` holds two orbax items: ``state`` (the ``TrainState``
-via ``StandardSave``) and ``run`` (the ``RunState`` via ``JsonSave``). orbax writes each
+``<directory>/<update step>/`` holds two orbax items: ``state`` (the ``TrainState`` via
+``StandardSave``) and ``run`` (a JSON dict via ``JsonSave``: the CLI's ``RunState``, or
+any metadata of yours). orbax writes each
 step into a temporary directory and renames it when complete, so a killed process leaves
 at worst a ``*.orbax-checkpoint-tmp*`` directory, which the next start removes.
 
@@ -16,6 +17,7 @@ import dataclasses
 import logging
 import pathlib
 import shutil
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,7 +25,6 @@ import orbax.checkpoint as ocp
 from jaxstep.core.trees import path_name
 from jaxstep.errors import CheckpointError
 from jaxstep.trainer.run_dir import stamped
-from jaxstep.trainer.run_state import RunState
 
 log = logging.getLogger("jaxstep")
 STATE, RUN = "state", "run"
@@ -66,46 +67,61 @@ def _first_line(e: Exception) -> str:
   return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def _params_mismatch(saved_tree, abstract_params) -> str | None:
-  """First difference between saved and expected parameter shapes, or None."""
+def _shapes_mismatch(saved_tree, target, what: str) -> str | None:
+  """First difference between saved and expected leaf names and shapes, or None."""
 
   def flat(tree):
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {path_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
-  saved, expected = flat(saved_tree), flat(abstract_params)
+  saved, expected = flat(saved_tree), flat(target)
   if saved.keys() != expected.keys():
     missing = sorted(expected.keys() - saved.keys())[:3]
     extra = sorted(saved.keys() - expected.keys())[:3]
-    return f"parameter names differ (missing {missing}, unexpected {extra})"
+    return f"{what} names differ (missing {missing}, unexpected {extra})"
   for name, shape in expected.items():
     if saved[name] != shape:
-      return f"parameter {name} has shape {saved[name]} in the checkpoint, {shape} in the model"
+      return f"{what} {name} has shape {saved[name]} in the checkpoint, {shape} here"
   return None
 
 
+def _fields(target) -> dict | None:
+  """A dataclass state (``TrainState``) as a dict of its fields; None for other pytrees."""
+  if not dataclasses.is_dataclass(target):
+    return None
+  return {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
+
+
+class Restored(NamedTuple):
+  state: Any  # the state, laid out like the target it was restored into
+  metadata: dict  # the JSON-able dict saved with it
+  step: int
+
+
 class Checkpointer:
-  """Saves and restores ``(TrainState, RunState)`` under one directory.
+  """Saves and restores a train state (a ``TrainState`` or any pytree of arrays) plus a
+  JSON-able dict of metadata under one directory: ``<directory>/<step>/{state,run}``.
+
+  Saves are atomic (orbax writes a temporary directory and renames it when complete) and,
+  by default, asynchronous: ``save`` returns after the device→host copy. Restore takes the
+  newest step that restores cleanly into the layout of the target you pass, so a state
+  saved on 8 devices restores onto 1 and vice versa.
 
   Args:
-    directory: ``run_dir/checkpoints``.
-    every: save every this many update steps (0 = only forced saves).
-    keep: newest checkpoints kept.
-    async_save: write in a background thread (the loop continues after the device→host copy).
-    read_only: for restoring from someone else's directory (``--resume-from``).
+    directory: where the step directories go (created if missing).
+    keep: newest checkpoints kept; older ones are deleted after each save.
+    async_save: write in a background thread.
+    read_only: only restore (someone else's directory); never write or delete.
+
+  Example:
+    >>> with Checkpointer("ckpt", keep=2) as ckpt:
+    ...   ckpt.save(int(state.step), state, {"note": "after warmup"})
+    >>> restored = Checkpointer("ckpt").restore(train_step.init(params, 0))
+    >>> state, metadata, step = restored  # None if the directory holds no checkpoint
   """
 
-  def __init__(
-    self,
-    directory,
-    *,
-    every: int = 0,
-    keep: int = 3,
-    async_save: bool = True,
-    read_only: bool = False,
-  ):
+  def __init__(self, directory, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = pathlib.Path(directory).resolve()
-    self.every = every
     if read_only:
       options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0, max_to_keep=None
@@ -120,46 +136,58 @@ class Checkpointer:
       item_handlers={STATE: ocp.StandardCheckpointHandler(), RUN: ocp.JsonCheckpointHandler()},
     )
 
-  def save(self, state, run_state: RunState, *, force: bool = False) -> bool:
-    """Saves at ``run_state.step`` if due (or forced) and not saved yet; returns whether."""
-    step = run_state.step
-    if not force and (not self.every or step % self.every):
-      return False
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.wait()
+    self.close()
+
+  def save(self, step: int, state, metadata: dict | None = None) -> bool:
+    """Saves ``state`` (and ``metadata``) as ``step`` unless that step is saved already;
+    returns whether it saved. Asynchronous by default: ``wait()`` blocks until on disk."""
+    step = int(step)
     if step in self.manager.all_steps():
       return False
     self.manager.save(
       step,
       args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(run_state.to_json())
+        state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(dict(metadata or {}))
       ),
       force=True,
     )
     return True
 
+  def steps(self) -> list[int]:
+    """Saved steps, oldest first."""
+    return sorted(self.manager.all_steps())
+
   def has_checkpoints(self) -> bool:
     return bool(step_dirs(self.directory))
 
-  def restore(self, abstract_state, step: int | None = None):
-    """Restores the newest usable checkpoint (or exactly ``step``) into ``abstract_state``.
+  def restore(self, target, step: int | None = None) -> Restored | None:
+    """Restores the newest usable checkpoint (or exactly ``step``) into ``target``'s layout.
 
-    ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` carrying the *current*
-    shardings, so a checkpoint written on another device layout is resharded on read.
+    ``target`` is a state like the saved one: concrete arrays or ``jax.ShapeDtypeStruct``
+    leaves, carrying the shardings wanted *now*. A newer checkpoint that does not restore
+    is skipped loudly and moved to ``<directory>.corrupt/`` once an older one restored.
 
     Returns:
-      ``(state, run_dict, step)``, or None when the directory holds no checkpoint at all.
+      ``Restored(state, metadata, step)``, or None when the directory holds no checkpoint.
 
     Raises:
-      CheckpointError: the parameters do not match the model, or no checkpoint restores.
+      CheckpointError: the checkpoint does not fit ``target``, or none restores.
     """
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     candidates = [(s, p) for s, p in step_dirs(self.directory) if step is None or s == step]
     if step is not None and not candidates:
       raise CheckpointError(f"no checkpoint for update step {step} in {self.directory}")
     skipped = []
     for s, path in candidates:
-      restored, problem = self._try_restore(s, path, abstract_state)
+      restored, problem = self._try_restore(s, path, abstract)
       if restored is not None:
         self._quarantine(skipped)
-        return restored.state, dict(restored.run), s
+        return Restored(restored[0], restored[1], s)
       log.warning(
         "CHECKPOINT SKIPPED: update step %d in %s is unusable (%s); trying an older one",
         s,
@@ -176,30 +204,57 @@ class Checkpointer:
       f"or pass --no-resume to start over"
     )
 
-  def _try_restore(self, step, path, abstract_state):
+  def _try_restore(self, step, path, abstract):
     problem = _layout_problem(path)
     if problem:
       return None, problem
     try:
-      saved_params = self.manager.item_metadata(step)[STATE].tree["params"]
+      saved = self.manager.item_metadata(step)[STATE].tree
     except Exception as e:  # noqa: BLE001 - any failure to read means unusable
       return None, f"metadata unreadable ({_first_line(e)})"
-    mismatch = _params_mismatch(saved_params, abstract_state.params)
+    item = self._restorable(step, saved, abstract)
+    try:
+      out = self.manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(item), run=ocp.args.JsonRestore()),
+      )
+    except Exception as e:  # noqa: BLE001
+      return None, f"unreadable ({_first_line(e)})"
+    state = out.state
+    if isinstance(item, dict) and _fields(abstract) is not None:
+      state = abstract.replace(**state)
+    return (state, dict(out.run or {})), None
+
+  def _restorable(self, step, saved, abstract):
+    """What to hand orbax: the target, or (a dataclass state) the dict of those of its
+    fields the checkpoint holds — a field added since, with no arrays in the target
+    (``model_state=None``), keeps the target's value. Raises ``CheckpointError`` when the
+    checkpoint cannot fit."""
+    fields = _fields(abstract)
+    if fields is None:
+      mismatch = _shapes_mismatch(saved, abstract, "leaf")
+    else:
+      on_disk = set(saved.keys())
+      absent = [k for k in fields if k not in on_disk]
+      if any(jax.tree.leaves(fields[k]) for k in absent):
+        mismatch = f"the checkpoint has no {absent}"
+      else:
+        fields = {k: v for k, v in fields.items() if k in on_disk}
+        mismatch = next(
+          (
+            problem
+            for name, what in (("params", "parameter"), ("model_state", "model state"))
+            if name in fields and (problem := _shapes_mismatch(saved.get(name), fields[name], what))
+          ),
+          None,
+        )
     if mismatch:
       raise CheckpointError(
         f"checkpoint at update step {step} does not fit the model: "
         f"{mismatch}; use the model config it was written with or a new "
         f"run_dir"
       )
-    try:
-      return self.manager.restore(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), run=ocp.args.JsonRestore()
-        ),
-      ), None
-    except Exception as e:  # noqa: BLE001
-      return None, f"unreadable ({_first_line(e)})"
+    return abstract if fields is None else fields
 
   def _quarantine(self, skipped) -> None:
     """Moves unusable newer steps aside so new saves can take their step numbers."""

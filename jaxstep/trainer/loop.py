@@ -112,7 +112,7 @@ def loop(
   callbacks: Sequence[Callback] = (),
 ) -> TrainResult:
   """The update-step loop from position ``rs`` to ``run.total_steps`` (or a stop)."""
-  t = run.cfg.train
+  t, t_ckpt = run.cfg.train, run.cfg.checkpoint
   log.info(
     "%d training samples (%d update steps per epoch), %d parameters; update steps "
     "%d → %d of %d samples in %d micro-steps",
@@ -167,7 +167,8 @@ def loop(
         after(late.submit(rs.step, metrics, batch, position))
         if guard.needs_every_step:  # read back now: stop before another update is dispatched
           after(late.flush())
-        ckpt.save(state, rs)
+        if t_ckpt.every and rs.step % t_ckpt.every == 0:
+          ckpt.save(rs.step, state, rs.to_json())
         if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
           after(late.flush())
           last_eval = evaluate_and_report()
@@ -196,7 +197,7 @@ def loop(
 
 def _final_save(ckpt, state, rs: RunState, quiet: bool = False) -> None:
   try:
-    ckpt.save(state, rs, force=True)
+    ckpt.save(rs.step, state, rs.to_json())  # a no-op if this step is saved already
     ckpt.wait()
   except Exception as e:
     if not quiet:

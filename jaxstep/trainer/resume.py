@@ -11,9 +11,6 @@ import dataclasses
 import logging
 import pathlib
 
-import jax
-import orbax.checkpoint as ocp
-
 from jaxstep.errors import CheckpointError
 from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
 from jaxstep.trainer.run_dir import archive_previous
@@ -117,8 +114,7 @@ def start(
   if not resume:
     archive_previous(run_dir)
   c = cfg.checkpoint
-  ckpt = Checkpointer(run_dir / "checkpoints", every=c.every, keep=c.keep, async_save=c.async_)
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  ckpt = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_)
   if resume_from:
     if ckpt.has_checkpoints():
       raise CheckpointError(
@@ -127,10 +123,10 @@ def start(
       )
     directory, step = _locate(resume_from)
     source = Checkpointer(directory, read_only=True)
-    restored = source.restore(abstract, step)
+    restored = source.restore(state, step)
     source.close()
   else:
-    restored = ckpt.restore(abstract) if resume else None
+    restored = ckpt.restore(state) if resume else None
   if restored is None:
     return ckpt, state, run_state
   state, saved, step = restored

@@ -10,12 +10,10 @@ import sys
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import TrainState
 from jaxstep.trainer.checkpoint import Checkpointer
-from jaxstep.trainer.run_state import RunState
 
 
 def layout(x, mesh):
@@ -43,15 +41,12 @@ def build():
 def main(mode, directory):
   state = build()
   if mode == "save":
-    ckpt = Checkpointer(directory)
-    ckpt.save(state, RunState(step=1, global_batch_size=8), force=True)
-    ckpt.wait()
-    ckpt.close()
+    with Checkpointer(directory) as ckpt:
+      ckpt.save(1, state, {"global_batch_size": 8})
     return
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  ckpt = Checkpointer(directory)
-  restored, _, _ = ckpt.restore(abstract)
-  ckpt.close()
+  with Checkpointer(directory) as ckpt:
+    restored, metadata, _ = ckpt.restore(state)
+  assert metadata == {"global_batch_size": 8}
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding == want.sharding, (got.sharding, want.sharding)
