@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstep import TrainState, make_train_step
+from jaxstep import make_train_step
 
 
 def loss_fn(params, batch, rng):
@@ -41,11 +41,11 @@ def main(num_update_steps: int = 200):
     "w2": jax.random.normal(k2, (16,)) * 0.1,
   }
   optimizer = optax.adam(1e-2)
-  steps = {
-    k: jax.jit(make_train_step(loss_fn, optimizer, grad_accum_steps=k, units_fn=units_fn))
-    for k in (1, 8)
+  train_steps = {
+    k: make_train_step(loss_fn, optimizer, grad_accum_steps=k, units_fn=units_fn) for k in (1, 8)
   }
-  states = {k: TrainState.create(params=params, optimizer=optimizer, rng=0) for k in steps}
+  states = {k: train_step.init(params, rng=0) for k, train_step in train_steps.items()}
+  steps = {k: jax.jit(train_step) for k, train_step in train_steps.items()}
   for s in range(num_update_steps):
     batch = make_batch(rng)
     for k in steps:

@@ -28,13 +28,11 @@ def units_fn(batch):
 
 def main(num_update_steps: int = 100) -> TrainState:
   optimizer = optax.sgd(0.1, momentum=0.9)
-  step = jax.jit(
-    make_train_step(loss_fn, optimizer, grad_accum_steps=GRAD_ACCUM_STEPS, units_fn=units_fn),
-    donate_argnums=0,
+  train_step = make_train_step(
+    loss_fn, optimizer, grad_accum_steps=GRAD_ACCUM_STEPS, units_fn=units_fn
   )
-  state = TrainState.create(
-    params={"w": jnp.float32(0.0), "b": jnp.float32(0.0)}, optimizer=optimizer, rng=0
-  )
+  state = train_step.init({"w": jnp.float32(0.0), "b": jnp.float32(0.0)}, rng=0)
+  step = jax.jit(train_step, donate_argnums=0)
   rng = np.random.default_rng(0)
   for _ in range(num_update_steps):
     x = rng.uniform(-1, 1, GLOBAL_BATCH_SIZE).astype(np.float32)

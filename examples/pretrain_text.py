@@ -10,7 +10,6 @@ import jax
 
 from jaxstep import (
   OptimConfig,
-  TrainState,
   data,
   make_optimizer,
   make_train_step,
@@ -26,11 +25,11 @@ def main(path: str = "bundled:text", num_update_steps: int = 60) -> list[float]:
   dataset = data.load_dataset(data.DataConfig(path=path), SEQ_LEN, model_cfg.vocab_size)
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=10), num_update_steps)
-  step = jax.jit(
-    make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=GRAD_ACCUM_STEPS),
-    donate_argnums=0,
+  train_step = make_train_step(
+    next_token_loss(apply_fn), optimizer, grad_accum_steps=GRAD_ACCUM_STEPS
   )
-  state = TrainState.create(params=params, optimizer=optimizer, rng=0)
+  state = train_step.init(params, rng=0)
+  step = jax.jit(train_step, donate_argnums=0)
   spe = data.steps_per_epoch(len(dataset.train), GLOBAL_BATCH_SIZE)
   losses = []
   for update_step in range(num_update_steps):

@@ -9,7 +9,6 @@ import numpy as np
 
 from jaxstep import (
   OptimConfig,
-  TrainState,
   data,
   make_optimizer,
   make_train_step,
@@ -42,10 +41,9 @@ def main(num_update_steps: int = 40) -> tuple[float, float]:
   print(f"{share:.1%} of real tokens are assistant targets; only those enter the loss")
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=5), num_update_steps)
-  step = jax.jit(
-    make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=4), donate_argnums=0
-  )
-  state = TrainState.create(params=params, optimizer=optimizer, rng=0)
+  train_step = make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=4)
+  state = train_step.init(params, rng=0)
+  step = jax.jit(train_step, donate_argnums=0)
   spe = data.steps_per_epoch(len(dataset.train), 32)
   losses = []
   for s in range(num_update_steps):

@@ -17,7 +17,7 @@ This module is the public API: the names below are what docs and examples use.
 __version__ = "0.1.0"
 
 from jaxstep import data, errors, models, parallel  # noqa: E402
-from jaxstep.core.check import Stage, compare  # noqa: E402
+from jaxstep.core.check import CheckReport, Stage, check_accumulation  # noqa: E402
 from jaxstep.core.losses import masked_nll, next_token_loss  # noqa: E402
 from jaxstep.core.optim import OptimConfig, make_optimizer, make_schedule  # noqa: E402
 from jaxstep.core.session import Session, StepReport  # noqa: E402
@@ -35,10 +35,13 @@ from jaxstep.errors import (  # noqa: E402
   RunDirError,
 )
 from jaxstep.trainer import config  # noqa: E402
+from jaxstep.trainer.checkpoint import Checkpointer  # noqa: E402
 
 __all__ = [
   "AccumulationError",
   "BatchError",
+  "CheckReport",
+  "Checkpointer",
   "CheckpointError",
   "ConfigError",
   "DataError",
@@ -51,7 +54,7 @@ __all__ = [
   "Stage",
   "StepReport",
   "TrainState",
-  "compare",
+  "check_accumulation",
   "config",
   "data",
   "errors",

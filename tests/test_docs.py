@@ -22,6 +22,7 @@ TOP = "jaxstep|docs|configs|benchmarks|examples|tests|\\.ci"  # folders a path m
 PATH = re.compile(rf"(?<![\w/.-])((?:{TOP})/[\w/.-]*)")
 KEY = re.compile(rf"(?<![\w./])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?![\w(*])")
 FILE_SUFFIXES = ("py", "md", "yaml", "sh", "json", "jsonl", "txt", "toml", "png")
+PYTHON_BLOCK = re.compile(r"```python\n.*?```", re.S)
 TYPO_EXAMPLE = re.compile(r"unknown config key '[^']*'")  # the docs show a typo on purpose
 COMMAND = re.compile(r"python -m ([\w.]+\w)|`jaxstep (\w+)")
 DOTTED = re.compile(r"`(jaxstep(?:\.\w+)+)")  # `jaxstep.parallel.make_mesh`
@@ -75,7 +76,8 @@ def missing_files(path, text):
 
 def unknown_keys(path, text):
   valid = set(config_lib.valid_keys())
-  named = names(KEY, TYPO_EXAMPLE.sub("", text))
+  prose = PYTHON_BLOCK.sub("", TYPO_EXAMPLE.sub("", text))  # Python names variables
+  named = names(KEY, prose)
   return [k for k in named if k not in valid and k.split(".")[1] not in FILE_SUFFIXES]
 
 

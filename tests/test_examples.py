@@ -40,3 +40,22 @@ def test_sft_chat_counts_only_assistant_tokens(capsys):
 def test_custom_loss_with_weight_units_is_k_invariant():
   loss, gap = load("custom_loss").main(100)
   assert loss < 0.1 and gap < 1e-4
+
+
+def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise():
+  import os
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, str(EXAMPLES / "own_model.py"), "40"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env={**env, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "4 devices; resumed at update 20: bitwise identical = True" in proc.stdout
+  last = [line for line in proc.stdout.splitlines() if line.startswith("update 40:")][-1]
+  assert float(last.rsplit("accuracy", 1)[1]) >= 0.8

@@ -63,10 +63,12 @@ def test_from_nnx_adapts_a_plain_module():
     def __call__(self, inputs):
       return self.table(inputs)
 
-  apply_fn, params = models.from_nnx(Bigram(nnx.Rngs(0)))
+  apply_fn, params, model_state = models.from_nnx(Bigram(nnx.Rngs(0)))
   assert jax.tree.structure(params) == jax.tree.structure({"table": {"embedding": 0}})
-  out = apply_fn(params, jnp.array([[1, 2]]), rng=jax.random.PRNGKey(0), train=True)
+  assert model_state == {}
+  out, new_state = apply_fn(params, jnp.array([[1, 2]]), rng=jax.random.PRNGKey(0), train=True)
   np.testing.assert_array_equal(out[0, 0], params["table"]["embedding"][1])
+  assert new_state == {}
 
 
 def test_sequence_longer_than_max_seq_len_is_a_clear_error():

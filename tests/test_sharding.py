@@ -167,3 +167,38 @@ def test_two_processes_match_a_single_process_run(tmp_path):
   for x, y in zip(a, b, strict=True):
     assert x["tokens"] == y["tokens"]
     assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+
+
+MESH_SPLIT_CHECK = """
+import jax, jax.numpy as jnp, optax
+from jaxstep import BatchError, make_train_step, parallel
+
+def loss_fn(params, batch, rng):
+  return jnp.sum(batch["loss_mask"] * (params["w"] * batch["x"]) ** 2), {}
+
+mesh = parallel.make_mesh()
+train_step = make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4, mesh=mesh)
+state = train_step.init({"w": jnp.ones(())}, 0)
+for g in (6, 8):
+  batch = {"x": jnp.ones(g), "loss_mask": jnp.ones(g)}
+  try:
+    jax.jit(train_step)(state, parallel.put_batch(batch, parallel.batch_sharding(mesh)))
+  except BatchError as e:
+    print("BatchError:", e)
+"""
+
+
+def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_times_k():
+  proc = subprocess.run(
+    [sys.executable, "-c", MESH_SPLIT_CHECK],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=devices_env(4),
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.strip().splitlines()
+  assert len(lines) == 2 and all(x.startswith("BatchError:") for x in lines), proc.stdout
+  assert "a global batch of 6 samples does not split evenly over 4 devices" in lines[0]
+  assert "8 is not divisible by devices × grad_accum_steps = 4 × 4 = 16" in lines[1]
+  assert "train." not in proc.stdout  # a library error names numbers, not CLI keys

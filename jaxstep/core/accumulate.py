@@ -3,12 +3,15 @@ device-local ``shard_map`` form. Pure JAX; ``step.py`` and ``session.py`` build 
 
 Every micro-gradient is of ``loss_sum_k / N`` (N = units in the WHOLE global batch), so the
 sum over k is ``grad(Σ_k loss_sum_k / N)`` exactly, however unevenly units fall.
+
+A model's non-parameter state (BatchNorm statistics) is threaded through the micro-steps in
+order: micro-step k sees the state micro-step k − 1 left, as a PyTorch loop with gradient
+accumulation would. It is not differentiated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +21,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxstep.core.precision import cast_floating
-from jaxstep.parallel.layout import AXES
+from jaxstep.parallel.layout import AXES, tree_specs
 
-LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict]]
+# (params, micro_batch, rng) -> (loss_sum, aux); with model state:
+# (params, micro_batch, rng, model_state) -> (loss_sum, aux, new_model_state)
+LossFn = Callable[..., tuple]
 
 
 def split_micro_batches(batch: Mapping[str, jax.Array], grad_accum_steps: int):
@@ -46,6 +51,7 @@ def micro_gradients(
   grad_accum_steps: int,
   compute_dtype=None,
   loss_scale=1.0,
+  model_state=None,
 ):
   """Gradient of one micro-batch's share of the global objective.
 
@@ -54,7 +60,8 @@ def micro_gradients(
   averaged over the K micro-steps (MaxText's treatment of aux losses).
 
   Args:
-    loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)``.
+    loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)``, or with ``model_state``
+      ``(params, micro_batch, rng, model_state) -> (loss_sum, aux, new_model_state)``.
     params: fp32 master parameters.
     micro_batch: one micro-batch, leaves ``[G/K, ...]``.
     units: N for the whole global batch (float32 scalar, already clamped to ≥ 1).
@@ -64,18 +71,25 @@ def micro_gradients(
       boundary; gradients still flow back to (and come out as) fp32.
     loss_scale: the objective is multiplied by it before differentiation (fp16), so the
       returned grads are scaled; the reported loss is not.
+    model_state: the model's non-parameter state, or None for a model without any.
 
   Returns:
-    ``(grads, (loss_sum, extra_loss, aux))`` with fp32 grads shaped like params.
+    ``(grads, (loss_sum, extra_loss, aux, model_state))`` with fp32 grads shaped like params
+    and the model state after this micro-step (None stays None).
   """
 
   def objective(p):
-    loss_sum, aux = loss_fn(cast_floating(p, compute_dtype), micro_batch, rng)
+    p = cast_floating(p, compute_dtype)
+    if model_state is None:
+      loss_sum, aux = loss_fn(p, micro_batch, rng)
+      new_model_state = None
+    else:
+      loss_sum, aux, new_model_state = loss_fn(p, micro_batch, rng, model_state)
     aux = dict(aux)
     extra = jnp.asarray(aux.pop("extra_loss", 0.0), jnp.float32)
     loss_sum = jnp.asarray(loss_sum, jnp.float32)
     objective = loss_sum / units + extra / grad_accum_steps
-    return objective * loss_scale, (loss_sum, extra, aux)
+    return objective * loss_scale, (loss_sum, extra, aux, new_model_state)
 
   grads, out = jax.grad(objective, has_aux=True)(params)
   return optax.tree.cast(grads, jnp.float32), out
@@ -92,6 +106,7 @@ def accumulate(
   extra_terms: int | None = None,
   unroll: int = 1,
   loss_scale=1.0,
+  model_state=None,
 ):
   """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
 
@@ -104,14 +119,16 @@ def accumulate(
       device computes its own (default K).
     unroll: ``lax.scan`` unroll factor (a speed knob; the result is the same).
     loss_scale: multiplies every micro-objective (fp16); the caller unscales the sum.
+    model_state: the model's non-parameter state before micro-step 0, or None.
 
   Returns:
-    ``(grads, loss, extra_loss, aux)``: ``grads = Σ_k grad(loss_sum_k / N + extra_k / K)``,
-    ``loss = Σ_k loss_sum_k / N``, ``extra_loss = Σ_k extra_k / K`` and aux summed over k.
+    ``(grads, loss, extra_loss, aux, model_state)``: ``grads = Σ_k grad(loss_sum_k / N +
+    extra_k / K)``, ``loss = Σ_k loss_sum_k / N``, ``extra_loss = Σ_k extra_k / K``, aux
+    summed over k, and the model state after micro-step K − 1.
   """
   k_steps = jax.tree.leaves(micro_batches)[0].shape[0]
   extra_terms = extra_terms or k_steps
-  grad_fn = lambda mb, rng: micro_gradients(  # noqa: E731
+  grad_fn = lambda mb, rng, ms: micro_gradients(  # noqa: E731
     loss_fn,
     params,
     mb,
@@ -120,9 +137,10 @@ def accumulate(
     grad_accum_steps=extra_terms,
     compute_dtype=compute_dtype,
     loss_scale=loss_scale,
+    model_state=ms,
   )
   first = jax.tree.map(lambda x: x[0], micro_batches)
-  _, (_, _, aux_shape) = jax.eval_shape(grad_fn, first, step_rng)
+  _, (_, _, aux_shape, _) = jax.eval_shape(grad_fn, first, step_rng, model_state)
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
   # Micro-batch k is read in place from the [G/K, K, ...] view of the batch: swapping the
@@ -132,14 +150,15 @@ def accumulate(
   in_place = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), micro_batches)
 
   def body(carry, k):
-    grads_acc, loss_acc, extra_acc, aux_acc = carry
+    grads_acc, loss_acc, extra_acc, aux_acc, ms = carry
     mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False), in_place)
-    grads, (loss_sum, extra, aux) = grad_fn(mb, jax.random.fold_in(step_rng, k))
+    grads, (loss_sum, extra, aux, ms) = grad_fn(mb, jax.random.fold_in(step_rng, k), ms)
     return (
       optax.tree.add(grads_acc, grads),
       loss_acc + loss_sum / units,
       extra_acc + extra / extra_terms,
       jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux),
+      ms,
     ), None
 
   init = (
@@ -147,9 +166,10 @@ def accumulate(
     jnp.zeros((), jnp.float32),
     jnp.zeros((), jnp.float32),
     zero_aux,
+    model_state,
   )
-  (grads, loss, extra, aux), _ = jax.lax.scan(body, init, jnp.arange(k_steps), unroll=unroll)
-  return grads, loss, extra, aux
+  out, _ = jax.lax.scan(body, init, jnp.arange(k_steps), unroll=unroll)
+  return out
 
 
 def sharded_accumulate(
@@ -165,6 +185,7 @@ def sharded_accumulate(
   compute_dtype=None,
   unroll: int = 1,
   loss_scale=1.0,
+  model_state=None,
 ):
   """``accumulate`` with device-local accumulators and ONE reduction per update step.
 
@@ -175,16 +196,23 @@ def sharded_accumulate(
   ``data`` then ``psum_scatter`` over ``fsdp`` (or ``psum`` over both for replicated
   leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside every micro-step.
 
+  The model state is laid out like params; each device threads it through its own rows'
+  micro-steps, and after the scan its floating leaves are averaged over all devices (other
+  leaves take the maximum), the way data-parallel BatchNorm without cross-device
+  statistics ends up when the replicas' buffers are averaged.
+
   Args:
     batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
     units: global N (float32, ≥ 1), computed on the global batch outside.
     param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.parallel.layout``).
+    model_state: the model's non-parameter state, or None.
   """
   devices = mesh.devices.size
+  state_specs = tree_specs(model_state, mesh)
 
-  def local(params, batch, units, step_rng, loss_scale):
+  def local(params, batch, units, step_rng, loss_scale, model_state):
     full = jax.tree.map(_gather, params, param_specs)
-    grads, loss, extra, aux = accumulate(
+    grads, loss, extra, aux, model_state = accumulate(
       loss_fn,
       full,
       split_micro_batches(batch, grad_accum_steps),
@@ -194,19 +222,21 @@ def sharded_accumulate(
       extra_terms=grad_accum_steps * devices,
       unroll=unroll,
       loss_scale=loss_scale,
+      model_state=jax.tree.map(_gather, model_state, state_specs),
     )
-    return _reduce(grads, (loss, extra, aux), param_specs)
+    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs)
+    return grads, loss, extra, aux, jax.tree.map(_average, model_state, state_specs)
 
-  specs = (param_specs, P(AXES), P(), P(), P())
+  specs = (param_specs, P(AXES), P(), P(), P(), state_specs)
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
   # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
   return jax.shard_map(
     local,
     mesh=mesh,
     in_specs=specs,
-    out_specs=(param_specs, P(), P(), P()),
+    out_specs=(param_specs, P(), P(), P(), state_specs),
     check_vma=False,
-  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32))
+  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32), model_state)
 
 
 def _fsdp_dim(spec: P) -> int | None:
@@ -216,6 +246,20 @@ def _fsdp_dim(spec: P) -> int | None:
 def _gather(x, spec: P):
   dim = _fsdp_dim(spec)
   return x if dim is None else jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+
+
+def _average(x, spec: P):
+  """A full model-state leaf that differs per device → its mean (max for non-floating
+  leaves) over every device, then this device's fsdp shard of it."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    x = jax.lax.pmean(x, AXES)
+  else:
+    x = jax.lax.pmax(x, AXES)
+  dim = _fsdp_dim(spec)
+  if dim is None:
+    return x
+  size = x.shape[dim] // jax.lax.axis_size("fsdp")
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * size, size, dim)
 
 
 def _reduce(grads, sums, param_specs):

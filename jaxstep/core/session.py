@@ -46,6 +46,11 @@ class Session:
     rng: seed or key; micro-step k of update s uses ``fold_in(fold_in(rng, s), k)``.
     precision: ``None``/``"fp32"`` or ``"bf16"``.
 
+  ``session.state`` is the ``TrainState`` (params, optimizer state, update count) after the
+  last update and ``session.params`` its parameters. ``params`` are copied at the start, so
+  the caller's arrays stay usable. A model with non-parameter state (BatchNorm) needs
+  ``make_train_step``.
+
   Example:
     >>> session = Session(loss_fn, optax.adamw(1e-3), params, grad_accum_steps=4)
     >>> report = session.train_step(mb, normalization_units=mb["loss_mask"].sum())
@@ -66,10 +71,12 @@ class Session:
     if precision == "fp16":
       raise ConfigError("Session supports precision fp32 or bf16 (fp16 needs loss scaling)")
     self.grad_accum_steps = grad_accum_steps
+    # A copy: updates donate the state's buffers, and the caller's arrays must outlive them.
+    params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     self.state = TrainState.create(params=params, optimizer=optimizer, rng=rng)
 
     def micro(params, grads_acc, loss_acc, micro_batch, rng):
-      grads, (loss_sum, _, _) = micro_gradients(
+      grads, (loss_sum, _, _, _) = micro_gradients(
         loss_fn,
         params,
         micro_batch,
@@ -96,6 +103,11 @@ class Session:
     self._units = 0.0
     self._count = 0
     self.valid = True
+
+  @property
+  def params(self):
+    """The current parameters (after the last update; never the half-accumulated ones)."""
+    return self.state.params
 
   @property
   def microsteps_accumulated(self) -> int:
@@ -161,8 +173,8 @@ class Session:
         return self._report(False)
       if self._units <= 0:
         raise EmptyBatchError(
-          f"the accumulation of {self._count} micro-steps holds 0 "
-          f"normalization units; nothing to average over"
+          f"the accumulation of {self._count} micro-steps holds 0 normalization units; "
+          f"nothing to average over and nothing was updated; call reset() to drop it"
         )
       if before_update is not None and before_update(self._report(False)):
         self.valid = False

@@ -32,6 +32,9 @@ class TrainState:
     recent_losses: float32 ring buffer of the last applied updates' losses (inf = empty;
       not NaN, which multi-process equality checks of the initial state reject),
       slot ``step % window``; the optional loss-spike guard compares against its median.
+    model_state: the model's non-parameter state (BatchNorm statistics, any mutable
+      collection), threaded through the micro-steps in order; ``None`` for a model without
+      any (then ``loss_fn`` takes no ``model_state`` argument).
   """
 
   step: jax.Array
@@ -41,6 +44,7 @@ class TrainState:
   skipped: jax.Array
   loss_scale: LossScaleState
   recent_losses: jax.Array
+  model_state: Any = None
 
   @classmethod
   def create(
@@ -51,8 +55,12 @@ class TrainState:
     rng: jax.Array | int,
     loss_scale: float | LossScaleState = 1.0,
     loss_window: int = 32,
+    model_state: Any = None,
   ) -> TrainState:
-    """Builds the state at update step 0.
+    """Builds the state at update step 0 from exactly what it is given.
+
+    Prefer ``train_step.init(params, rng)``: the step knows its precision, loss scaling and
+    spike window, so the state it builds always fits it.
 
     Args:
       params: parameter pytree (any JAX model's parameters).
@@ -60,6 +68,7 @@ class TrainState:
       rng: a raw PRNG key or an int seed.
       loss_scale: initial loss scale or scaler state (only meaningful for fp16).
       loss_window: length of ``recent_losses`` (the spike guard's running window).
+      model_state: the model's non-parameter state, or None.
 
     Returns:
       A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
@@ -74,4 +83,5 @@ class TrainState:
       skipped=jnp.zeros((), jnp.int32),
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
       recent_losses=jnp.full((loss_window,), jnp.inf, jnp.float32),
+      model_state=model_state,
     )

@@ -12,6 +12,7 @@ This module is pure JAX: no I/O, no logging, no config objects.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from jaxstep.core.precision import compute_dtype as precision_dtype
 from jaxstep.core.state import TrainState
 from jaxstep.core.trees import path_name
 from jaxstep.errors import BatchError
-from jaxstep.parallel.layout import tree_specs
+from jaxstep.parallel.layout import tree_shardings, tree_specs
 
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
 
@@ -46,8 +47,9 @@ def default_units_fn(batch: Mapping[str, jax.Array]) -> jax.Array:
   return jnp.sum(batch["loss_mask"], dtype=jnp.int32)
 
 
-def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int) -> int:
-  """Returns G, checking every leaf shares a leading dim G > 0 with G % K == 0.
+def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int, devices: int = 1) -> int:
+  """Returns G, checking every leaf shares a leading dim G > 0 that divides into K
+  micro-batches, each split evenly over ``devices``.
 
   Runs on static shapes, so it fails at trace time with a readable message instead of a
   reshape error from inside XLA.
@@ -61,7 +63,7 @@ def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int) -> int:
   (g,) = set(dims.values())
   if g <= 0:
     raise BatchError(f"the global batch holds {g} samples; it needs at least one")
-  problem = geometry.split_problem(g, grad_accum_steps)
+  problem = geometry.split_problem(g, grad_accum_steps, devices)
   if problem:
     raise BatchError(problem)
   return g
@@ -123,81 +125,84 @@ def make_train_step(
   scan_unroll: int = 1,
   loss_scale: DynamicLossScale | None = None,
   spike_factor: float = 0.0,
+  spike_window: int = 32,
 ) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
-  """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch.
+  """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch, and
+  ``train_step.init(params, rng)``, the state that step needs.
 
   Args:
     loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)`` returning the
       *un-normalized* loss summed over the micro-batch and a dict of scalar metrics
       (summed over micro-steps). ``aux["extra_loss"]``, if present, is a mean-type term
-      added to the objective as ``extra_loss / K``.
+      added to the objective as ``extra_loss / K``. A model with non-parameter state takes
+      it and returns the new one: ``(params, micro_batch, rng, model_state) -> (loss_sum,
+      aux, model_state)`` (used when the state was built with ``init(…, model_state=…)``).
     optimizer: an optax transformation (e.g. from ``jaxstep.make_optimizer``); it
       sees the accumulated gradient exactly once per update step.
-    grad_accum_steps: K, the number of micro-batches per global batch.
+    grad_accum_steps: K, the number of micro-batches per global batch (any integer type).
     units_fn: ``(global_batch) -> N``; defaults to counting ``batch["loss_mask"]``.
     precision: ``None``/``"fp32"``, ``"bf16"`` or ``"fp16"`` (low-precision compute, fp32
       params and accumulator; see ``jaxstep.core.precision``). A non-finite update is
       always skipped: a jitted program cannot raise, so halting is the caller's choice.
-    mesh: a ``("data", "fsdp")`` mesh: accumulate device-locally under ``shard_map`` and
-      reduce once per update (see ``sharded_accumulate``). Params must then be laid out by
-      ``jaxstep.parallel`` rules and the batch sharded over both axes.
+    mesh: a ``("data", "fsdp")`` mesh (``jaxstep.parallel.make_mesh``): ``init`` lays the
+      state out on it, and the step accumulates device-locally under ``shard_map`` and
+      reduces once per update (see ``sharded_accumulate``). The batch must be sharded over
+      both axes (``jaxstep.parallel.put_batch``); G must divide by devices × K.
     scan_unroll: unroll factor of the micro-step scan (speed only).
     loss_scale: dynamic loss scaling (default on for ``precision="fp16"``, off otherwise);
-      its state lives in ``state.loss_scale``. Grads are unscaled after the scan, before
-      the norm and clipping.
+      ``init`` starts the state at its initial scale. Grads are unscaled after the scan,
+      before the norm and clipping.
     spike_factor: if > 0, skip an update whose loss exceeds ``spike_factor`` × the median
-      loss of the last applied updates (``state.recent_losses``, once half full).
+      loss of the last ``spike_window`` applied updates (once the window is half full).
+    spike_window: applied updates in the spike guard's window.
 
   Returns:
-    A pure function; jit it yourself (with shardings and ``donate_argnums=0`` if wanted).
-    ``metrics`` holds device scalars: ``loss`` (Σ NLL / N), ``tokens`` (N), ``grad_norm``
-    (pre-clip), ``lr``, ``updated``, ``extra_loss`` and the summed aux entries.
+    A pure function; jit it yourself (``donate_argnums=0`` is safe: ``init`` copies
+    params). ``metrics`` holds device scalars: ``loss`` (Σ NLL / N), ``tokens`` (N),
+    ``grad_norm`` (pre-clip), ``lr``, ``updated``, ``extra_loss`` and the summed aux
+    entries. ``train_step.init(params, rng, *, model_state=None) -> TrainState``.
 
   Example:
-    >>> step = jax.jit(make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4))
-    >>> state, metrics = step(state, batch)  # batch leaves have leading dim G
+    >>> train_step = make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=4)
+    >>> state = train_step.init(params, rng=0)
+    >>> state, metrics = jax.jit(train_step)(state, batch)  # batch leaves: leading dim G
   """
   grad_accum_steps = geometry.grad_accum_steps(grad_accum_steps)
   compute_dtype = precision_dtype(precision)
   units_fn = units_fn or default_units_fn
   scaler = loss_scale or (DynamicLossScale() if precision == "fp16" else None)
+  devices = mesh.devices.size if mesh is not None else 1
 
-  def param_specs(params):
-    return tree_specs(params, mesh)
+  def accumulated(state: TrainState, batch, units, step_rng):
+    options = dict(
+      compute_dtype=compute_dtype,
+      unroll=scan_unroll,
+      loss_scale=state.loss_scale.scale if scaler else 1.0,
+      model_state=state.model_state,
+    )
+    if mesh is None:
+      micro = split_micro_batches(batch, grad_accum_steps)
+      return accumulate(loss_fn, state.params, micro, units, step_rng, **options)
+    return sharded_accumulate(
+      loss_fn,
+      state.params,
+      batch,
+      units,
+      step_rng,
+      grad_accum_steps=grad_accum_steps,
+      mesh=mesh,
+      param_specs=tree_specs(state.params, mesh),
+      **options,
+    )
 
   def train_step(state: TrainState, batch):
-    global_batch_size(batch, grad_accum_steps)  # trace-time checks, before the model runs
+    global_batch_size(batch, grad_accum_steps, devices)  # trace-time checks, before the model
     units = units_fn(batch)  # global N: under jit with sharded inputs this is the global sum
     safe_units = jnp.maximum(units.astype(jnp.float32), 1.0)
     step_rng = jax.random.fold_in(state.rng, state.step)
-    scale = state.loss_scale.scale if scaler else 1.0
-    if mesh is None:
-      grads, loss, extra, aux = accumulate(
-        loss_fn,
-        state.params,
-        split_micro_batches(batch, grad_accum_steps),
-        safe_units,
-        step_rng,
-        compute_dtype=compute_dtype,
-        unroll=scan_unroll,
-        loss_scale=scale,
-      )
-    else:
-      grads, loss, extra, aux = sharded_accumulate(
-        loss_fn,
-        state.params,
-        batch,
-        safe_units,
-        step_rng,
-        grad_accum_steps=grad_accum_steps,
-        mesh=mesh,
-        param_specs=param_specs(state.params),
-        compute_dtype=compute_dtype,
-        unroll=scan_unroll,
-        loss_scale=scale,
-      )
+    grads, loss, extra, aux, model_state = accumulated(state, batch, safe_units, step_rng)
     if scaler:  # unscale before anything looks at the gradient (norm, clipping, Adam)
-      grads = optax.tree.scale(1.0 / scale, grads)
+      grads = optax.tree.scale(1.0 / state.loss_scale.scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
     spike = _loss_spike(state.recent_losses, loss, spike_factor)
@@ -207,7 +212,8 @@ def make_train_step(
     new_state = new_state.replace(
       recent_losses=jnp.where(
         ok, state.recent_losses.at[state.step % window].set(loss), state.recent_losses
-      )
+      ),
+      model_state=optax.tree.where(ok, model_state, state.model_state),
     )
     if scaler:
       new_state = new_state.replace(loss_scale=scaler.adjust(state.loss_scale, finite))
@@ -225,4 +231,22 @@ def make_train_step(
     }
     return new_state, metrics
 
+  def init(params, rng: jax.Array | int, *, model_state=None) -> TrainState:
+    """The state at update step 0 that this step needs: optimizer state, the loss scale's
+    initial value (fp16), the spike window, the model state; laid out on ``mesh`` if set.
+    Params and model state are copied, so donating the state never deletes the caller's
+    arrays."""
+    copy = functools.partial(jax.tree.map, lambda x: jnp.array(x, copy=True))
+    state = TrainState.create(
+      params=copy(params),
+      optimizer=optimizer,
+      rng=rng,
+      loss_scale=scaler.init() if scaler else 1.0,
+      loss_window=spike_window,
+      model_state=copy(model_state),
+    )
+    return state if mesh is None else jax.device_put(state, tree_shardings(state, mesh))
+
+  train_step.init = init
+  train_step.mesh = mesh
   return train_step

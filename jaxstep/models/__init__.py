@@ -1,7 +1,7 @@
 """Models as ``(apply_fn, params)`` pairs: the step sees a plain params pytree.
 
 ``build`` makes the bundled GPT (``gpt.py``, with the CPU kernels of ``cpu_kernels.py``);
-``from_nnx`` adapts any NNX module (``adapters.py``).
+``from_nnx`` and ``from_linen`` adapt your own module into a ``Model`` (``adapters.py``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,22 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from jaxstep.models.adapters import from_nnx
+from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "build", "from_nnx", "num_params"]
+__all__ = ["GPT", "GPTConfig", "Model", "build", "from_linen", "from_nnx", "num_params"]
 
 
 def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict]:
-  """Builds the bundled GPT: ``(apply_fn, params)``, params initialised from ``rng``."""
-  return from_nnx(GPT(model_config, rngs=nnx.Rngs(params=rng)))
+  """Builds the bundled GPT: ``(apply_fn, params)`` with ``apply_fn(params, inputs, *,
+  rng=None, train=False) -> logits``, params initialised from ``rng``. The GPT keeps no
+  state besides its parameters, and takes its dropout key as ``rng``."""
+  model = from_nnx(GPT(model_config, rngs=nnx.Rngs(params=rng)))
+
+  def apply_fn(params, inputs, *, rng=None, train=False):
+    return model.apply_fn(params, inputs, rng=rng, train=train)[0]
+
+  return apply_fn, model.params
 
 
 def num_params(params) -> int:

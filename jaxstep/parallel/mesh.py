@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import BatchError, ConfigError
 from jaxstep.parallel.layout import AXES
 
 
@@ -44,10 +44,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
 
 
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  """A host global batch → global arrays; this process contributes only its devices' rows."""
+  """A host global batch → global arrays; this process contributes only its devices' rows.
+
+  Raises:
+    BatchError: the rows (G) do not split evenly over the mesh's devices.
+  """
+  g = next(iter(batch.values())).shape[0]
+  devices = sharding.mesh.devices.size
+  if g % devices:
+    raise BatchError(
+      f"a global batch of {g} samples does not split evenly over {devices} devices; "
+      f"use a multiple of {devices}"
+    )
   if sharding.is_fully_addressable:
     return jax.device_put(batch, sharding)
-  g = next(iter(batch.values())).shape[0]
   index = sharding.addressable_devices_indices_map((g,))
   rows = np.unique(np.concatenate([np.arange(g)[sl[0]] for sl in index.values()]))
   return {

@@ -109,6 +109,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     mesh=mesh if mesh.devices.size > 1 else None,
     loss_scale=scaler,
     spike_factor=t.spike_factor,
+    spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
   )
 
@@ -117,13 +118,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
     return nll_sum, jnp.sum(batch["loss_mask"])
 
-  state = TrainState.create(
-    params=params,
-    optimizer=optimizer,
-    rng=jax.random.fold_in(jax.random.PRNGKey(t.seed), 1),
-    loss_scale=scaler.init() if scaler else 1.0,
-    loss_window=t.spike_window,
-  )
+  state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
