@@ -269,3 +269,23 @@ def test_restore_across_device_layouts(tmp_path, save_devices, restore_devices):
   call("save", save_devices)
   out = call("restore", restore_devices)
   assert f"restored on {restore_devices} devices; w sharded over {restore_devices}" in out
+
+
+def test_a_checkpoint_written_before_model_state_existed_still_restores(tmp_path):
+  import dataclasses
+
+  import optax
+  from flax import struct
+
+  from jaxstep import TrainState
+
+  state = TrainState.create(params={"w": jax.numpy.ones(3)}, optimizer=optax.adam(0.1), rng=0)
+  fields = [f.name for f in dataclasses.fields(TrainState) if f.name != "model_state"]
+  Before = struct.dataclass(  # noqa: N806 - the class TrainState was before that field
+    type("Before", (), {"__annotations__": dict.fromkeys(fields, object)})
+  )
+  with Checkpointer(tmp_path / "ck") as ckpt:
+    ckpt.save(1, Before(**{name: getattr(state, name) for name in fields}))
+  restored, _, _ = Checkpointer(tmp_path / "ck").restore(state)
+  assert type(restored) is TrainState and restored.model_state is None
+  chex.assert_trees_all_equal(restored, state)
