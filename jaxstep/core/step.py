@@ -248,5 +248,4 @@ def make_train_step(
     return state if mesh is None else jax.device_put(state, tree_shardings(state, mesh))
 
   train_step.init = init
-  train_step.mesh = mesh
   return train_step

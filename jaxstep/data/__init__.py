@@ -15,7 +15,7 @@ from jaxstep.data.dataset import (
   load_dataset,
   steps_per_epoch,
 )
-from jaxstep.data.tokenizer import ByteTokenizer
+from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 __all__ = [
   "ByteTokenizer",
@@ -26,5 +26,7 @@ __all__ = [
   "eval_batches",
   "global_batch",
   "load_dataset",
+  "load_tokenizer",
   "steps_per_epoch",
+  "train_bpe",
 ]

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxstep.data.readers import read_documents
 from jaxstep.data.samples import make_samples
-from jaxstep.data.tokenizer import get_tokenizer
+from jaxstep.data.tokenizer import load_tokenizer
 from jaxstep.errors import ConfigError, DataError
 
 SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
@@ -27,16 +27,17 @@ class DataConfig:
 
   path: str = "bundled:text"  # file, directory or glob; bundled:text | bundled:chat
   format: str = "auto"  # auto | txt | jsonl | chat (auto: by extension and first record)
-  tokenizer: str = "byte"  # byte: UTF-8 bytes + PAD/BOS/EOS (no downloads)
+  tokenizer: str = "byte"  # byte (UTF-8 + PAD/BOS/EOS), a tokenizer.json or a .model file
   pack: bool = True  # concatenate documents into one stream before cutting windows
   eval_fraction: float = 0.05  # fraction of documents held out for eval (0 = no eval set)
 
   def __post_init__(self):
     if self.format not in ("auto", "txt", "jsonl", "chat"):
       raise ConfigError(f"data.format must be auto, txt, jsonl or chat, got {self.format!r}")
-    if self.tokenizer != "byte":
+    if self.tokenizer != "byte" and not self.tokenizer.endswith((".json", ".model")):
       raise ConfigError(
-        f"data.tokenizer must be 'byte' (the only bundled one), got {self.tokenizer!r}"
+        f"data.tokenizer must be 'byte', a tokenizer.json or a SentencePiece .model file, "
+        f"got {self.tokenizer!r}"
       )
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
@@ -118,7 +119,7 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset
     DataError: missing/empty/malformed data, a token id ≥ ``vocab_size``, or no sample
       with a loss-masked token.
   """
-  tok = get_tokenizer(data_cfg.tokenizer)
+  tok = load_tokenizer(data_cfg.tokenizer)
   docs, kind = read_documents(data_cfg.path, data_cfg.format)
   n_eval = round(len(docs) * data_cfg.eval_fraction)
   if data_cfg.eval_fraction > 0 and len(docs) > 1:

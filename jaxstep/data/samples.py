@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxstep.data.tokenizer import ByteTokenizer
+from jaxstep.data.tokenizer import Tokenizer
 
 
-def encode_text(doc: str, tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
+def encode_text(doc: str, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
   """``BOS ids EOS`` and flags ``0 1…1 1``: EOS is learned, the next document's BOS is not."""
   ids = tok.encode(doc)
   tokens = np.concatenate([[tok.BOS], ids, [tok.EOS]]).astype(np.int32)
@@ -26,7 +26,7 @@ def encode_text(doc: str, tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
   return tokens, flags
 
 
-def encode_chat(messages: list[dict], tok: ByteTokenizer) -> tuple[np.ndarray, np.ndarray]:
+def encode_chat(messages: list[dict], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
   """``BOS`` then per message ``<|role|>\\n content EOS``; flags 1 only on assistant content
   and its EOS (the end token is what teaches the model to stop)."""
   tokens, flags = [np.array([tok.BOS], np.int32)], [np.zeros(1, np.int8)]
@@ -56,7 +56,7 @@ def cut_windows(
 
 
 def make_samples(
-  docs: list, kind: str, seq_len: int, tok: ByteTokenizer, pack: bool
+  docs: list, kind: str, seq_len: int, tok: Tokenizer, pack: bool
 ) -> dict[str, np.ndarray]:
   """All windows of ``docs``: one packed stream, or each document on its own windows."""
   encode = encode_chat if kind == "chat" else encode_text
