@@ -9,6 +9,7 @@ import sys
 
 # command -> (module, one-line description)
 COMMANDS = {
+  "prepare": ("jaxstep.cli.prepare", "tokenize a corpus once into shards and a manifest"),
   "train": ("jaxstep.cli.train", "train from a config (default: the bundled tiny one)"),
   "check": ("jaxstep.cli.check", "is accumulation exact for a config? K vs 1, stage by stage"),
   "memory": ("jaxstep.cli.memory", "bytes per device: textbook, jaxstep's layout, compiled"),

@@ -9,7 +9,8 @@ from __future__ import annotations
 import glob
 import json
 import pathlib
-import re
+from collections.abc import Iterator
+from typing import Any
 
 from jaxstep.errors import DataError
 
@@ -18,7 +19,7 @@ BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED /
 ROLES = ("system", "user", "assistant")
 
 
-def _list_files(path: str) -> list[pathlib.Path]:
+def list_files(path: str) -> list[pathlib.Path]:
   """A file, every ``.txt``/``.jsonl`` file under a directory, or a glob; sorted."""
   if path in BUNDLED_PATHS:
     return [BUNDLED_PATHS[path]]
@@ -52,23 +53,39 @@ def _detect_format(file: pathlib.Path) -> str:
   return "jsonl"
 
 
-def _read_txt(file: pathlib.Path) -> list[str]:
+def _lines(file: pathlib.Path) -> Iterator[tuple[int, str]]:
+  """``(line number, line without its newline)``, one at a time (files larger than memory)."""
+  number = 0
+  try:
+    with file.open(encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):  # noqa: B007 - number is reported on error
+        yield number, line.rstrip("\n")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{file}:{number + 1}: not UTF-8 text ({e.reason})") from None
+
+
+def _txt_documents(file: pathlib.Path) -> Iterator[str]:
   """Documents separated by one or more blank lines (a file without any is one document)."""
-  text = _read(file)
-  return [d.strip("\n") for d in re.split(r"\n\s*\n", text) if d.strip()]
+  lines: list[str] = []
+  for _, line in _lines(file):
+    if line.strip():
+      lines.append(line)
+    elif lines:
+      yield "\n".join(lines)
+      lines = []
+  if lines:
+    yield "\n".join(lines)
 
 
-def read_jsonl(file: pathlib.Path, chat: bool) -> list:
-  docs = []
-  for number, line in enumerate(_read(file).splitlines(), 1):
+def _jsonl_documents(file: pathlib.Path, chat: bool) -> Iterator:
+  for number, line in _lines(file):
     if not line.strip():
       continue
     try:
       record = json.loads(line)
     except json.JSONDecodeError as e:
       raise DataError(f"{file}:{number}: malformed JSON ({e.msg})") from None
-    docs.append(_chat_record(record, file, number) if chat else _text_record(record, file, number))
-  return docs
+    yield _chat_record(record, file, number) if chat else _text_record(record, file, number)
 
 
 def _text_record(record, file, number) -> str:
@@ -91,11 +108,23 @@ def _chat_record(record, file, number) -> list[dict]:
   return messages
 
 
-def _read(file: pathlib.Path) -> str:
-  try:
-    return file.read_text(encoding="utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+def iter_documents(path: str, fmt: str = "auto") -> Iterator[tuple[pathlib.Path, str, Any]]:
+  """Every document under ``path`` as ``(file, kind, document)``, streamed file by file
+  and line by line; kind is ``text`` or ``chat``.
+
+  Raises:
+    DataError: missing path, malformed records, or text and chat files mixed.
+  """
+  kinds = set()
+  for file in list_files(path):
+    f = _detect_format(file) if fmt == "auto" else fmt
+    kind = "chat" if f == "chat" else "text"
+    kinds.add(kind)
+    if len(kinds) > 1:
+      raise DataError(f"data.path {path!r} mixes chat and plain-text files; use one kind")
+    documents = _txt_documents(file) if f == "txt" else _jsonl_documents(file, chat=f == "chat")
+    for doc in documents:
+      yield file, kind, doc
 
 
 def read_documents(path: str, fmt: str = "auto") -> tuple[list, str]:
@@ -104,16 +133,9 @@ def read_documents(path: str, fmt: str = "auto") -> tuple[list, str]:
   Raises:
     DataError: missing path, malformed records, mixed text and chat, or no documents.
   """
-  docs, kinds = [], set()
-  for file in _list_files(path):
-    f = _detect_format(file) if fmt == "auto" else fmt
-    if f == "txt":
-      docs += _read_txt(file)
-    else:
-      docs += read_jsonl(file, chat=(f == "chat"))
-    kinds.add("chat" if f == "chat" else "text")
-  if len(kinds) > 1:
-    raise DataError(f"data.path {path!r} mixes chat and plain-text files; use one kind")
+  docs, kind = [], None
+  for _, kind, doc in iter_documents(path, fmt):  # noqa: B007 - one kind for all
+    docs.append(doc)
   if not docs:
     raise DataError(f"data.path {path!r} holds no documents (the files are empty)")
-  return docs, kinds.pop()
+  return docs, kind

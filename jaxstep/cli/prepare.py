@@ -1,0 +1,64 @@
+"""``jaxstep prepare INPUT… --out DIR``: tokenize a corpus once into shards + a manifest.
+
+INPUT is a file, a directory (every .txt/.jsonl under it) or a glob; several may be given.
+Training then reads the shards through memory maps (``data.path=DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxstep.cli._common import report, setup_logging
+from jaxstep.errors import JaxstepError
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxstep prepare", description=__doc__)
+  p.add_argument("inputs", nargs="+", metavar="INPUT")
+  p.add_argument("--out", required=True, help="the prepared folder (created or replaced)")
+  p.add_argument(
+    "--tokenizer",
+    default="byte",
+    help="byte (default), a tokenizer.json or a SentencePiece .model file",
+  )
+  p.add_argument(
+    "--train-bpe",
+    type=int,
+    default=0,
+    metavar="VOCAB_SIZE",
+    help="train a byte-level BPE of this size on the inputs first (saved as tokenizer.json)",
+  )
+  p.add_argument("--format", default="auto", choices=("auto", "txt", "jsonl", "chat"))
+  p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out")
+  p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+  p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p
+
+
+def main(argv=None) -> int:
+  from jaxstep.data.prepare import SHARD_TOKENS, prepare
+
+  args = parser().parse_args(argv)
+  setup_logging()
+  try:
+    manifest = prepare(
+      args.inputs,
+      args.out,
+      tokenizer=args.tokenizer,
+      train_bpe_vocab=args.train_bpe,
+      fmt=args.format,
+      eval_fraction=args.eval_fraction,
+      workers=args.workers,
+      shard_tokens=args.shard_tokens or SHARD_TOKENS,
+      progress=not args.no_progress,
+    )
+  except JaxstepError as e:
+    return report(e)
+  tok, splits = manifest["tokenizer"], manifest["splits"]
+  counts = ", ".join(
+    f"{name} {s['tokens']:,} tokens in {s['documents']:,} documents" for name, s in splits.items()
+  )
+  print(f"{args.out}: {counts}; tokenizer {tok['kind']} ({tok['vocab_size']:,} ids)")
+  return 0

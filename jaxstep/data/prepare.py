@@ -1,0 +1,360 @@
+"""Prepare a corpus once: documents → tokens → shards on disk + ``manifest.json``.
+
+``prepare(inputs, out)`` streams the inputs file by file and document by document,
+tokenizes them (in ``workers`` processes, in order) and appends each document's tokens to
+the current shard of its split; memory holds one batch of documents, never the corpus.
+
+``out/`` then holds, per split (``train``, ``eval``):
+
+- ``<split>-00000.bin`` …: the token stream, uint16 when the vocabulary fits, else uint32.
+  A text document is ``BOS tokens EOS``; a chat document ``BOS`` then per message
+  ``<|role|>\\n content EOS`` (as ``samples.encode_chat`` writes it).
+- ``<split>-00000.flags.bin`` … (chat only): uint8, 1 where the token may be a target
+  (assistant content and its EOS). Text needs none: every token but BOS is a target.
+- ``<split>.docs.bin``: uint64 offsets where each document starts in the stream.
+
+and ``manifest.json``: the format version, the tokenizer (kind, file, size, special ids),
+the token dtype, the settings, the source files (names, sizes), and per split its token and
+document counts and each file's size and sha256. Everything is written into a temporary
+directory renamed to ``out`` at the end, so a killed prepare leaves no manifest (and the
+next one starts clean); preparing the same inputs again is a no-op.
+
+Documents go to eval by a hash of their index (``eval_fraction`` of them on average), so the
+split never needs the whole corpus in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import tqdm
+
+from jaxstep.data import readers, samples
+from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from jaxstep.errors import ConfigError, DataError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_TOKENS = 1 << 26  # tokens per shard file: 128 MiB of uint16
+DOCS_PER_BATCH = 512  # documents tokenized together (one worker task)
+SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
+
+
+def is_eval(index: int, eval_fraction: float) -> bool:
+  """Document ``index`` goes to eval: a fixed hash of the index below the fraction."""
+  h = zlib.crc32(SPLIT_SEED.to_bytes(4, "little") + index.to_bytes(8, "little"))
+  return h < eval_fraction * 2**32
+
+
+class _ShardWriter:
+  """Appends documents of one split to fixed-size shard files, hashing as it writes."""
+
+  def __init__(self, folder: pathlib.Path, split: str, dtype, shard_tokens: int, chat: bool):
+    self.folder, self.split, self.dtype = folder, split, np.dtype(dtype)
+    self.shard_tokens, self.chat = shard_tokens, chat
+    self.shards: list[dict] = []
+    self.flag_shards: list[dict] = []
+    self.doc_starts: list[int] = []
+    self.tokens = 0
+    self._open = None
+
+  def _roll(self) -> None:
+    self._close()
+    index = len(self.shards)
+    names = [f"{self.split}-{index:05d}.bin"] + (
+      [f"{self.split}-{index:05d}.flags.bin"] if self.chat else []
+    )
+    self._open = [
+      (open(self.folder / n, "wb"), hashlib.sha256(), {"file": n, "tokens": 0}) for n in names
+    ]
+
+  def _close(self) -> None:
+    if self._open is None:
+      return
+    for i, (f, h, entry) in enumerate(self._open):
+      f.close()
+      entry.update(bytes=(self.folder / entry["file"]).stat().st_size, sha256=h.hexdigest())
+      (self.shards if i == 0 else self.flag_shards).append(entry)
+    self._open = None
+
+  def add(self, tokens: np.ndarray, flags: np.ndarray) -> None:
+    self.doc_starts.append(self.tokens)
+    done = 0
+    while done < len(tokens):
+      if self._open is None or self._open[0][2]["tokens"] == self.shard_tokens:
+        self._roll()
+      room = self.shard_tokens - self._open[0][2]["tokens"]
+      parts = [tokens[done : done + room].astype(self.dtype)]
+      if self.chat:
+        parts.append(flags[done : done + room].astype(np.uint8))
+      for (f, h, entry), part in zip(self._open, parts, strict=True):
+        data = part.tobytes()
+        f.write(data)
+        h.update(data)
+        entry["tokens"] += len(part)
+      done += len(parts[0])
+    self.tokens += len(tokens)
+
+  def finish(self) -> dict:
+    self._close()
+    docs = f"{self.split}.docs.bin"
+    np.asarray(self.doc_starts, np.uint64).tofile(self.folder / docs)
+    return {
+      "tokens": self.tokens,
+      "documents": len(self.doc_starts),
+      "shards": self.shards,
+      "flags": self.flag_shards if self.chat else None,
+      "docs": {"file": docs, "sha256": _sha256(self.folder / docs)},
+    }
+
+
+def _sha256(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with path.open("rb") as f:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+# Worker processes keep their tokenizer in a global: it is loaded once per process.
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+  global _worker_tok
+  _worker_tok = load_tokenizer(spec)
+
+
+def _encode(task: tuple[str, list]) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
+  """One batch of documents → ``(kind, [(tokens, flags), …])`` with the worker's tokenizer."""
+  kind, docs = task
+  tok = _worker_tok
+  if kind == "chat":
+    return kind, [samples.encode_chat(d, tok) for d in docs]
+  return kind, [samples.framed(ids, tok) for ids in tok.encode_batch(docs)]
+
+
+def _batches(inputs: list[str], fmt: str, bar) -> Iterator[tuple[str, list]]:
+  """``(kind, documents)`` in batches of ``DOCS_PER_BATCH``, streamed; ``bar`` advances by
+  each document's UTF-8 size, and by the rest of a file's size once it is read."""
+  batch, kind, current, counted = [], None, None, 0
+  for path in inputs:
+    for file, kind, doc in readers.iter_documents(path, fmt):
+      if file != current:
+        if current is not None:
+          bar.update(max(current.stat().st_size - counted, 0))
+        current, counted = file, 0
+      size = len((doc if kind == "text" else "".join(m["content"] for m in doc)).encode())
+      bar.update(size)
+      counted += size
+      batch.append(doc)
+      if len(batch) == DOCS_PER_BATCH:
+        yield kind, batch
+        batch = []
+  if batch:
+    yield kind, batch
+  if current is not None:
+    bar.update(max(current.stat().st_size - counted, 0))
+
+
+def _sources(inputs: list[str]) -> list[dict]:
+  files = [f for path in inputs for f in readers.list_files(path)]
+  return [
+    {"name": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files
+  ]
+
+
+def _texts_for_bpe(inputs: list[str], fmt: str) -> Iterable[str]:
+  for path in inputs:
+    for _, kind, doc in readers.iter_documents(path, fmt):
+      yield doc if kind == "text" else "\n".join(m["content"] for m in doc)
+
+
+def _digest(**parts) -> str:
+  return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenizer_source(tokenizer: str, train_bpe_vocab: int) -> str:
+  """What decides the tokens: a BPE size to train, ``byte``, or a file's content."""
+  if train_bpe_vocab:
+    return f"train-bpe:{train_bpe_vocab}"
+  return "byte" if tokenizer == "byte" else f"file:{_sha256(pathlib.Path(tokenizer))}"
+
+
+def prepare(
+  inputs: list[str],
+  out: str | pathlib.Path,
+  *,
+  tokenizer: str = "byte",
+  train_bpe_vocab: int = 0,
+  fmt: str = "auto",
+  eval_fraction: float = 0.05,
+  workers: int = 1,
+  shard_tokens: int = SHARD_TOKENS,
+  progress: bool = True,
+) -> dict:
+  """Prepares ``inputs`` (files, directories, globs) into ``out``; returns the manifest.
+
+  Args:
+    tokenizer: ``byte``, a ``tokenizer.json`` or a SentencePiece ``.model``; a file is
+      copied into ``out`` so the prepared set is self-contained.
+    train_bpe_vocab: if > 0, first train a byte-level BPE of this size on the inputs
+      (``out/tokenizer.json``); ``tokenizer`` is then ignored.
+    fmt: ``auto``, ``txt``, ``jsonl`` or ``chat`` (as ``data.format``).
+    eval_fraction: share of documents held out for eval, in [0, 1).
+    workers: tokenizer processes (1: tokenize in this process).
+    shard_tokens: tokens per shard file.
+
+  Raises:
+    DataError / ConfigError: bad inputs or settings; ``out`` is left as it was.
+  """
+  if not 0 <= eval_fraction < 1:
+    raise ConfigError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+  if workers < 1 or shard_tokens < 1:
+    raise ConfigError(f"workers and shard tokens must be >= 1, got {workers}, {shard_tokens}")
+  if train_bpe_vocab == 0 and tokenizer != "byte":
+    load_tokenizer(tokenizer)  # a bad tokenizer fails before any work
+  out = pathlib.Path(out)
+  sources = _sources(inputs)
+  settings = {"format": fmt, "eval_fraction": eval_fraction, "shard_tokens": shard_tokens}
+  inputs_digest = _digest(
+    sources=sources, settings=settings, tokenizer=_tokenizer_source(tokenizer, train_bpe_vocab)
+  )
+  if (out / MANIFEST).is_file():
+    try:
+      if json.loads((out / MANIFEST).read_text()).get("inputs_digest") == inputs_digest:
+        return read_manifest(out)  # the same inputs: nothing to do (if the files are intact)
+    except (json.JSONDecodeError, DataError):
+      pass  # prepared from other inputs, or damaged: prepare again
+  out.parent.mkdir(parents=True, exist_ok=True)
+  for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed prepare's leftovers
+    shutil.rmtree(stale, ignore_errors=True)
+  tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+  tmp.mkdir()
+  try:
+    tok, spec = _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab)
+    kind, splits = _tokenize(
+      inputs,
+      fmt,
+      tok,
+      spec,
+      tmp,
+      eval_fraction,
+      workers,
+      shard_tokens,
+      progress,
+      total=sum(s["bytes"] for s in sources),
+    )
+    manifest = {
+      "format_version": FORMAT_VERSION,
+      "kind": kind,
+      "tokenizer": {**tok.describe(), "file": None if spec == "byte" else pathlib.Path(spec).name},
+      "dtype": _dtype(tok),
+      "splits": splits,
+      "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
+      "settings": settings,
+      "inputs_digest": inputs_digest,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+      shutil.rmtree(out)
+    tmp.rename(out)
+    return manifest
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dtype(tok) -> str:
+  return "uint16" if tok.vocab_size <= 2**16 else "uint32"
+
+
+def _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab) -> tuple[Tokenizer, str]:
+  """The tokenizer, saved or copied into ``tmp``; and how a worker loads it."""
+  if train_bpe_vocab:
+    tok = train_bpe(_texts_for_bpe(inputs, fmt), train_bpe_vocab, tmp / "tokenizer.json")
+    return tok, str(tmp / "tokenizer.json")
+  if tokenizer == "byte":
+    return ByteTokenizer(), "byte"
+  name = "tokenizer.json" if tokenizer.endswith(".json") else "tokenizer.model"
+  shutil.copyfile(tokenizer, tmp / name)
+  return load_tokenizer(str(tmp / name)), str(tmp / name)
+
+
+def _tokenize(
+  inputs, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
+) -> tuple[str, dict]:
+  """Streams every document through the tokenizer into the split writers."""
+  bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="prepare")
+  pool = None
+  if workers > 1:
+    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,))
+  else:
+    _init_worker(spec)
+  writers: dict[str, _ShardWriter] = {}
+  kind, index, start = "text", 0, time.perf_counter()
+  try:
+    tasks = _batches(inputs, fmt, bar)
+    for kind, encoded in pool.imap(_encode, tasks) if pool else map(_encode, tasks):
+      for tokens, flags in encoded:
+        split = "eval" if is_eval(index, eval_fraction) else "train"
+        if split not in writers:
+          writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, kind == "chat")
+        writers[split].add(tokens, flags)
+        index += 1
+      rate = sum(w.tokens for w in writers.values()) / (time.perf_counter() - start)
+      bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
+  finally:
+    bar.close()
+    if pool is not None:
+      pool.terminate()
+  if "train" not in writers:
+    raise DataError(f"{' '.join(inputs)}: no documents to train on")
+  return kind, {split: w.finish() for split, w in writers.items()}
+
+
+def read_manifest(folder: str | pathlib.Path, *, verify: bool = True) -> dict:
+  """The manifest of a prepared folder, checked: a known format version, and every file
+  present with its recorded size (and, with ``verify``, its sha256).
+
+  Raises:
+    DataError: naming the file that is missing, truncated, changed or of a newer format.
+  """
+  folder = pathlib.Path(folder)
+  path = folder / MANIFEST
+  try:
+    manifest = json.loads(path.read_text())
+  except FileNotFoundError:
+    raise DataError(f"{folder} holds no {MANIFEST}: prepare it with jaxstep prepare") from None
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: not valid JSON ({e.msg})") from None
+  version = manifest.get("format_version")
+  if not isinstance(version, int) or version > FORMAT_VERSION:
+    raise DataError(
+      f"{path}: format version {version!r} is newer than this jaxstep reads "
+      f"({FORMAT_VERSION}); upgrade jaxstep or prepare the data again"
+    )
+  for split in manifest["splits"].values():
+    for entry in [*split["shards"], *(split["flags"] or []), split["docs"]]:
+      _check_file(folder / entry["file"], entry, verify)
+  return manifest
+
+
+def _check_file(path: pathlib.Path, entry: dict, verify: bool) -> None:
+  if not path.is_file():
+    raise DataError(f"{path} is missing (listed in {MANIFEST}); prepare the data again")
+  if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+    raise DataError(
+      f"{path} has {path.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}: truncated "
+      f"or changed; prepare the data again"
+    )
+  if verify and _sha256(path) != entry["sha256"]:
+    raise DataError(f"{path} does not match its checksum in {MANIFEST}; prepare the data again")

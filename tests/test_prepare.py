@@ -1,0 +1,174 @@
+"""jaxstep prepare: shards + manifest that hold exactly the in-memory path's tokens and
+masks; atomic, idempotent, deterministic; bad or damaged inputs are clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxstep import DataError
+from jaxstep.data.prepare import MANIFEST, prepare, read_manifest
+from jaxstep.data.readers import read_documents
+from jaxstep.data.samples import encode_chat, encode_text
+from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def stream(folder, split="train"):
+  """A split's tokens (and flags, for chat) read back from its shard files."""
+  manifest = read_manifest(folder)
+  dtype, entry = np.dtype(manifest["dtype"]), manifest["splits"][split]
+  tokens = np.concatenate([np.fromfile(folder / s["file"], dtype) for s in entry["shards"]])
+  flags = (
+    np.concatenate([np.fromfile(folder / s["file"], np.uint8) for s in entry["flags"]])
+    if entry["flags"]
+    else None
+  )
+  starts = np.fromfile(folder / entry["docs"]["file"], np.uint64)
+  return tokens, flags, starts
+
+
+def write_corpus(path, n=300, seed=0):
+  rng = np.random.default_rng(seed)
+  words = ["the", "cat", "sat", "on", "a", "mat", "Grüße", "naïve", "☕", "42"]
+  docs = [" ".join(rng.choice(words, rng.integers(3, 30))) for _ in range(n)]
+  path.write_text("\n\n".join(docs) + "\n")
+  return docs
+
+
+def test_text_shards_hold_exactly_the_in_memory_tokens_across_shards(tmp_path):
+  docs = write_corpus(tmp_path / "c.txt")
+  manifest = prepare(
+    [str(tmp_path / "c.txt")],
+    tmp_path / "p",
+    eval_fraction=0.0,
+    shard_tokens=1000,
+    progress=False,
+  )
+  tokens, flags, starts = stream(tmp_path / "p")
+  expected = [encode_text(d, ByteTokenizer()) for d in docs]
+  np.testing.assert_array_equal(tokens, np.concatenate([t for t, _ in expected]))
+  assert flags is None  # text: every token but BOS is a target
+  np.testing.assert_array_equal(np.concatenate([f for _, f in expected]), tokens != 257)
+  np.testing.assert_array_equal(starts, np.cumsum([0] + [len(t) for t, _ in expected])[:-1])
+  train = manifest["splits"]["train"]
+  assert train["documents"] == len(docs) and train["tokens"] == len(tokens)
+  assert len(train["shards"]) == -(-len(tokens) // 1000) and manifest["dtype"] == "uint16"
+
+
+def test_chat_shards_keep_the_assistant_only_flags(tmp_path):
+  manifest = prepare(["bundled:chat"], tmp_path / "p", eval_fraction=0.0, progress=False)
+  tokens, flags, _ = stream(tmp_path / "p")
+  docs, kind = read_documents("bundled:chat")
+  expected = [encode_chat(d, ByteTokenizer()) for d in docs]
+  assert manifest["kind"] == kind == "chat"
+  np.testing.assert_array_equal(tokens, np.concatenate([t for t, _ in expected]))
+  np.testing.assert_array_equal(flags, np.concatenate([f for _, f in expected]))
+
+
+def test_documents_are_split_by_a_fixed_hash_and_none_is_lost(tmp_path):
+  docs = write_corpus(tmp_path / "c.txt", n=1000)
+  manifest = prepare([str(tmp_path / "c.txt")], tmp_path / "p", eval_fraction=0.1, progress=False)
+  splits = manifest["splits"]
+  assert splits["train"]["documents"] + splits["eval"]["documents"] == len(docs)
+  assert 50 <= splits["eval"]["documents"] <= 150
+  total = sum(len(encode_text(d, ByteTokenizer())[0]) for d in docs)
+  assert splits["train"]["tokens"] + splits["eval"]["tokens"] == total
+
+
+def test_trained_bpe_is_saved_next_to_the_shards_and_decodes_them(tmp_path):
+  docs = write_corpus(tmp_path / "c.txt")
+  manifest = prepare(
+    [str(tmp_path / "c.txt")],
+    tmp_path / "p",
+    train_bpe_vocab=300,
+    eval_fraction=0.0,
+    progress=False,
+  )
+  assert manifest["tokenizer"]["file"] == "tokenizer.json"
+  tok = load_tokenizer(str(tmp_path / "p" / "tokenizer.json"))
+  assert manifest["tokenizer"]["vocab_size"] == tok.vocab_size <= 300  # merges may run out
+  tokens, _, starts = stream(tmp_path / "p")
+  ends = [*starts[1:], len(tokens)]
+  assert [tok.decode(tokens[a:b]) for a, b in zip(starts, ends, strict=True)] == docs
+
+
+def test_same_inputs_are_a_no_op_and_workers_give_identical_bytes(tmp_path):
+  write_corpus(tmp_path / "c.txt", n=2000)
+  one = prepare([str(tmp_path / "c.txt")], tmp_path / "a", progress=False)
+  stamp = (tmp_path / "a" / MANIFEST).stat().st_mtime_ns
+  assert prepare([str(tmp_path / "c.txt")], tmp_path / "a", progress=False) == one
+  assert (tmp_path / "a" / MANIFEST).stat().st_mtime_ns == stamp  # nothing rewritten
+  two = prepare([str(tmp_path / "c.txt")], tmp_path / "b", workers=2, progress=False)
+  assert one["splits"] == two["splits"]  # same files, sizes and checksums
+
+
+def test_a_killed_prepare_leaves_no_manifest_and_the_next_one_starts_clean(tmp_path):
+  write_corpus(tmp_path / "c.txt")
+  stale = tmp_path / ".p.tmp-99999"  # what a SIGKILL mid-prepare leaves
+  stale.mkdir()
+  (stale / "train-00000.bin").write_bytes(b"half")
+  assert not (tmp_path / "p").exists()
+  prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  assert not stale.exists() and read_manifest(tmp_path / "p")
+
+
+def test_a_failing_prepare_keeps_the_old_output_and_no_temporary_folder(tmp_path):
+  write_corpus(tmp_path / "c.txt")
+  old = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
+  with pytest.raises(DataError, match="bad.jsonl:2: malformed JSON"):
+    prepare([str(tmp_path / "bad.jsonl")], tmp_path / "p", progress=False)
+  assert read_manifest(tmp_path / "p") == old
+  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "changed", "missing", "newer"])
+def test_damaged_prepared_data_names_the_file(tmp_path, damage):
+  write_corpus(tmp_path / "c.txt")
+  prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  shard = tmp_path / "p" / "train-00000.bin"
+  if damage == "truncated":
+    shard.write_bytes(shard.read_bytes()[:-10])
+    match = "train-00000.bin has .* bytes"
+  elif damage == "changed":
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    match = "train-00000.bin does not match its checksum"
+  elif damage == "missing":
+    shard.unlink()
+    match = "train-00000.bin is missing"
+  else:
+    manifest = json.loads((tmp_path / "p" / MANIFEST).read_text())
+    (tmp_path / "p" / MANIFEST).write_text(json.dumps({**manifest, "format_version": 99}))
+    match = "format version 99 is newer"
+  with pytest.raises(DataError, match=match):
+    read_manifest(tmp_path / "p")
+
+
+def test_the_command_prints_counts_and_bad_input_exits_2(tmp_path):
+  write_corpus(tmp_path / "c.txt")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, "-m", "jaxstep.prepare", "--no-progress", "--workers", "1"]
+  ok = subprocess.run(
+    [*cmd, str(tmp_path / "c.txt"), "--out", str(tmp_path / "p")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert ok.returncode == 0, ok.stderr
+  assert "train" in ok.stdout and "tokens in" in ok.stdout and "tokenizer byte" in ok.stdout
+  bad = subprocess.run(
+    [*cmd, str(tmp_path / "nope.txt"), "--out", str(tmp_path / "q")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+  assert bad.returncode == 2 and len(errors) == 1 and "does not exist" in errors[0]
+  assert not (tmp_path / "q").exists()
