@@ -21,8 +21,8 @@ GLOBAL_BATCH_SIZE, GRAD_ACCUM_STEPS, SEQ_LEN = 16, 4, 64
 
 
 def main(path: str = "bundled:text", num_update_steps: int = 60) -> list[float]:
-  model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN)
-  dataset = data.load_dataset(data.DataConfig(path=path), SEQ_LEN, model_cfg.vocab_size)
+  dataset = data.load_dataset(data.DataConfig(path=path), SEQ_LEN)
+  model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN, vocab_size=dataset.vocab_size)
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=10), num_update_steps)
   train_step = make_train_step(

@@ -22,7 +22,8 @@ SEQ_LEN = 96
 def show_sample(dataset) -> str:
   """The first training sample with every loss-counted target in brackets."""
   tok = data.ByteTokenizer()
-  targets, mask = dataset.train.targets[0], dataset.train.loss_mask[0]
+  first = dataset.train.rows([0], 1, dataset.pad_id)
+  targets, mask = first["targets"][0], first["loss_mask"][0]
   pieces = []
   for t, m in zip(targets, mask, strict=True):
     text = "<eos>" if t == tok.EOS else tok.decode([t])
@@ -31,13 +32,12 @@ def show_sample(dataset) -> str:
 
 
 def main(num_update_steps: int = 40) -> tuple[float, float]:
-  model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN)
-  dataset = data.load_dataset(
-    data.DataConfig(path="bundled:chat", pack=False), SEQ_LEN, model_cfg.vocab_size
-  )
+  dataset = data.load_dataset(data.DataConfig(path="bundled:chat", pack=False), SEQ_LEN)
+  model_cfg = models.GPTConfig(max_seq_len=SEQ_LEN, vocab_size=dataset.vocab_size)
   print(show_sample(dataset))
-  real = dataset.train.targets != dataset.pad_id
-  share = dataset.train.loss_mask.sum() / real.sum()
+  every = dataset.train.rows(range(len(dataset.train)), len(dataset.train), dataset.pad_id)
+  real = every["targets"] != dataset.pad_id
+  share = every["loss_mask"].sum() / real.sum()
   print(f"{share:.1%} of real tokens are assistant targets; only those enter the loss")
   apply_fn, params = models.build(model_cfg, rng=0)
   optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=5), num_update_steps)

@@ -2,8 +2,11 @@
 
 import json
 import os
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Raw data is prepared into a cache on first use: one per test session, never the user's.
+os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cache-"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -46,6 +46,7 @@ def test_a_mean_of_means_loss_fails_at_the_loss_stage(monkeypatch, capsys):
       "train.grad_accum_steps=4",
       "data.path=bundled:chat",
       "data.pack=false",
+      "model.vocab_size=264",
     ],
   )
   apply_fn, _ = models.build(cfg.model, 0)

@@ -119,3 +119,9 @@ def test_cli_docs_list_every_config_key_and_flag():
   assert (config_lib.CONFIG_DIR / "base.yaml").read_text() in doc  # verbatim, defaults too
   for flag in ("--config", "--debug", "--help", "key=value", "--resume-from", "--no-resume"):
     assert flag in doc
+
+
+def test_a_partial_section_keeps_the_schemas_defaults():
+  cfg = config_lib.load(None, ["model.d_model=64"])
+  assert cfg.model.vocab_size == 0  # the schema's default (follow the tokenizer), not GPTConfig's
+  assert cfg.model.n_layers == config_lib.Config().model.n_layers

@@ -81,7 +81,7 @@ def test_bf16_keeps_fp32_params_and_an_fp32_accumulator():
   apply_fn, params = models.build(cfg, 0)
   tokens = np.random.default_rng(0).integers(0, 16, size=(4, 9)).astype(np.int32)
   b = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((4, 8))}
-  grads, loss, _, _ = jax.eval_shape(
+  grads, loss, _, _, _ = jax.eval_shape(
     lambda p: accumulate(
       next_token_loss(apply_fn),
       p,
@@ -95,11 +95,8 @@ def test_bf16_keeps_fp32_params_and_an_fp32_accumulator():
   assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
   assert loss.dtype == jnp.float32
   opt = optax.adam(1e-3)
-  state = TrainState.create(params=params, optimizer=opt, rng=0)
-  step = jax.jit(
-    make_train_step(next_token_loss(apply_fn), opt, grad_accum_steps=2, precision="bf16")
-  )
-  state, _ = step(state, b)
+  train_step = make_train_step(next_token_loss(apply_fn), opt, grad_accum_steps=2, precision="bf16")
+  state, _ = jax.jit(train_step)(train_step.init(params, 0), b)
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
   assert state.loss_scale == fixed_state(1.0)
 

@@ -30,10 +30,11 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   from jaxstep import data, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
+  from jaxstep.trainer.build import resolve_vocab
 
   t = cfg.train
-  model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
-  dataset = data.load_dataset(cfg.data, t.seq_len, model_cfg.vocab_size)
+  dataset = data.load_dataset(cfg.data, t.seq_len)
+  model_cfg = dataclasses.replace(resolve_vocab(cfg.model, dataset.vocab_size), dropout=0.0)
   apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   optimizer = make_optimizer(cfg.optim, max(t.max_steps, spe))

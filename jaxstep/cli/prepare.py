@@ -10,6 +10,7 @@ import argparse
 import os
 
 from jaxstep.cli._common import report, setup_logging
+from jaxstep.data.readers import FORMATS
 from jaxstep.errors import JaxstepError
 
 
@@ -29,7 +30,13 @@ def parser() -> argparse.ArgumentParser:
     metavar="VOCAB_SIZE",
     help="train a byte-level BPE of this size on the inputs first (saved as tokenizer.json)",
   )
-  p.add_argument("--format", default="auto", choices=("auto", "txt", "jsonl", "chat"))
+  p.add_argument(
+    "--format",
+    default="auto",
+    choices=FORMATS,
+    help="txt: documents split at blank lines; file: one document per file (source code); "
+    "auto: .jsonl by its first record, anything else txt",
+  )
   p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out")
   p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
   p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file")

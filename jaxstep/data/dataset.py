@@ -3,6 +3,11 @@
 Units: a *sample* is one window of ``seq_len`` targets; a *global batch* is G samples (one
 update step). ``steps_per_epoch = ceil(num_samples / G)``; the last batch of an epoch is
 padded to G with loss_mask-0 rows (static shapes, no recompile) and still makes an update.
+
+There is one way samples are produced: from a prepared folder (``prepare.py``) through
+memory-mapped windows (``shards.py``). A raw ``data.path`` (files, a directory, a glob,
+``bundled:…``) is prepared on first use into a cache folder (``$JAXSTEP_CACHE``, default
+``~/.cache/jaxstep``) keyed by the inputs and settings, and read from there.
 """
 
 from __future__ import annotations
@@ -10,30 +15,30 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import pathlib
 
 import numpy as np
 
-from jaxstep.data.readers import read_documents
-from jaxstep.data.samples import make_samples
-from jaxstep.data.tokenizer import load_tokenizer
-from jaxstep.errors import ConfigError, DataError
-
-SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
+from jaxstep.data import prepare as prepare_lib
+from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
+from jaxstep.data.shards import TokenStream, Windows
+from jaxstep.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where the text comes from and how it becomes samples."""
 
-  path: str = "bundled:text"  # file, directory or glob; bundled:text | bundled:chat
-  format: str = "auto"  # auto | txt | jsonl | chat (auto: by extension and first record)
-  tokenizer: str = "byte"  # byte (UTF-8 + PAD/BOS/EOS), a tokenizer.json or a .model file
+  path: str = "bundled:text"  # prepared folder, or file / directory / glob / bundled:text|chat
+  format: str = "auto"  # raw input: auto | txt | file | jsonl | chat (see docs/data.md)
+  tokenizer: str = "byte"  # raw input: byte (UTF-8 + PAD/BOS/EOS), a tokenizer.json or .model
   pack: bool = True  # concatenate documents into one stream before cutting windows
-  eval_fraction: float = 0.05  # fraction of documents held out for eval (0 = no eval set)
+  eval_fraction: float = 0.05  # raw input: share of documents held out for eval (0 = none)
 
   def __post_init__(self):
-    if self.format not in ("auto", "txt", "jsonl", "chat"):
-      raise ConfigError(f"data.format must be auto, txt, jsonl or chat, got {self.format!r}")
+    if self.format not in FORMATS:
+      raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
     if self.tokenizer != "byte" and not self.tokenizer.endswith((".json", ".model")):
       raise ConfigError(
         f"data.tokenizer must be 'byte', a tokenizer.json or a SentencePiece .model file, "
@@ -44,34 +49,15 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
-  """Samples as int32 arrays ``[num_samples, seq_len]``."""
-
-  inputs: np.ndarray
-  targets: np.ndarray
-  loss_mask: np.ndarray
-
-  def __len__(self) -> int:
-    return len(self.inputs)
-
-  def rows(self, index: np.ndarray, global_batch_size: int, pad_id: int) -> dict:
-    """The samples at ``index`` padded to G rows with PAD tokens and loss_mask 0."""
-    pad = global_batch_size - len(index)
-    out = {}
-    for name in ("inputs", "targets", "loss_mask"):
-      part = getattr(self, name)[index]
-      fill = 0 if name == "loss_mask" else pad_id
-      out[name] = np.concatenate([part, np.full((pad, part.shape[1]), fill, np.int32)])
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
 class Dataset:
-  train: Split
-  eval: Split | None
+  train: Windows
+  eval: Windows | None
   kind: str  # "text" or "chat"
-  fingerprint: str  # sha256 of the tokenized samples + data config
+  fingerprint: str  # from the manifest's checksums and the read-time settings
   pad_id: int
+  vocab_size: int  # the tokenizer's: token ids are below it
+  folder: pathlib.Path  # the prepared folder
+  manifest: dict
 
 
 def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
@@ -85,67 +71,110 @@ def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
 
 
 def global_batch(
-  split: Split, seed: int, epoch: int, step_in_epoch: int, global_batch_size: int, pad_id: int
+  split,
+  seed: int,
+  epoch: int,
+  step_in_epoch: int,
+  global_batch_size: int,
+  pad_id: int,
+  rows: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-  """Global batch number ``step_in_epoch`` of ``epoch``: G rows, ``int32[G, seq_len]``."""
+  """Global batch number ``step_in_epoch`` of ``epoch``: G rows, ``int32[G, seq_len]``.
+
+  ``rows`` (indices into the G rows) reads only those rows, e.g. the ones this process's
+  devices hold; the result then has ``len(rows)`` rows.
+  """
   order = epoch_order(seed, epoch, len(split))
   start = step_in_epoch * global_batch_size
-  return split.rows(order[start : start + global_batch_size], global_batch_size, pad_id)
+  index = order[start : start + global_batch_size]
+  if rows is None:
+    return split.rows(index, global_batch_size, pad_id)
+  present = rows[rows < len(index)]  # rows sorted; those past the epoch's end are padding
+  return split.rows(index[present], len(rows), pad_id)
 
 
-def eval_batches(split: Split, global_batch_size: int, pad_id: int, limit: int = 0):
-  """The eval split in file order, G rows at a time (last padded); ``limit`` 0 = all."""
+def eval_batches(split, global_batch_size: int, pad_id: int, limit: int = 0):
+  """The eval split in order, G rows at a time (last padded); ``limit`` 0 = all."""
   n = steps_per_epoch(len(split), global_batch_size)
   for b in range(min(n, limit) if limit else n):
     index = np.arange(b * global_batch_size, min((b + 1) * global_batch_size, len(split)))
     yield split.rows(index, global_batch_size, pad_id)
 
 
-def _fingerprint(samples: dict, data_config: dict, seq_len: int) -> str:
-  """sha256 of the samples and the data config; the path is left out (content decides)."""
-  settings = {k: v for k, v in data_config.items() if k != "path"}
-  h = hashlib.sha256(json.dumps({**settings, "seq_len": seq_len}, sort_keys=True).encode())
-  for name in ("inputs", "targets", "loss_mask"):
-    h.update(np.ascontiguousarray(samples[name]).tobytes())
-  return h.hexdigest()[:16]
+def cache_root() -> pathlib.Path:
+  """Where raw inputs are prepared on first use: ``$JAXSTEP_CACHE`` or ``~/.cache/jaxstep``."""
+  return pathlib.Path(os.environ.get("JAXSTEP_CACHE") or pathlib.Path.home() / ".cache/jaxstep")
 
 
-def load_dataset(data_cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
-  """Reads, tokenizes and cuts the data of ``data_cfg``.
+def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Path:
+  """``data.path`` if it is a prepared folder; else the cache folder it is prepared into
+  (prepared now if missing or stale)."""
+  path = pathlib.Path(data_cfg.path)
+  if data_cfg.path not in BUNDLED_PATHS and (path / prepare_lib.MANIFEST).is_file():
+    return path
+  source = data_cfg.path if data_cfg.path in BUNDLED_PATHS else str(path.resolve())
+  key = hashlib.sha256(
+    json.dumps([source, data_cfg.format, data_cfg.tokenizer, data_cfg.eval_fraction]).encode()
+  ).hexdigest()[:16]
+  folder = cache_root() / "prepared" / key
+  prepare_lib.prepare(
+    [data_cfg.path],
+    folder,
+    tokenizer=data_cfg.tokenizer,
+    fmt=data_cfg.format,
+    eval_fraction=data_cfg.eval_fraction,
+    progress=progress,
+  )
+  return folder
 
-  Documents (not windows) are split into train/eval so no text leaks between them.
+
+def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> Dataset:
+  """The train and eval windows of ``data_cfg`` (prepared first if it is raw input).
 
   Raises:
-    DataError: missing/empty/malformed data, a token id ≥ ``vocab_size``, or no sample
-      with a loss-masked token.
+    DataError: missing/empty/malformed data, damaged prepared files, or no sample with a
+      loss-masked token.
   """
-  tok = load_tokenizer(data_cfg.tokenizer)
-  docs, kind = read_documents(data_cfg.path, data_cfg.format)
-  n_eval = round(len(docs) * data_cfg.eval_fraction)
-  if data_cfg.eval_fraction > 0 and len(docs) > 1:
-    n_eval = min(max(n_eval, 1), len(docs) - 1)
-  else:
-    n_eval = 0
-  order = np.random.default_rng(SPLIT_SEED).permutation(len(docs))
-  eval_docs = [docs[i] for i in sorted(order[:n_eval])]
-  train_docs = [docs[i] for i in sorted(order[n_eval:])]
-  train = make_samples(train_docs, kind, seq_len, tok, data_cfg.pack)
-  if len(train["inputs"]) == 0 or train["loss_mask"].sum() == 0:
+  from jaxstep.errors import DataError
+
+  folder = prepared_folder(data_cfg, progress)
+  manifest = prepare_lib.read_manifest(folder)
+  tok = manifest["tokenizer"]
+
+  def windows(split: str) -> Windows | None:
+    entry = manifest["splits"].get(split)
+    if entry is None:
+      return None
+    stream = TokenStream(folder, entry, manifest["dtype"])
+    return Windows(stream, seq_len, data_cfg.pack, tok["pad_id"], tok["bos_id"])
+
+  train, evals = windows("train"), windows("eval")
+  if train is None or len(train) == 0 or manifest["splits"]["train"]["targets"] == 0:
     raise DataError(
-      f"data.path {data_cfg.path!r} yields no trainable tokens (no sample has a loss-masked target)"
+      f"data.path {data_cfg.path!r} yields no trainable tokens (no sample has a "
+      f"loss-masked target; chat data needs assistant turns)"
     )
-  top = int(max(train["inputs"].max(), train["targets"].max()))
-  if top >= vocab_size:
-    raise DataError(
-      f"token id {top} is outside the model vocabulary (model.vocab_size "
-      f"{vocab_size}); set model.vocab_size >= {tok.vocab_size}"
-    )
-  evals = make_samples(eval_docs, kind, seq_len, tok, data_cfg.pack) if eval_docs else None
-  fp = _fingerprint(train, dataclasses.asdict(data_cfg), seq_len)
   return Dataset(
-    train=Split(**train),
-    eval=Split(**evals) if evals else None,
-    kind=kind,
-    fingerprint=fp,
-    pad_id=tok.PAD,
+    train=train,
+    eval=evals if evals is not None and len(evals) else None,
+    kind=manifest["kind"],
+    fingerprint=_fingerprint(manifest, seq_len, data_cfg.pack),
+    pad_id=tok["pad_id"],
+    vocab_size=tok["vocab_size"],
+    folder=folder,
+    manifest=manifest,
   )
+
+
+def _fingerprint(manifest: dict, seq_len: int, pack: bool) -> str:
+  """Content, not paths: the shards' checksums, the tokenizer, and how windows are cut."""
+  content = {
+    "kind": manifest["kind"],
+    "tokenizer": {k: v for k, v in manifest["tokenizer"].items() if k != "file"},
+    "splits": {
+      name: [s["sha256"] for s in split["shards"]] for name, split in manifest["splits"].items()
+    },
+    "seq_len": seq_len,
+    "pack": pack,
+  }
+  return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]

@@ -65,6 +65,7 @@ class _ShardWriter:
     self.flag_shards: list[dict] = []
     self.doc_starts: list[int] = []
     self.tokens = 0
+    self.targets = 0  # tokens that may be a target: all but BOS (text), flagged ones (chat)
     self._open = None
 
   def _roll(self) -> None:
@@ -88,6 +89,7 @@ class _ShardWriter:
 
   def add(self, tokens: np.ndarray, flags: np.ndarray) -> None:
     self.doc_starts.append(self.tokens)
+    self.targets += int(np.count_nonzero(flags))
     done = 0
     while done < len(tokens):
       if self._open is None or self._open[0][2]["tokens"] == self.shard_tokens:
@@ -110,6 +112,7 @@ class _ShardWriter:
     np.asarray(self.doc_starts, np.uint64).tofile(self.folder / docs)
     return {
       "tokens": self.tokens,
+      "targets": self.targets,
       "documents": len(self.doc_starts),
       "shards": self.shards,
       "flags": self.flag_shards if self.chat else None,

@@ -1,4 +1,5 @@
-"""Reading documents from disk: ``.txt``, ``.jsonl`` ``{"text"}``, chat ``.jsonl``.
+"""Reading documents from disk: ``.txt`` (blank-line separated), whole files (``file``:
+e.g. source code), ``.jsonl`` ``{"text"}``, chat ``.jsonl``.
 
 A *document* is either a string (text) or a list of ``{"role", "content"}`` messages (chat).
 Every problem is a ``DataError`` that names the file (and line, for JSONL).
@@ -17,6 +18,8 @@ from jaxstep.errors import DataError
 BUNDLED = pathlib.Path(__file__).resolve().parent / "corpus"
 BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED / "chat.jsonl"}
 ROLES = ("system", "user", "assistant")
+# txt: documents split at blank lines; file: each file one document; auto: by extension
+FORMATS = ("auto", "txt", "file", "jsonl", "chat")
 
 
 def list_files(path: str) -> list[pathlib.Path]:
@@ -122,7 +125,12 @@ def iter_documents(path: str, fmt: str = "auto") -> Iterator[tuple[pathlib.Path,
     kinds.add(kind)
     if len(kinds) > 1:
       raise DataError(f"data.path {path!r} mixes chat and plain-text files; use one kind")
-    documents = _txt_documents(file) if f == "txt" else _jsonl_documents(file, chat=f == "chat")
+    if f == "file":
+      documents = iter(["\n".join(line for _, line in _lines(file))])
+    elif f == "txt":
+      documents = _txt_documents(file)
+    else:
+      documents = _jsonl_documents(file, chat=f == "chat")
     for doc in documents:
       yield file, kind, doc
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from jaxstep.errors import ConfigError
 from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
 
@@ -21,6 +22,8 @@ def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict
   """Builds the bundled GPT: ``(apply_fn, params)`` with ``apply_fn(params, inputs, *,
   rng=None, train=False) -> logits``, params initialised from ``rng``. The GPT keeps no
   state besides its parameters, and takes its dropout key as ``rng``."""
+  if model_config.vocab_size == 0:
+    raise ConfigError("model.vocab_size 0 means 'the tokenizer's size': resolve it first")
   model = from_nnx(GPT(model_config, rngs=nnx.Rngs(params=rng)))
 
   def apply_fn(params, inputs, *, rng=None, train=False):

@@ -25,7 +25,7 @@ from jaxstep.models.cpu_kernels import LayerNorm, causal_attention, dense_dot_ge
 class GPTConfig:
   """Model shape. Defaults are a tiny CPU model (~0.46 M parameters)."""
 
-  vocab_size: int = 264  # ≥ tokenizer size (256 bytes + PAD/BOS/EOS), padded to 8
+  vocab_size: int = 264  # ≥ tokenizer size (bytes: 259, padded to 8); 0: set by the data
   max_seq_len: int = 128  # longest input sequence (position-embedding rows)
   d_model: int = 128  # residual width
   n_layers: int = 2  # transformer blocks
@@ -35,9 +35,13 @@ class GPTConfig:
   tie_embeddings: bool = True  # output head reuses the token embedding table
 
   def __post_init__(self):
-    for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+    for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+    if self.vocab_size < 0:
+      raise ConfigError(
+        f"model.vocab_size must be >= 0 (0: the tokenizer's), got {self.vocab_size}"
+      )
     if self.d_model % self.n_heads:
       raise ConfigError(
         f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}"

@@ -43,13 +43,28 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
   return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 
-def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  """A host global batch → global arrays; this process contributes only its devices' rows.
+def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray | None:
+  """The rows of a G-row global batch that this process's devices hold (sorted), or None
+  when this process holds them all (one process)."""
+  if sharding.is_fully_addressable:
+    return None
+  index = sharding.addressable_devices_indices_map((global_batch_size,))
+  return np.unique(np.concatenate([np.arange(global_batch_size)[sl[0]] for sl in index.values()]))
+
+
+def put_batch(
+  batch: dict[str, np.ndarray], sharding: NamedSharding, global_batch_size: int | None = None
+) -> dict[str, jax.Array]:
+  """A host batch → global arrays of ``global_batch_size`` rows (default: the batch's own).
+
+  ``batch`` holds either all G rows or only this process's ``local_rows``; either way this
+  process contributes only its devices' rows.
 
   Raises:
     BatchError: the rows (G) do not split evenly over the mesh's devices.
   """
-  g = next(iter(batch.values())).shape[0]
+  rows = next(iter(batch.values())).shape[0]
+  g = global_batch_size or rows
   devices = sharding.mesh.devices.size
   if g % devices:
     raise BatchError(
@@ -58,8 +73,10 @@ def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str
     )
   if sharding.is_fully_addressable:
     return jax.device_put(batch, sharding)
-  index = sharding.addressable_devices_indices_map((g,))
-  rows = np.unique(np.concatenate([np.arange(g)[sl[0]] for sl in index.values()]))
+  local = local_rows(sharding, g)
+  if rows == g:
+    batch = {k: v[local] for k, v in batch.items()}
   return {
-    k: jax.make_array_from_process_local_data(sharding, v[rows], v.shape) for k, v in batch.items()
+    k: jax.make_array_from_process_local_data(sharding, v, (g, *v.shape[1:]))
+    for k, v in batch.items()
   }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from collections.abc import Callable
 
 import jax
@@ -20,7 +21,8 @@ from jaxstep.core.losses import masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
 from jaxstep.core.state import TrainState
 from jaxstep.core.step import make_train_step
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, DataError
+from jaxstep.models import GPTConfig
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer.run_state import RunState
 
@@ -72,6 +74,23 @@ def _poisonable(loss_fn):
   return poisoned
 
 
+def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
+  """``model.vocab_size`` 0 becomes the tokenizer's size rounded up to a multiple of 64
+  (matmul-friendly; 8 below 1024 ids, where 64 would add a large share of dead rows to a
+  small vocabulary: bytes' 259 → 264, not 320); an explicit size must hold every id."""
+  if model_cfg.vocab_size == 0:
+    multiple = 64 if tokenizer_size >= 1024 else 8
+    padded = -(-tokenizer_size // multiple) * multiple
+    return dataclasses.replace(model_cfg, vocab_size=padded)
+  if model_cfg.vocab_size < tokenizer_size:
+    raise DataError(
+      f"the tokenizer has {tokenizer_size} ids but model.vocab_size is "
+      f"{model_cfg.vocab_size}; set model.vocab_size >= {tokenizer_size} (or 0 to follow the "
+      f"tokenizer)"
+    )
+  return model_cfg
+
+
 def _mesh(cfg: config_lib.Config) -> Mesh:
   t = cfg.train
   mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
@@ -94,7 +113,8 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   """
   t = cfg.train
   mesh = _mesh(cfg)
-  dataset = data.load_dataset(cfg.data, t.seq_len, cfg.model.vocab_size)
+  dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
+  cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   total = _total_update_steps(t, spe)
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))

@@ -135,7 +135,7 @@ class MeshConfig:
 class Config:
   """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
 
-  model: GPTConfig = GPTConfig()
+  model: GPTConfig = GPTConfig(vocab_size=0)  # the vocabulary follows the tokenizer
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   optim: OptimConfig = OptimConfig()
@@ -216,7 +216,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
   raise ConfigError(f"config key {key!r}: expected {names}, got {value!r}")
 
 
-def _build(cls, values: dict[str, Any], prefix: str = ""):
+def _build(default, values: dict[str, Any], prefix: str = ""):
+  """``default`` (a config dataclass instance) with ``values`` set: a partial section keeps
+  the defaults of the keys it does not name, its owner's defaults included."""
+  cls = type(default)
   hints = typing.get_type_hints(cls)
   names = {_key(f): f.name for f in dataclasses.fields(cls)}
   kwargs = {}
@@ -228,10 +231,10 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
     if dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
         raise ConfigError(f"config key {key!r} is a section; give it a mapping, got {value!r}")
-      kwargs[name] = _build(hints[name], value, f"{key}.")
+      kwargs[name] = _build(getattr(default, name), value, f"{key}.")
     else:
       kwargs[name] = _coerce(key, value, hints[name])
-  return cls(**kwargs)
+  return dataclasses.replace(default, **kwargs)
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -285,7 +288,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
       raise _unknown(key.strip())
     _set_dotted(tree, key.strip(), value)
   try:
-    return _build(Config, tree)
+    return _build(Config(), tree)
   except TypeError as e:  # a dataclass refused a value _coerce let through
     raise ConfigError(str(e)) from None
 

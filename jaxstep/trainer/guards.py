@@ -14,7 +14,7 @@ import pathlib
 
 import numpy as np
 
-from jaxstep.errors import ConfigError, NonFiniteError
+from jaxstep.errors import ConfigError, EmptyBatchError, NonFiniteError
 
 log = logging.getLogger("jaxstep")
 NONFINITE_POLICIES = ("skip", "halt")  # skip: train on; halt: checkpoint and stop
@@ -50,7 +50,15 @@ class NonFiniteGuard:
     return self.policy == "halt"
 
   def after_step(self, step: int, record: dict, batch: dict, position: dict) -> None:
-    """Called with every update's host metrics and the global batch it consumed."""
+    """Called with every update's host metrics and the global batch it consumed (this
+    process's rows of it). A batch without tokens is an error: a process that holds the
+    whole batch catches it before dispatch; one that holds only its rows learns the global
+    N here."""
+    if record["tokens"] == 0:
+      raise EmptyBatchError(
+        f"the global batch of update step {step} had no loss-masked tokens (its update was "
+        f"skipped); raise train.global_batch_size or check the data's masks"
+      )
     if not record["skipped"]:
       return
     saved = None

@@ -44,22 +44,29 @@ class TrainResult:
   stop_reason: str
 
 
-def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
-  """The global batch at position ``rs``, checked on the host to hold N > 0 tokens."""
+def _checked(run: Run, rs: RunState, batch: dict, whole: bool) -> dict[str, np.ndarray]:
+  """Adds the fault-injection column if asked for, and checks on the host that a global
+  batch this process holds whole has N > 0 tokens (else the guard reads N from metrics)."""
   t = run.cfg.train
-  batch = data.global_batch(
-    run.dataset.train, t.seed, rs.epoch, rs.step_in_epoch, t.global_batch_size, run.dataset.pad_id
-  )
   if t.debug_nan_step:
     nan = rs.step + 1 == t.debug_nan_step
-    batch["poison"] = np.full(t.global_batch_size, np.nan if nan else 0.0, np.float32)
-  if not batch["loss_mask"].any():
+    batch["poison"] = np.full(len(batch["loss_mask"]), np.nan if nan else 0.0, np.float32)
+  if whole and not batch["loss_mask"].any():
     raise EmptyBatchError(
       f"the global batch of epoch {rs.epoch}, step_in_epoch {rs.step_in_epoch} (update "
       f"step {rs.step + 1}) has no loss-masked tokens; raise train.global_batch_size or "
       f"check the data's masks (chat data needs assistant turns)"
     )
   return batch
+
+
+def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
+  """The global batch at position ``rs`` (every row), checked as the loop checks it."""
+  t = run.cfg.train
+  batch = data.global_batch(
+    run.dataset.train, t.seed, rs.epoch, rs.step_in_epoch, t.global_batch_size, run.dataset.pad_id
+  )
+  return _checked(run, rs, batch, whole=True)
 
 
 def evaluate(run: Run, params) -> dict:
@@ -89,6 +96,7 @@ def train(
   ``Interrupted``.
   """
   run, state, rs = build(cfg)
+  cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
   run_dir = run_dir_lib.prepare(cfg.run_dir, config_lib.dump(cfg))
   ckpt, state, rs = resume_lib.start(
     cfg,
@@ -156,19 +164,28 @@ def loop(
       cb.on_evaluate(rs.step, record, control)
     return record
 
+  g = t.global_batch_size
+  rows = parallel.local_rows(run.batch_sharding, g)  # None: this process reads every row
+  batches = data.BatchLoader(
+    run.dataset.train, seed=t.seed, global_batch_size=g, pad_id=run.dataset.pad_id, rows=rows
+  ).start(rs.epoch, rs.step_in_epoch)
+
+  def position() -> dict:  # what a checkpoint records besides the state
+    return {**rs.to_json(), "loader": batches.state()}
+
   last_eval = None
   try:
     with stop_on_signals() as stop:
       while rs.step < run.total_steps and not control.should_stop and not stop.signum:
-        batch = next_batch(run, rs)
-        state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding))
-        position = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
+        batch = _checked(run, rs, next(batches), whole=rows is None)
+        state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding, g))
+        where = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
         rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
-        after(late.submit(rs.step, metrics, batch, position))
+        after(late.submit(rs.step, metrics, batch, where))
         if guard.needs_every_step:  # read back now: stop before another update is dispatched
           after(late.flush())
         if t_ckpt.every and rs.step % t_ckpt.every == 0:
-          ckpt.save(rs.step, state, rs.to_json())
+          ckpt.save(rs.step, state, position())
         if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
           after(late.flush())
           last_eval = evaluate_and_report()
@@ -179,10 +196,10 @@ def loop(
         last_eval = evaluate_and_report()
   except BaseException:  # a halt or an error: keep the state it got to, then re-raise
     sink.close()
-    _final_save(ckpt, state, rs, quiet=True)
+    _final_save(ckpt, state, rs, position(), quiet=True)
     raise
   sink.close()
-  _final_save(ckpt, state, rs)  # always: at the end and on a signal
+  _final_save(ckpt, state, rs, position())  # always: at the end and on a signal
   if stop.signum is not None:
     name = signal.Signals(stop.signum).name
     raise Interrupted(
@@ -195,9 +212,9 @@ def loop(
   return TrainResult(state, rs, late.last_record, last_eval, reason)
 
 
-def _final_save(ckpt, state, rs: RunState, quiet: bool = False) -> None:
+def _final_save(ckpt, state, rs: RunState, metadata: dict, quiet: bool = False) -> None:
   try:
-    ckpt.save(rs.step, state, rs.to_json())  # a no-op if this step is saved already
+    ckpt.save(rs.step, state, metadata)  # a no-op if this step is saved already
     ckpt.wait()
   except Exception as e:
     if not quiet:

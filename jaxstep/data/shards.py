@@ -1,0 +1,102 @@
+"""Reading prepared data: one split's token stream over memory-mapped shard files, and the
+fixed-length windows (samples) cut from it at read time.
+
+A window holds ``seq_len + 1`` tokens: ``inputs = w[:-1]``, ``targets = w[1:]``,
+``loss_mask = flags[1:]``, where a token's flag says whether it may be a target (chat: the
+stored flags; text: every token but BOS, so the target that would predict across an EOS
+into the next document is masked). Windows advance by ``seq_len``, so every flagged token is
+a target exactly once; the last window of a stream (or of a document) is padded with PAD
+tokens whose flag is 0. Packed (``pack=True``): windows run over the whole stream;
+otherwise each document starts its own windows.
+
+Nothing is read until a window is asked for, so start-up time and memory do not grow with
+the corpus: the only arrays built up front are the document offsets (unpacked windows).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+
+class TokenStream:
+  """One split of a prepared folder: tokens (and chat flags) across its shard files."""
+
+  def __init__(self, folder: pathlib.Path, entry: dict, dtype: str):
+    self.tokens = [np.memmap(folder / s["file"], dtype, mode="r") for s in entry["shards"]]
+    self.flags = (
+      [np.memmap(folder / s["file"], np.uint8, mode="r") for s in entry["flags"]]
+      if entry["flags"]
+      else None
+    )
+    self.bounds = np.cumsum([0, *(len(t) for t in self.tokens)])  # shard i: [b_i, b_i+1)
+    self.doc_starts = np.fromfile(folder / entry["docs"]["file"], np.uint64).astype(np.int64)
+
+  def __len__(self) -> int:
+    return int(self.bounds[-1])
+
+  def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokens ``[start, stop)`` of the stream as int32 (and their flags), across shards."""
+    first = int(np.searchsorted(self.bounds, start, side="right")) - 1
+    tokens, flags = [], []
+    while start < stop:
+      lo, hi = self.bounds[first], self.bounds[first + 1]
+      end = min(stop, hi)
+      tokens.append(self.tokens[first][start - lo : end - lo])
+      if self.flags is not None:
+        flags.append(self.flags[first][start - lo : end - lo])
+      start, first = end, first + 1
+    joined = np.concatenate(tokens).astype(np.int32) if tokens else np.zeros(0, np.int32)
+    return joined, (np.concatenate(flags) if flags else None)
+
+
+class Windows:
+  """The samples of one split: window ``i`` is ``[start_i, min(start_i + S + 1, end_i))``
+  of the stream, padded to ``S + 1``.
+
+  Args:
+    stream: the split's tokens.
+    seq_len: S, input tokens per sample.
+    pack: windows over the whole stream, or each document on its own windows.
+    pad_id, bos_id: the tokenizer's PAD (fills) and BOS (never a target, for text).
+  """
+
+  def __init__(self, stream: TokenStream, seq_len: int, pack: bool, pad_id: int, bos_id: int):
+    self.stream, self.seq_len, self.pad_id, self.bos_id = stream, seq_len, pad_id, bos_id
+    total = len(stream)
+    if pack:
+      count = max(0, -(-(total - 1) // seq_len))
+      self.starts = np.arange(count, dtype=np.int64) * seq_len
+      self.ends = np.full(count, total, np.int64)
+    else:
+      doc_ends = np.append(stream.doc_starts[1:], total)
+      per_doc = np.maximum(0, -(-(doc_ends - stream.doc_starts - 1) // seq_len))
+      first = np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+      within = np.arange(int(per_doc.sum()), dtype=np.int64) - first
+      self.starts = np.repeat(stream.doc_starts, per_doc) + within * seq_len
+      self.ends = np.repeat(doc_ends, per_doc)
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Window ``i``: ``S + 1`` tokens and their flags (int32), padded."""
+    start = int(self.starts[i])
+    tokens, flags = self.stream.read(start, min(start + self.seq_len + 1, int(self.ends[i])))
+    flags = (tokens != self.bos_id) if flags is None else flags
+    pad = self.seq_len + 1 - len(tokens)
+    return (
+      np.concatenate([tokens, np.full(pad, self.pad_id, np.int32)]),
+      np.concatenate([flags.astype(np.int32), np.zeros(pad, np.int32)]),
+    )
+
+  def rows(self, index: np.ndarray, num_rows: int, pad_id: int) -> dict[str, np.ndarray]:
+    """The windows at ``index`` as ``{"inputs", "targets", "loss_mask"}``, ``int32[rows,
+    S]``, padded to ``num_rows`` rows of PAD tokens with loss_mask 0."""
+    s = self.seq_len
+    tokens = np.full((num_rows, s + 1), pad_id, np.int32)
+    flags = np.zeros((num_rows, s + 1), np.int32)
+    for row, i in enumerate(index):
+      tokens[row], flags[row] = self.window(int(i))
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": flags[:, 1:]}
