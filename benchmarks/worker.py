@@ -12,7 +12,7 @@ import sys
 
 
 def contenders():
-  from benchmarks import loop_bench, memory_bench, step_bench
+  from benchmarks import data_bench, loop_bench, memory_bench, step_bench
 
   try:
     from benchmarks import torch_bench
@@ -21,6 +21,7 @@ def contenders():
   except ImportError:  # torch is optional: the benchmarks without it still run
     torch_contenders = {}
   return {
+    **data_bench.CONTENDERS,
     **loop_bench.CONTENDERS,
     **memory_bench.CONTENDERS,
     **step_bench.CONTENDERS,

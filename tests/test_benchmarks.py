@@ -19,6 +19,10 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "ckpt_save_mb_per_s",
   "ckpt_restore_mb_per_s",
   "fsdp8_state_ratio",
+  "data_startup_delta_s_200m_10m",
+  "data_rss_delta_mib_200m_10m",
+  "prepare_over_tokenizers",
+  "loader_tokens_per_s",
 }
 
 
@@ -37,8 +41,9 @@ def test_quick_benchmarks_write_results(tmp_path):
     assert "tokens_vs_pytorch" in summary
   if os.cpu_count() > 1:  # busy cores slowing each other down needs at least two
     assert "cores_together_over_alone" in summary
-  assert all(isinstance(v, float) and v > 0 for v in summary.values())
-  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory"):
+  deltas = {"data_startup_delta_s_200m_10m", "data_rss_delta_mib_200m_10m"}  # may be < 0
+  assert all(isinstance(v, float) and (v > 0 or k in deltas) for k, v in summary.items())
+  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory", "data"):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["environment"]["jax"] and result["rows"]
   assert "| measurement |" in (tmp_path / "results.md").read_text()

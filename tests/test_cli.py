@@ -122,12 +122,12 @@ BAD_INPUTS = {
     "10 is not divisible by train.grad_accum_steps 4",
   ),
   "missing_file": (lambda d: [f"data.path={d / 'nope.txt'}"], "does not exist"),
-  "empty_dataset": (lambda d: [f"data.path={write(d / 'e.txt', '')}"], "holds no documents"),
+  "empty_dataset": (lambda d: [f"data.path={write(d / 'e.txt', '')}"], "no documents"),
   "malformed_jsonl": (
     lambda d: [f"data.path={write(d / 'b.jsonl', '{oops')}"],
     "b.jsonl:1: malformed JSON",
   ),
-  "vocab": (lambda d: ["model.vocab_size=100"], "token id 258 is outside"),
+  "vocab": (lambda d: ["model.vocab_size=100"], "set model.vocab_size >= 259"),
   "missing_config": (lambda d: ["--config", d / "none.yaml"], "does not exist"),
 }
 

@@ -112,4 +112,8 @@ def test_a_run_trains_on_a_bpe_vocabulary(tmp_path, bpe):
   result = trainer.train(cfg)
   assert result.run_state.step == 6 and np.isfinite(result.last_metrics["loss"])
   with pytest.raises(DataError, match="set model.vocab_size >= 320"):
-    trainer.train(make_cfg(tmp_path / "small", f"data.tokenizer={bpe.path}"))
+    trainer.train(
+      make_cfg(tmp_path / "small", f"data.tokenizer={bpe.path}", "model.vocab_size=264")
+    )
+  follows = trainer.build(make_cfg(tmp_path / "auto", f"data.tokenizer={bpe.path}"))[0]
+  assert follows.cfg.model.vocab_size == 320  # 0: the tokenizer's size
