@@ -32,7 +32,6 @@ import os
 import pathlib
 import shutil
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -49,10 +48,15 @@ DOCS_PER_BATCH = 512  # documents tokenized together (one worker task)
 SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
 
 
-def is_eval(index: int, eval_fraction: float) -> bool:
-  """Document ``index`` goes to eval: a fixed hash of the index below the fraction."""
-  h = zlib.crc32(SPLIT_SEED.to_bytes(4, "little") + index.to_bytes(8, "little"))
-  return h < eval_fraction * 2**32
+def eval_mask(first: int, count: int, eval_fraction: float) -> np.ndarray:
+  """Which of documents ``first … first + count - 1`` go to eval: a fixed hash of each
+  index (splitmix64) below the fraction, so the split needs no document counts ahead."""
+  z = np.arange(first, first + count, dtype=np.uint64) + np.uint64(SPLIT_SEED)
+  z = z * np.uint64(0x9E3779B97F4A7C15)
+  z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  z = z ^ (z >> np.uint64(31))
+  return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53 < eval_fraction
 
 
 class _ShardWriter:
@@ -63,7 +67,7 @@ class _ShardWriter:
     self.shard_tokens, self.chat = shard_tokens, chat
     self.shards: list[dict] = []
     self.flag_shards: list[dict] = []
-    self.doc_starts: list[int] = []
+    self.doc_starts: list[np.ndarray] = []
     self.tokens = 0
     self.targets = 0  # tokens that may be a target: all but BOS (text), flagged ones (chat)
     self._open = None
@@ -87,8 +91,9 @@ class _ShardWriter:
       (self.shards if i == 0 else self.flag_shards).append(entry)
     self._open = None
 
-  def add(self, tokens: np.ndarray, flags: np.ndarray) -> None:
-    self.doc_starts.append(self.tokens)
+  def add(self, tokens: np.ndarray, flags: np.ndarray, lengths: np.ndarray) -> None:
+    """Appends documents: their tokens and flags back to back, ``lengths`` each."""
+    self.doc_starts.append(self.tokens + np.cumsum(lengths) - lengths)
     self.targets += int(np.count_nonzero(flags))
     done = 0
     while done < len(tokens):
@@ -109,11 +114,12 @@ class _ShardWriter:
   def finish(self) -> dict:
     self._close()
     docs = f"{self.split}.docs.bin"
-    np.asarray(self.doc_starts, np.uint64).tofile(self.folder / docs)
+    starts = np.concatenate(self.doc_starts) if self.doc_starts else np.zeros(0, np.int64)
+    starts.astype(np.uint64).tofile(self.folder / docs)
     return {
       "tokens": self.tokens,
       "targets": self.targets,
-      "documents": len(self.doc_starts),
+      "documents": len(starts),
       "shards": self.shards,
       "flags": self.flag_shards if self.chat else None,
       "docs": {"file": docs, "sha256": _sha256(self.folder / docs)},
@@ -137,28 +143,38 @@ def _init_worker(spec: str) -> None:
   _worker_tok = load_tokenizer(spec)
 
 
-def _encode(task: tuple[str, list]) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]]:
-  """One batch of documents → ``(kind, [(tokens, flags), …])`` with the worker's tokenizer."""
+def _encode(task: tuple[str, list]) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+  """One batch of documents → ``(kind, tokens, flags, lengths)``: every document's framed
+  tokens and target flags back to back, and each one's length."""
   kind, docs = task
   tok = _worker_tok
   if kind == "chat":
-    return kind, [samples.encode_chat(d, tok) for d in docs]
-  return kind, [samples.framed(ids, tok) for ids in tok.encode_batch(docs)]
+    encoded = [samples.encode_chat(d, tok) for d in docs]
+    lengths = np.array([len(t) for t, _ in encoded], np.int64)
+    return kind, *(np.concatenate(parts) for parts in zip(*encoded, strict=True)), lengths
+  ids, body = tok.encode_flat(docs)  # [Σ body] tokens, [docs] body lengths
+  lengths = body + 2  # BOS body EOS
+  starts = np.cumsum(lengths) - lengths
+  tokens = np.empty(int(lengths.sum()), np.int32)
+  frame = np.zeros(len(tokens), bool)
+  frame[starts], frame[starts + lengths - 1] = True, True
+  tokens[starts], tokens[starts + lengths - 1] = tok.BOS, tok.EOS
+  tokens[~frame] = ids
+  flags = np.ones(len(tokens), np.uint8)
+  flags[starts] = 0  # BOS is never a target; EOS is
+  return kind, tokens, flags, lengths
 
 
 def _batches(inputs: list[str], fmt: str, bar) -> Iterator[tuple[str, list]]:
   """``(kind, documents)`` in batches of ``DOCS_PER_BATCH``, streamed; ``bar`` advances by
-  each document's UTF-8 size, and by the rest of a file's size once it is read."""
-  batch, kind, current, counted = [], None, None, 0
+  each input file's size once that file has been read."""
+  batch, kind, current = [], None, None
   for path in inputs:
     for file, kind, doc in readers.iter_documents(path, fmt):
-      if file != current:
+      if file is not current:
         if current is not None:
-          bar.update(max(current.stat().st_size - counted, 0))
-        current, counted = file, 0
-      size = len((doc if kind == "text" else "".join(m["content"] for m in doc)).encode())
-      bar.update(size)
-      counted += size
+          bar.update(current.stat().st_size)
+        current = file
       batch.append(doc)
       if len(batch) == DOCS_PER_BATCH:
         yield kind, batch
@@ -166,7 +182,7 @@ def _batches(inputs: list[str], fmt: str, bar) -> Iterator[tuple[str, list]]:
   if batch:
     yield kind, batch
   if current is not None:
-    bar.update(max(current.stat().st_size - counted, 0))
+    bar.update(current.stat().st_size)
 
 
 def _sources(inputs: list[str]) -> list[dict]:
@@ -306,13 +322,15 @@ def _tokenize(
   kind, index, start = "text", 0, time.perf_counter()
   try:
     tasks = _batches(inputs, fmt, bar)
-    for kind, encoded in pool.imap(_encode, tasks) if pool else map(_encode, tasks):
-      for tokens, flags in encoded:
-        split = "eval" if is_eval(index, eval_fraction) else "train"
-        if split not in writers:
-          writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, kind == "chat")
-        writers[split].add(tokens, flags)
-        index += 1
+    for kind, tokens, flags, lengths in pool.imap(_encode, tasks) if pool else map(_encode, tasks):
+      held_out = eval_mask(index, len(lengths), eval_fraction)
+      in_eval = np.repeat(held_out, lengths)
+      for split, docs, rows in (("train", ~held_out, ~in_eval), ("eval", held_out, in_eval)):
+        if docs.any():
+          if split not in writers:
+            writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, kind == "chat")
+          writers[split].add(tokens[rows], flags[rows], lengths[docs])
+      index += len(lengths)
       rate = sum(w.tokens for w in writers.values()) / (time.perf_counter() - start)
       bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
   finally:

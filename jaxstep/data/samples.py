@@ -13,16 +13,13 @@ import numpy as np
 from jaxstep.data.tokenizer import Tokenizer
 
 
-def framed(ids: np.ndarray, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """``BOS ids EOS`` and flags ``0 1…1 1``: EOS is learned, the next document's BOS is not."""
+def encode_text(doc: str, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """``BOS ids EOS`` and flags ``0 1…1 1``: EOS is learned, the next document's BOS is not.
+  (``prepare`` frames a whole batch of documents this way at once.)"""
+  ids = tok.encode(doc)
   tokens = np.concatenate([[tok.BOS], ids, [tok.EOS]]).astype(np.int32)
   flags = np.concatenate([[0], np.ones(len(ids) + 1)]).astype(np.int8)
   return tokens, flags
-
-
-def encode_text(doc: str, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """A text document as ``framed`` tokens and flags."""
-  return framed(tok.encode(doc), tok)
 
 
 def encode_chat(messages: list[dict], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ SentencePiece applies its model's normalization (e.g. NFKC), so it may not.
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 from collections.abc import Iterable
 
@@ -48,6 +49,11 @@ class ByteTokenizer:
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [self.encode(t) for t in texts]
+
+  def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [t.encode("utf-8") for t in texts]
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    return np.frombuffer(b"".join(encoded), np.uint8).astype(np.int32), lengths
 
   def decode(self, ids) -> str:
     """Bytes back to text; special ids are dropped, invalid UTF-8 replaced."""
@@ -89,6 +95,12 @@ class HFTokenizer:
     encoded = self._tok.encode_batch(texts, add_special_tokens=False)
     return [np.asarray(e.ids, np.int32) for e in encoded]
 
+  def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum()))
+    return flat, lengths
+
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
@@ -122,6 +134,12 @@ class SentencePieceTokenizer:
 
   def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, np.int32) for ids in self._sp.encode(texts)]
+
+  def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = self._sp.encode(texts)
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int32, int(lengths.sum()))
+    return flat, lengths
 
   def decode(self, ids) -> str:
     specials = {self.PAD, self.BOS, self.EOS}
