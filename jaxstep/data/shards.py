@@ -65,10 +65,9 @@ class Windows:
   def __init__(self, stream: TokenStream, seq_len: int, pack: bool, pad_id: int, bos_id: int):
     self.stream, self.seq_len, self.pad_id, self.bos_id = stream, seq_len, pad_id, bos_id
     total = len(stream)
-    if pack:
-      count = max(0, -(-(total - 1) // seq_len))
-      self.starts = np.arange(count, dtype=np.int64) * seq_len
-      self.ends = np.full(count, total, np.int64)
+    if pack:  # window i starts at i·S and may run to the stream's end: nothing to store
+      self.count = max(0, -(-(total - 1) // seq_len))
+      self.starts = self.ends = None
     else:
       doc_ends = np.append(stream.doc_starts[1:], total)
       per_doc = np.maximum(0, -(-(doc_ends - stream.doc_starts - 1) // seq_len))
@@ -76,14 +75,18 @@ class Windows:
       within = np.arange(int(per_doc.sum()), dtype=np.int64) - first
       self.starts = np.repeat(stream.doc_starts, per_doc) + within * seq_len
       self.ends = np.repeat(doc_ends, per_doc)
+      self.count = len(self.starts)
 
   def __len__(self) -> int:
-    return len(self.starts)
+    return self.count
 
   def window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
     """Window ``i``: ``S + 1`` tokens and their flags (int32), padded."""
-    start = int(self.starts[i])
-    tokens, flags = self.stream.read(start, min(start + self.seq_len + 1, int(self.ends[i])))
+    if self.starts is None:
+      start, end = i * self.seq_len, len(self.stream)
+    else:
+      start, end = int(self.starts[i]), int(self.ends[i])
+    tokens, flags = self.stream.read(start, min(start + self.seq_len + 1, end))
     flags = (tokens != self.bos_id) if flags is None else flags
     pad = self.seq_len + 1 - len(tokens)
     return (
