@@ -2,8 +2,8 @@
 
 ``readers`` (files → documents), ``tokenizer``, ``samples`` (documents → tokens with target
 flags), ``prepare`` (→ shards + manifest), ``shards`` (memory-mapped windows with loss
-masks), ``dataset`` (splits, epoch order, global batches) and ``corpus`` (regenerates the
-bundled corpus in ``corpus/``).
+masks), ``dataset`` (splits, epoch order, global batches), ``loader`` (global batches read
+ahead by Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
 """
 
 from jaxstep.data.dataset import (
