@@ -316,7 +316,7 @@ def suite_data(quick: bool) -> dict:
 
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-bench-"))
   sizes = (
-    {"small": 2_000_000, "big": 20_000_000} if quick else {"small": 10_000_000, "big": 200_000_000}
+    {"small": 1_000_000, "big": 4_000_000} if quick else {"small": 10_000_000, "big": 200_000_000}
   )
   folders = {}
   for name, size in sizes.items():
@@ -332,7 +332,7 @@ def suite_data(quick: bool) -> dict:
     "tokenize_raw": {"kind": "tokenize_raw", "text": text, "tokenizer": tok},
     "prepare": {"kind": "prepare", "text": text, "tokenizer": tok},
   }
-  res, _, _ = measure(specs, rounds=2 if quick else 5)
+  res, _, _ = measure(specs, rounds=1 if quick else 5)
   small, big = res["startup_small"], res["startup_big"]
   startup = ratio_stats([b["seconds"] - a["seconds"] for a, b in zip(small, big, strict=True)], 1)
   rss = ratio_stats([b["rss_mib"] - a["rss_mib"] for a, b in zip(small, big, strict=True)], 1)
@@ -340,7 +340,7 @@ def suite_data(quick: bool) -> dict:
     [r["tokens_per_s"] for r in res["prepare"]], [r["tokens_per_s"] for r in res["tokenize_raw"]]
   )
   loader_spec = {"kind": "loader", "data": folders["big"], "g": 256, "s": 1024, "batches": 8}
-  loader_res, _, _ = measure({"loader": loader_spec}, rounds=2 if quick else 5)
+  loader_res, _, _ = measure({"loader": loader_spec}, rounds=1 if quick else 5)
   loader = ratio_stats([r["tokens_per_s"] for r in loader_res["loader"]], 1)
   big_mt, small_mt = sizes["big"] // 10**6, sizes["small"] // 10**6
   shutil.rmtree(root, ignore_errors=True)
