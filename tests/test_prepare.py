@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ def test_a_failing_prepare_keeps_the_old_output_and_no_temporary_folder(tmp_path
   with pytest.raises(DataError, match="bad.jsonl:2: malformed JSON"):
     prepare([str(tmp_path / "bad.jsonl")], tmp_path / "p", progress=False)
   assert read_manifest(tmp_path / "p") == old
-  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".p.lock"]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "changed", "missing", "newer"])
@@ -172,3 +173,20 @@ def test_the_command_prints_counts_and_bad_input_exits_2(tmp_path):
   errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
   assert bad.returncode == 2 and len(errors) == 1 and "does not exist" in errors[0]
   assert not (tmp_path / "q").exists()
+
+
+def test_a_prepare_of_a_folder_waits_for_one_already_running_then_finds_it_done(tmp_path):
+  import fcntl
+  import threading
+
+  write_corpus(tmp_path / "c.txt")
+  args = ([str(tmp_path / "c.txt")], tmp_path / "p")
+  with open(tmp_path / ".p.lock", "w") as lock:  # another run is preparing tmp_path / "p"
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    waiting = threading.Thread(target=prepare, args=args, kwargs={"progress": False})
+    waiting.start()
+    time.sleep(1.0)
+    assert waiting.is_alive() and not (tmp_path / "p").exists()  # it waits, writes nothing
+    fcntl.flock(lock, fcntl.LOCK_UN)
+  waiting.join(timeout=120)
+  assert not waiting.is_alive() and read_manifest(tmp_path / "p")

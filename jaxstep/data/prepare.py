@@ -25,6 +25,8 @@ split never needs the whole corpus in memory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -248,48 +250,70 @@ def prepare(
   inputs_digest = _digest(
     sources=sources, settings=settings, tokenizer=_tokenizer_source(tokenizer, train_bpe_vocab)
   )
-  if (out / MANIFEST).is_file():
-    try:
-      if json.loads((out / MANIFEST).read_text()).get("inputs_digest") == inputs_digest:
-        return read_manifest(out)  # the same inputs: nothing to do (if the files are intact)
-    except (json.JSONDecodeError, DataError):
-      pass  # prepared from other inputs, or damaged: prepare again
   out.parent.mkdir(parents=True, exist_ok=True)
-  for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed prepare's leftovers
-    shutil.rmtree(stale, ignore_errors=True)
-  tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-  tmp.mkdir()
+  with _exclusive(out):  # one prepare of ``out`` at a time: the others wait, then find it done
+    done = _up_to_date(out, inputs_digest)
+    if done is not None:
+      return done
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed prepare's leftovers
+      shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+      tok, spec = _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab)
+      total = sum(s["bytes"] for s in sources)
+      kind, splits = _tokenize(
+        inputs, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
+      )
+      manifest = {
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "tokenizer": {
+          **tok.describe(),
+          "file": None if spec == "byte" else pathlib.Path(spec).name,
+        },
+        "dtype": _dtype(tok),
+        "splits": splits,
+        "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
+        "settings": settings,
+        "inputs_digest": inputs_digest,
+      }
+      (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+      _replace(out, tmp)
+      return manifest
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive(out: pathlib.Path):
+  """An exclusive lock on ``out``'s lock file for the block (concurrent runs wait)."""
+  with open(out.parent / f".{out.name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _up_to_date(out: pathlib.Path, inputs_digest: str) -> dict | None:
+  """The manifest of ``out`` if it was prepared from these inputs and is intact."""
   try:
-    tok, spec = _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab)
-    kind, splits = _tokenize(
-      inputs,
-      fmt,
-      tok,
-      spec,
-      tmp,
-      eval_fraction,
-      workers,
-      shard_tokens,
-      progress,
-      total=sum(s["bytes"] for s in sources),
-    )
-    manifest = {
-      "format_version": FORMAT_VERSION,
-      "kind": kind,
-      "tokenizer": {**tok.describe(), "file": None if spec == "byte" else pathlib.Path(spec).name},
-      "dtype": _dtype(tok),
-      "splits": splits,
-      "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
-      "settings": settings,
-      "inputs_digest": inputs_digest,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    if out.exists():
-      shutil.rmtree(out)
-    tmp.rename(out)
-    return manifest
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    if json.loads((out / MANIFEST).read_text()).get("inputs_digest") == inputs_digest:
+      return read_manifest(out)
+  except (FileNotFoundError, json.JSONDecodeError, DataError):
+    pass  # not there, from other inputs, or damaged: prepare again
+  return None
+
+
+def _replace(out: pathlib.Path, tmp: pathlib.Path) -> None:
+  """``tmp`` becomes ``out``; an older ``out`` is moved aside first and then removed (a
+  reader that still has its files open keeps reading them)."""
+  old = out.parent / f".{out.name}.old-{os.getpid()}"
+  if out.exists():
+    out.rename(old)
+  tmp.rename(out)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def _dtype(tok) -> str:
