@@ -26,6 +26,10 @@ class DataError(JaxstepError, ValueError):
   """A dataset is missing, empty, malformed, or has token ids outside the vocabulary."""
 
 
+class PromptError(JaxstepError, ValueError):
+  """A generation prompt is empty, too long for the model, or not encodable."""
+
+
 class RunDirError(JaxstepError, FileNotFoundError):
   """A run directory lacks what a command reads (metrics, checkpoints)."""
 

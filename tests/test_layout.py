@@ -12,8 +12,9 @@ ALLOWED = {
   "parallel": {"errors", "core"},
   "models": {"errors"},
   "data": {"errors"},
-  "trainer": {"errors", "core", "parallel", "models", "data", "jaxstep"},
-  "cli": {"errors", "core", "parallel", "models", "data", "trainer", "jaxstep"},
+  "generation": {"errors", "core", "models"},
+  "trainer": {"errors", "core", "parallel", "models", "data", "generation", "jaxstep"},
+  "cli": {"errors", "core", "parallel", "models", "data", "generation", "trainer", "jaxstep"},
 }
 
 

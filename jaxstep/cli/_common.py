@@ -13,11 +13,12 @@ from jaxstep.errors import (
   DataError,
   Interrupted,
   JaxstepError,
+  PromptError,
   RunDirError,
 )
 
 # Bad input: nothing was trained, or nothing was written; the user changes something.
-BAD_INPUT = (ConfigError, DataError, CheckpointError, RunDirError)
+BAD_INPUT = (ConfigError, DataError, CheckpointError, RunDirError, PromptError)
 
 
 def exit_code(error: JaxstepError) -> int:

@@ -42,6 +42,7 @@ class ByteTokenizer:
   kind = "byte"
   PAD, BOS, EOS = 256, 257, 258
   vocab_size = 259
+  unknown_id = None  # every text encodes
 
   def encode(self, text: str) -> np.ndarray:
     """UTF-8 bytes of ``text`` as int32 ids (no specials added)."""
@@ -58,6 +59,10 @@ class ByteTokenizer:
   def decode(self, ids) -> str:
     """Bytes back to text; special ids are dropped, invalid UTF-8 replaced."""
     return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+  def token_bytes(self) -> np.ndarray:
+    """UTF-8 bytes each id stands for: 1 for a byte, 0 for PAD/BOS/EOS."""
+    return (np.arange(self.vocab_size) < 256).astype(np.int32)
 
   def describe(self) -> dict:
     return _describe(self, file=None)
@@ -87,6 +92,8 @@ class HFTokenizer:
       for role in ("pad", "bos", "eos")
     )
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    unk = getattr(self._tok.model, "unk_token", None)
+    self.unknown_id = self._tok.token_to_id(unk) if unk else None  # what unencodable text becomes
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
@@ -103,6 +110,28 @@ class HFTokenizer:
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def token_bytes(self) -> np.ndarray:
+    """UTF-8 bytes each id stands for (0 for special tokens). Byte-level BPE maps each
+    character of a token back to the one byte it encodes; other models decode each id."""
+    import json
+
+    from tokenizers import pre_tokenizers
+
+    decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+    byte_level = decoder.get("type") == "ByteLevel"
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+    out = np.zeros(self.vocab_size, np.int32)
+    for i in range(self.vocab_size):
+      token = self._tok.id_to_token(i)
+      if i in specials or token is None:
+        continue
+      if byte_level and set(token) <= alphabet:
+        out[i] = len(token)
+      else:
+        out[i] = len(self._tok.decode([i]).encode("utf-8"))
+    return out
 
   def describe(self) -> dict:
     return _describe(self, file=self.path.name)
@@ -128,6 +157,7 @@ class SentencePieceTokenizer:
     self.PAD, self.BOS, self.EOS = ids["pad"], ids["bos"], ids["eos"]
     self.vocab_size = pieces + len(added)
     self._pieces = pieces
+    self.unknown_id = self._sp.unk_id() if self._sp.unk_id() >= 0 else None
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.encode(text), np.int32)
@@ -144,6 +174,17 @@ class SentencePieceTokenizer:
   def decode(self, ids) -> str:
     specials = {self.PAD, self.BOS, self.EOS}
     return self._sp.decode([int(i) for i in ids if int(i) < self._pieces and i not in specials])
+
+  def token_bytes(self) -> np.ndarray:
+    """UTF-8 bytes each piece stands for (``▁`` is a space; a byte piece is 1; control,
+    unknown and added ids 0). The dummy-prefix space SentencePiece adds counts as a byte."""
+    out = np.zeros(self.vocab_size, np.int32)
+    for i in range(self._pieces):
+      if self._sp.is_byte(i):
+        out[i] = 1
+      elif not (self._sp.is_control(i) or self._sp.is_unknown(i)):
+        out[i] = len(self._sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+    return out
 
   def describe(self) -> dict:
     return _describe(self, file=self.path.name)

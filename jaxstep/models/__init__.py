@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -15,7 +16,17 @@ from jaxstep.errors import ConfigError
 from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Model", "build", "from_linen", "from_nnx", "num_params"]
+__all__ = [
+  "GPT",
+  "Decoder",
+  "GPTConfig",
+  "Model",
+  "build",
+  "decoder",
+  "from_linen",
+  "from_nnx",
+  "num_params",
+]
 
 
 def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict]:
@@ -30,6 +41,37 @@ def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict
     return model.apply_fn(params, inputs, rng=rng, train=train)[0]
 
   return apply_fn, model.params
+
+
+class Decoder(NamedTuple):
+  """The bundled GPT over a key/value cache, as pure functions of its params."""
+
+  apply_fn: Callable  # (params, inputs [B, S]) -> logits: the full forward pass, no dropout
+  decode_fn: Callable  # (params, inputs [B, S], positions [B, S], cache) -> (logits, cache)
+  init_cache: Callable  # (batch, length, dtype) -> cache
+  max_seq_len: int
+
+
+def decoder(model_config: GPTConfig) -> Decoder:
+  """``GPT.decode`` and ``GPT.init_cache`` for params shaped like ``build``'s (nothing is
+  initialised: the module's structure comes from ``nnx.eval_shape``)."""
+  abstract = nnx.eval_shape(lambda: GPT(model_config, rngs=nnx.Rngs(0)))
+  graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+  rest = nnx.to_pure_dict(rest)
+
+  def merged(params) -> GPT:
+    return nnx.merge(graphdef, params, rest, copy=True)
+
+  def apply_fn(params, inputs):
+    return merged(params)(inputs)
+
+  def decode_fn(params, inputs, positions, cache):
+    return merged(params).decode(inputs, positions, cache)
+
+  def init_cache(batch, length, dtype=jax.numpy.float32):
+    return abstract.init_cache(batch, length, dtype)
+
+  return Decoder(apply_fn, decode_fn, init_cache, model_config.max_seq_len)
 
 
 def num_params(params) -> int:

@@ -7,11 +7,16 @@ transposes only ``[S, Dh]`` operands and query blocks that skip the fully masked
 XLA:CPU (``cpu_kernels.dense_dot_general``); LayerNorm with a closed-form backward
 (``cpu_kernels.LayerNorm``); learned position embeddings; tied or untied output head. What
 each kernel is worth: docs/performance.md.
+
+``GPT.decode`` is the same network over a key/value cache, for generation: it reads and
+writes ``cache`` at each row's own positions, so a batch of prompts of different lengths
+decodes together (``docs/generation.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +92,21 @@ class Block(nnx.Module):
     q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)  # [B, S, H, Dh]
     return self.proj(causal_attention(q, k, v).reshape(b, s, d))
 
+  def decode(self, x, cache, positions):
+    """The block over a key/value cache: ``x [B, S, D]`` at ``positions [B, S]``; this
+    step's keys and values are written into ``cache = (kt [B, H, Dh, T], v [B, H, T, Dh])``
+    (keys transposed, so both attention dots read the cache as it lies)."""
+    b, s, d = x.shape
+    h = self.n_heads
+    q, k, v = jnp.split(self.qkv(self.ln1(x)).reshape(b, s, 3 * h, d // h), 3, axis=2)
+    rows, heads, at = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], positions[:, None]
+    kt, vc = cache  # the index arrays select [B, H, S] slots; each takes a [Dh] vector
+    kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
+    vc = vc.at[rows, heads, at].set(v.transpose(0, 2, 1, 3).astype(vc.dtype))
+    cache = (kt, vc)
+    x = x + self.proj(attention_over_cache(q, kt, vc, positions).reshape(b, s, d))
+    return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)))), cache
+
   def __call__(self, x, *, rng, train: bool):
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     x = x + self.dropout(self.attention(self.ln1(x)), deterministic=not train, rngs=keys[0])
@@ -125,5 +145,49 @@ class GPT(nnx.Module):
     x = self.dropout(x, deterministic=not train, rngs=keys[0])
     for block, key in zip(self.blocks, keys[1:], strict=True):
       x = block(x, rng=key, train=train)
+    return self._logits(x)
+
+  def _logits(self, x: jax.Array) -> jax.Array:
     x = self.ln_f(x)
     return self.embed.attend(x) if self.head is None else self.head(x)
+
+  def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
+    """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the
+    keys ``[batch, heads, head_dim, length]`` and values ``[batch, heads, length, head_dim]``."""
+    if length > self.cfg.max_seq_len:
+      raise BatchError(f"cache length {length} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+    h, dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+    return tuple(
+      (jnp.zeros((batch, h, dh, length), dtype), jnp.zeros((batch, h, length, dh), dtype))
+      for _ in self.blocks
+    )
+
+  def decode(
+    self, inputs: jax.Array, positions: jax.Array, cache: tuple
+  ) -> tuple[jax.Array, tuple]:
+    """Logits ``[B, S, vocab]`` for ``inputs [B, S]`` at ``positions [B, S]`` (each row its
+    own), attending to every cached position ``<=`` the query's; returns the cache with
+    this call's keys and values written. Prefill is one call with the prompts (positions
+    ``0 … S-1``), each decode step one call with ``S = 1``. No dropout. A position written
+    here and later re-written (a shorter prompt's padding) is never seen before that: a
+    query sees only positions up to its own."""
+    x = self.embed(inputs) + self.pos_embed(positions)
+    new_cache = []
+    for block, layer_cache in zip(self.blocks, cache, strict=True):
+      x, layer_cache = block.decode(x, layer_cache, positions)
+      new_cache.append(layer_cache)
+    return self._logits(x), tuple(new_cache)
+
+
+def attention_over_cache(q, kt, v, positions):
+  """``q [B, S, H, Dh]`` at ``positions [B, S]`` against a cache of keys ``kt [B, H, Dh, T]``
+  and values ``v [B, H, T, Dh]``: cached position ``t`` is visible to a query at position
+  ``p`` iff ``t <= p``. The same arithmetic as ``causal_attention``'s forward (the same
+  operand layouts, scores in the compute dtype, softmax in fp32, masked scores at the fp32
+  minimum), so cached logits match a full forward pass. Returns ``[B, S, H, Dh]``."""
+  qh = q.transpose(0, 2, 1, 3)  # [B, H, S, Dh]
+  scores = jnp.einsum("bhqd,bhdk->bhqk", qh, kt).astype(jnp.float32) / math.sqrt(q.shape[-1])
+  visible = jnp.arange(kt.shape[-1])[None, None, :] <= positions[:, :, None]  # [B, S, T]
+  scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v).transpose(0, 2, 1, 3)

@@ -1,0 +1,252 @@
+"""Text generation: prompts in, continuations out, one jitted prefill + decode loop.
+
+A batch of prompts of different lengths runs together, right-padded: row ``b``'s prompt
+fills positions ``0 … len_b − 1`` and its continuation is written from ``len_b`` on, so
+every token keeps the position it would have alone and rows never see each other's
+padding (a query attends only up to its own position). With the bundled GPT's key/value
+cache (``models.decoder``) the prompt is one forward pass (prefill) and each new token one
+pass over a single position; any other model is run the reference way, the whole buffer
+again for every token (``use_cache=False`` forces that for the GPT too).
+
+A row stops at EOS, after ``max_new_tokens``, or when prompt + continuation fill the
+model's ``max_seq_len``; ``Sample.stop_reason`` says which. Row ``b``'s draw at step ``i``
+uses ``fold_in(fold_in(PRNGKey(seed), b), i)``, so output is a pure function of the seed,
+the row and the settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep import models
+from jaxstep.core.precision import cast_floating
+from jaxstep.errors import ConfigError, PromptError
+from jaxstep.generation.sampling import allowed_ids, next_tokens
+
+STOP_REASONS = ("eos", "max_new_tokens", "max_seq_len")  # codes 1, 2, 3; 0 = still going
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  prompt: str
+  text: str  # the continuation only, decoded (EOS not included)
+  tokens: list[int]  # the continuation's ids (EOS included when it stopped there)
+  stop_reason: str  # eos | max_new_tokens | max_seq_len
+
+
+class Generator:
+  """Generates continuations of text prompts from a model's params and its tokenizer.
+
+  Args:
+    model: a ``GPTConfig`` (the bundled GPT, with a key/value cache) or any
+      ``apply_fn(params, tokens [B, S]) -> logits [B, S, V]`` (full recompute per token;
+      then ``max_seq_len`` is required).
+    params: the model's params (e.g. ``state.params``).
+    tokenizer: a ``jaxstep.data`` tokenizer (``encode``/``decode``, PAD/BOS/EOS ids).
+    dtype: compute dtype (params and cache are cast to it); fp32 by default.
+    use_cache: False runs the GPT the reference way (the whole buffer per token).
+
+  Example:
+    >>> gen = Generator(cfg.model, state.params, data.ByteTokenizer())
+    >>> gen.generate(["the "], max_new_tokens=40, temperature=0)[0].text
+  """
+
+  def __init__(
+    self,
+    model,
+    params,
+    tokenizer,
+    *,
+    max_seq_len: int | None = None,
+    dtype=jnp.float32,
+    use_cache: bool = True,
+  ):
+    if isinstance(model, models.GPTConfig):
+      dec = models.decoder(model)
+      self._apply, self._decode = dec.apply_fn, (dec if use_cache else None)
+      self.max_seq_len, vocab = model.max_seq_len, model.vocab_size
+    elif callable(model):
+      if not max_seq_len:
+        raise ConfigError("Generator(apply_fn, …) needs max_seq_len= (the longest input)")
+      self._apply, self._decode = model, None
+      self.max_seq_len, vocab = max_seq_len, None
+    else:
+      raise ConfigError(f"model must be a GPTConfig or an apply_fn, got {type(model).__name__}")
+    self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
+    self._vocab = vocab
+    self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill"))
+
+  def encode_prompt(self, prompt: str, index: int = 0) -> np.ndarray:
+    """``[BOS] + encode(prompt)``, as a training document starts; ``PromptError`` for an
+    empty prompt, one the tokenizer cannot encode, or one with no room left to generate."""
+    if not prompt:
+      raise PromptError(f"prompt {index + 1} is empty; give some text to continue")
+    try:
+      ids = self.tokenizer.encode(prompt)
+    except UnicodeEncodeError as e:
+      raise PromptError(f"prompt {index + 1} is not valid text ({e.reason})") from None
+    unknown = getattr(self.tokenizer, "unknown_id", None)
+    if unknown is not None and np.any(ids == unknown):
+      raise PromptError(
+        f"prompt {index + 1} has characters the tokenizer cannot encode (they become its "
+        f"unknown token); remove them"
+      )
+    ids = np.concatenate([[self.tokenizer.BOS], ids]).astype(np.int32)
+    if len(ids) >= self.max_seq_len:
+      raise PromptError(
+        f"prompt {index + 1} is {len(ids)} tokens with BOS; the model's max_seq_len is "
+        f"{self.max_seq_len}: shorten it to at most {self.max_seq_len - 2} tokens"
+      )
+    return ids
+
+  def generate(
+    self,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    num_samples: int = 1,
+  ) -> list[Sample]:
+    """``num_samples`` continuations of each prompt (prompt-major order), in one batch."""
+    check_settings(max_new_tokens, temperature, top_k, top_p, num_samples)
+    if isinstance(prompts, str) or not prompts:
+      raise PromptError("give a list of one or more prompts")
+    encoded = [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+    rows = [ids for ids in encoded for _ in range(num_samples)]
+    ids, reasons = self.generate_ids(
+      rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+      seed=seed,
+    )  # fmt: skip
+    eos = self.tokenizer.EOS
+    out = []
+    for row, (cont, reason) in enumerate(zip(ids, reasons, strict=True)):
+      text = self.tokenizer.decode([t for t in cont if t != eos])
+      out.append(Sample(prompts[row // num_samples], text, cont, reason))
+    return out
+
+  def generate_ids(
+    self,
+    prompts: Sequence[np.ndarray],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+  ) -> tuple[list[list[int]], list[str]]:
+    """Continuations of already-encoded prompts (each ``1 ≤ len < max_seq_len``): the new
+    ids per row and each row's stop reason."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width = min(self.max_seq_len, int(lengths.max()) + max_new_tokens)  # the token buffer
+    buffer = np.full((len(prompts), width), self.tokenizer.PAD, np.int32)
+    for row, p in enumerate(prompts):
+      buffer[row, : len(p)] = p
+    vocab = self._vocab or self._vocab_of(buffer)
+    tokens, ends, reasons = jax.device_get(
+      self._compiled(
+        self.params,
+        buffer,
+        lengths,
+        allowed_ids(vocab, self.tokenizer),
+        jnp.asarray(seed, jnp.uint32),
+        jnp.float32(temperature),
+        jnp.int32(top_k),
+        jnp.float32(top_p),
+        max_new=max_new_tokens,
+        prefill=int(lengths.max()),
+      )
+    )
+    ids = [tokens[r, lengths[r] : ends[r]].tolist() for r in range(len(prompts))]
+    return ids, [STOP_REASONS[c - 1] for c in reasons]
+
+  def _vocab_of(self, buffer) -> int:
+    """An apply_fn's vocabulary, from the shape of its output."""
+    self._vocab = jax.eval_shape(self._apply, self.params, buffer).shape[-1]
+    return self._vocab
+
+  def _loop(self, params, tokens, lengths, allowed, seed, temperature, top_k, top_p, *,
+            max_new: int, prefill: int):  # fmt: skip
+    """The jitted prefill + decode loop: the filled buffer, each row's end, its stop code."""
+    params = cast_floating(params, self.dtype)
+    rows, width = jnp.arange(tokens.shape[0]), tokens.shape[1]
+    logits_at = _logits_at(self._apply, self._decode, params, tokens, prefill, self.dtype)
+    last, cache = logits_at.prefill(lengths)
+    base = jax.random.PRNGKey(seed)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(rows)
+
+    def body(carry):
+      i, tokens, pos, last, cache, reason = carry
+      keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
+      nxt = next_tokens(last, keys, allowed, temperature, top_k, top_p)
+      active = reason == 0
+      at = jnp.minimum(pos, width - 1)
+      tokens = tokens.at[rows, at].set(jnp.where(active, nxt, tokens[rows, at]))
+      pos = pos + active
+      reason = jnp.select(
+        [~active, nxt == self.tokenizer.EOS, pos - lengths >= max_new, pos >= self.max_seq_len],
+        [reason, 1, 2, 3],
+        0,
+      )
+      last, cache = jax.lax.cond(
+        jnp.any(reason == 0),
+        lambda: logits_at.step(tokens, nxt, at, cache),
+        lambda: (last, cache),
+      )
+      return i + 1, tokens, pos, last, cache, reason
+
+    init = (jnp.int32(0), tokens, lengths, last, cache, jnp.zeros_like(lengths))
+    _, tokens, pos, _, _, reason = jax.lax.while_loop(lambda c: jnp.any(c[-1] == 0), body, init)
+    return tokens, pos, reason
+
+
+def _logits_at(apply_fn, decoder, params, tokens, prefill: int, dtype):
+  """How the loop gets next-token logits: through the cache, or the whole buffer again."""
+  rows, (batch, width) = jnp.arange(tokens.shape[0]), tokens.shape
+  if decoder is None:
+
+    def full(tokens, at):
+      return apply_fn(params, tokens)[rows, at].astype(jnp.float32)
+
+    return _Steps(
+      lambda lengths: (full(tokens, lengths - 1), ()), lambda t, n, at, c: (full(t, at), c)
+    )
+
+  def prefill_fn(lengths):
+    positions = jnp.broadcast_to(jnp.arange(prefill), (batch, prefill))
+    cache = decoder.init_cache(batch, width, dtype)
+    logits, cache = decoder.decode_fn(params, tokens[:, :prefill], positions, cache)
+    return logits[rows, lengths - 1].astype(jnp.float32), cache
+
+  def step_fn(tokens, nxt, at, cache):
+    logits, cache = decoder.decode_fn(params, nxt[:, None], at[:, None], cache)
+    return logits[:, 0].astype(jnp.float32), cache
+
+  return _Steps(prefill_fn, step_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  prefill: Callable
+  step: Callable
+
+
+def check_settings(max_new_tokens, temperature, top_k, top_p, num_samples) -> None:
+  """``ConfigError`` for a sampling setting out of range."""
+  problems = [
+    (max_new_tokens < 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+    (not temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {temperature}"),
+    (top_k < 0, f"top_k must be >= 0 (0 = off), got {top_k}"),
+    (not 0 < top_p <= 1, f"top_p must be in (0, 1] (1 = off), got {top_p}"),
+    (num_samples < 1, f"num_samples must be >= 1, got {num_samples}"),
+  ]
+  for bad, message in problems:
+    if bad:
+      raise ConfigError(message)
