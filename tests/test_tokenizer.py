@@ -37,6 +37,16 @@ def test_trained_byte_level_bpe_round_trips_any_utf8_text(bpe, text):
   assert bpe.decode(bpe.encode(text)) == text
 
 
+@settings(max_examples=60, deadline=None)
+@given(text=UTF8_TEXT)
+def test_token_bytes_add_up_to_the_utf8_length_for_bytes_and_byte_level_bpe(bpe, text):
+  """What bits per byte divides by: the UTF-8 bytes the ids stand for; specials none."""
+  for tok in (ByteTokenizer(), bpe):
+    table = tok.token_bytes()
+    ids = [tok.BOS, *tok.encode(text), tok.EOS, tok.PAD]
+    assert len(table) == tok.vocab_size and table[ids].sum() == len(text.encode("utf-8"))
+
+
 def test_trained_bpe_has_its_specials_first_and_merges_common_words(bpe):
   assert (bpe.PAD, bpe.BOS, bpe.EOS) == (0, 1, 2) and bpe.vocab_size == 320
   assert len(bpe.encode("the cat sat on the mat.")) < len("the cat sat on the mat.") / 2
@@ -88,6 +98,8 @@ def test_sentencepiece_model_with_pad_disabled_gets_a_pad_id(tmp_path):
   assert (tok.BOS, tok.EOS) == (1, 2) and tok.PAD == 100 and tok.vocab_size == 101
   assert tok.decode(tok.encode("the cat sat on the mat.")) == "the cat sat on the mat."
   assert tok.decode([tok.BOS, *tok.encode("the mat"), tok.EOS, tok.PAD]) == "the mat"
+  table = tok.token_bytes()  # "▁the▁mat": the dummy-prefix space counts as a byte
+  assert table[tok.encode("the mat")].sum() == len(" the mat") and table[[1, 2, 100]].sum() == 0
 
 
 def test_unknown_or_missing_tokenizer_is_a_clear_error(tmp_path):

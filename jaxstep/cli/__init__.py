@@ -14,6 +14,8 @@ COMMANDS = {
   "check": ("jaxstep.cli.check", "is accumulation exact for a config? K vs 1, stage by stage"),
   "memory": ("jaxstep.cli.memory", "bytes per device: textbook, jaxstep's layout, compiled"),
   "checkpoints": ("jaxstep.cli.checkpoints", "list a run's checkpoints and whether each is ok"),
+  "generate": ("jaxstep.cli.generate", "continue text prompts with a trained run's model"),
+  "evaluate": ("jaxstep.cli.evaluate", "loss, perplexity and bits per byte of a run on any data"),
   "plot": ("jaxstep.cli.plot", "RUN_DIR/loss.png: loss, lr and grad norm by update step"),
 }
 

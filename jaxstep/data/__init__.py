@@ -13,6 +13,7 @@ from jaxstep.data.dataset import (
   eval_batches,
   global_batch,
   load_dataset,
+  prepared_tokenizer,
   steps_per_epoch,
 )
 from jaxstep.data.loader import BatchLoader
@@ -31,6 +32,7 @@ __all__ = [
   "load_dataset",
   "load_tokenizer",
   "prepare",
+  "prepared_tokenizer",
   "read_manifest",
   "steps_per_epoch",
   "train_bpe",

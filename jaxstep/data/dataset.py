@@ -23,6 +23,7 @@ import numpy as np
 from jaxstep.data import prepare as prepare_lib
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.data.shards import TokenStream, Windows
+from jaxstep.data.tokenizer import load_tokenizer
 from jaxstep.errors import ConfigError
 
 
@@ -58,6 +59,16 @@ class Dataset:
   vocab_size: int  # the tokenizer's: token ids are below it
   folder: pathlib.Path  # the prepared folder
   manifest: dict
+
+  def tokenizer(self):
+    """The tokenizer the shards were written with (from the prepared folder)."""
+    return prepared_tokenizer(self.folder, self.manifest)
+
+
+def prepared_tokenizer(folder: pathlib.Path, manifest: dict):
+  """The tokenizer a prepared folder's manifest names: bytes, or its saved file."""
+  entry = manifest["tokenizer"]
+  return load_tokenizer("byte" if entry["file"] is None else str(folder / entry["file"]))
 
 
 def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:

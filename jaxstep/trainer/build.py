@@ -34,7 +34,7 @@ class Run:
   cfg: config_lib.Config
   dataset: data.Dataset
   step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
-  eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens)
+  eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens, target UTF-8 bytes)
   mesh: Mesh
   batch_sharding: NamedSharding  # samples over every device
   total_steps: int  # update steps this run will take in all (max_steps / epochs)
@@ -72,6 +72,20 @@ def _poisonable(loss_fn):
     return loss_sum + jnp.sum(poison), aux
 
   return poisoned
+
+
+def make_eval_step(apply_fn, token_bytes, vocab_size: int) -> Callable:
+  """``(params, batch) -> (Σ NLL, Σ tokens, Σ bytes)`` over the loss-masked targets (fp32
+  sums), where bytes are the UTF-8 bytes the targets stand for (``token_bytes`` per id)."""
+  table = jnp.zeros(vocab_size, jnp.float32).at[: len(token_bytes)].set(token_bytes)
+
+  def eval_step(params, batch):
+    logits = apply_fn(params, batch["inputs"], train=False)
+    nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return nll_sum, jnp.sum(mask), jnp.sum(table[batch["targets"]] * mask)
+
+  return eval_step
 
 
 def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
@@ -133,10 +147,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     scan_unroll=t.scan_unroll,
   )
 
-  def eval_step(params, batch):
-    logits = apply_fn(params, batch["inputs"], train=False)
-    nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
-    return nll_sum, jnp.sum(batch["loss_mask"])
+  eval_step = make_eval_step(apply_fn, dataset.tokenizer().token_bytes(), cfg.model.vocab_size)
 
   state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)

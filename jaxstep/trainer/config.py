@@ -58,6 +58,9 @@ class TrainConfig:
   early_stopping_patience: int = 0  # stop after this many evals without improvement (0 = off)
   peak_tflops: float = 0.0  # per-device peak for MFU (0 = known GPU table / measured on CPU)
   progress: bool = True  # tqdm progress bar (only shown on a terminal)
+  sample_every: int = 0  # generate from sample_prompts every this many update steps (0 = off)
+  sample_prompts: tuple[str, ...] = ("the ", "38 + 61 = ")  # text prompts for those samples
+  sample_max_new_tokens: int = 64  # tokens generated per sample
 
   def __post_init__(self):
     geometry.grad_accum_steps(self.grad_accum_steps)
@@ -67,6 +70,7 @@ class TrainConfig:
       "log_every",
       "spike_window",
       "scan_unroll",
+      "sample_max_new_tokens",
     ):
       if getattr(self, name) <= 0:
         raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
@@ -75,6 +79,7 @@ class TrainConfig:
       "epochs",
       "eval_every",
       "eval_batches",
+      "sample_every",
       "debug_nan_step",
       "early_stopping_patience",
     ):
@@ -87,6 +92,8 @@ class TrainConfig:
       raise ConfigError(problem)
     if self.max_steps == 0 and self.epochs == 0:
       raise ConfigError("set train.max_steps or train.epochs (both are 0: the run never ends)")
+    if self.sample_every and not all(self.sample_prompts):
+      raise ConfigError("train.sample_prompts must be a list of non-empty prompts")
     if self.precision not in PRECISIONS:
       raise ConfigError(
         f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
@@ -159,7 +166,13 @@ def _key(field: dataclasses.Field) -> str:
 def to_dict(cfg) -> dict[str, Any]:
   """Nested plain dict (YAML/JSON-able) of a config dataclass, keyed by config keys."""
   return {
-    _key(f): (to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+    _key(f): (
+      to_dict(v)
+      if dataclasses.is_dataclass(v := getattr(cfg, f.name))
+      else list(v)
+      if isinstance(v, tuple)
+      else v
+    )
     for f in dataclasses.fields(cfg)
   }
 
@@ -189,7 +202,12 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if type(None) in allowed:
       return None
   for t in allowed:
-    if t is bool:
+    if typing.get_origin(t) is tuple:
+      if isinstance(value, str):  # on the command line: a YAML list, or one item
+        value = yaml.safe_load(value) if value.lstrip().startswith("[") else [value]
+      if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    elif t is bool:
       if isinstance(value, bool):
         return value
       if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):

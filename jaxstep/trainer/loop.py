@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import pathlib
 import signal
 from collections.abc import Sequence
@@ -26,10 +25,13 @@ from jaxstep.trainer import run_dir as run_dir_lib
 from jaxstep.trainer.build import Run, build
 from jaxstep.trainer.callbacks import Callback, EarlyStopping, TrainerControl
 from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.evaluation import eval_record
 from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, Reported
 from jaxstep.trainer.perf import peak_flops_per_device
 from jaxstep.trainer.run_state import RunState
+from jaxstep.trainer.samples import TrainingSamples
+from jaxstep.trainer.saved_run import save_tokenizer
 from jaxstep.trainer.signals import stop_on_signals
 
 log = logging.getLogger("jaxstep")
@@ -70,15 +72,14 @@ def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
 
 
 def evaluate(run: Run, params) -> dict:
-  """Token-weighted eval loss over the eval split: ``Σ NLL / Σ tokens`` and its exp."""
+  """Token-weighted eval loss over the eval split: ``Σ NLL / Σ tokens``, its exp, and bits
+  per byte ``Σ NLL / (ln 2 · Σ UTF-8 bytes of the targets)``."""
   t, ds = run.cfg.train, run.dataset
   sums = [
     run.eval_fn(params, parallel.put_batch(b, run.batch_sharding))
     for b in data.eval_batches(ds.eval, t.global_batch_size, ds.pad_id, t.eval_batches)
   ]
-  nll, tokens = (float(sum(jax.device_get(x))) for x in zip(*sums, strict=True))
-  loss = nll / max(tokens, 1.0)
-  return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+  return eval_record(*(float(sum(jax.device_get(x))) for x in zip(*sums, strict=True)))
 
 
 def train(
@@ -98,6 +99,8 @@ def train(
   run, state, rs = build(cfg)
   cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
   run_dir = run_dir_lib.prepare(cfg.run_dir, config_lib.dump(cfg))
+  if jax.process_index() == 0:
+    save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
   ckpt, state, rs = resume_lib.start(
     cfg,
     run_dir,
@@ -164,6 +167,7 @@ def loop(
       cb.on_evaluate(rs.step, record, control)
     return record
 
+  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer(), t) if t.sample_every else None
   g = t.global_batch_size
   rows = parallel.local_rows(run.batch_sharding, g)  # None: this process reads every row
   batches = data.BatchLoader(
@@ -189,6 +193,10 @@ def loop(
         if run.dataset.eval and t.eval_every and rs.step % t.eval_every == 0:
           after(late.flush())
           last_eval = evaluate_and_report()
+          late.restart_clock()
+        if samples is not None and samples.due(rs.step):
+          after(late.flush())
+          sink.samples(rs.step, samples(rs.step, state.params))
           late.restart_clock()
       after(late.flush())
       evaluated = last_eval is not None and last_eval["step"] == rs.step

@@ -80,7 +80,8 @@ class MetricsSink:
   def __init__(self, run_dir: pathlib.Path, *, start_step: int, total_steps: int, progress: bool):
     self.run_dir = run_dir
     self.train_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
-    for path in (self.train_path, self.eval_path):
+    self.samples_path = run_dir / "samples.jsonl"
+    for path in (self.train_path, self.eval_path, self.samples_path):
       _truncate_jsonl(path, start_step)
     # purge_step tells TensorBoard to drop events a resumed run is about to write again
     self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
@@ -122,15 +123,27 @@ class MetricsSink:
 
   def eval(self, record: dict) -> None:
     self._append(self.eval_path, record)
-    for key in ("eval_loss", "eval_ppl"):
+    for key in ("eval_loss", "eval_ppl", "eval_bpb"):
       self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
     message = (
-      f"eval at step {record['step']}: loss {record['eval_loss']:.4f}  ppl {record['eval_ppl']:.2f}"
+      f"eval at step {record['step']}: loss {record['eval_loss']:.4f}  ppl "
+      f"{record['eval_ppl']:.2f}  bpb {record['eval_bpb']:.4f}"
     )
     if self.bar.disable:
       log.info(message)
     else:
       self.bar.write(message)
+
+  def samples(self, step: int, records: list[dict]) -> None:
+    """Generated samples of update ``step``: one ``samples.jsonl`` line each, TensorBoard
+    text per prompt, and the greedy ones in the log."""
+    for i, record in enumerate(records):
+      self._append(self.samples_path, record)
+      text = f"**{record['mode']}** `{record['prompt']}` → `{record['text']}`"
+      self.tb.add_text(f"samples/{i}", text, step)
+      if record["mode"] == "greedy":
+        message = f"sample at step {step}: {record['prompt'] + record['text']!r}"
+        self.bar.write(message) if not self.bar.disable else log.info(message)
 
   def close(self) -> None:
     self.bar.close()
@@ -144,6 +157,9 @@ class NullSink:
     pass
 
   train = eval = advance
+
+  def samples(self, step: int, records: list[dict]) -> None:
+    pass
 
   def close(self) -> None:
     pass

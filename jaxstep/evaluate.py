@@ -1,0 +1,6 @@
+"""``python -m jaxstep.evaluate``: the same as ``jaxstep evaluate`` (see jaxstep.cli)."""
+
+if __name__ == "__main__":
+  from jaxstep.cli import run
+
+  raise SystemExit(run("evaluate"))

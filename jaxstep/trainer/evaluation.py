@@ -1,0 +1,94 @@
+"""A saved run's model scored on any data: token-weighted loss, perplexity, bits per byte.
+
+The data is cut into windows exactly as training cuts them (the run's ``train.seq_len``
+and ``data.pack``, the same loss masks: text targets every token but BOS, chat only the
+assistant's); raw files are prepared with the run's own tokenizer first (cached like
+training data). Every window is scored once, in order.
+
+Bits per byte is tokenizer-independent: the nats of every masked target divided by
+``ln 2 ×`` the UTF-8 bytes those targets stand for (EOS counts its nats and no bytes), so
+runs with different vocabularies compare on the same text.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import jax
+import numpy as np
+
+from jaxstep import data, models
+from jaxstep.errors import DataError
+from jaxstep.trainer.build import make_eval_step
+from jaxstep.trainer.saved_run import TOKENIZER_FILES, SavedRun
+
+SPLITS = ("all", "train", "eval")
+
+
+def eval_record(nll: float, tokens: float, num_bytes: float, prefix: str = "eval_") -> dict:
+  """Loss, perplexity and bits per byte from the sums over the targets."""
+  loss = nll / max(tokens, 1.0)
+  return {
+    f"{prefix}loss": loss,
+    f"{prefix}ppl": math.exp(min(loss, 50.0)),
+    f"{prefix}bpb": nll / (math.log(2) * num_bytes) if num_bytes else float("nan"),
+    f"{prefix}tokens": int(tokens),
+    f"{prefix}bytes": int(num_bytes),
+  }
+
+
+def _tokenizer_spec(run_dir: pathlib.Path) -> str:
+  """How ``prepare`` loads the run's tokenizer: its saved file, else bytes."""
+  return next((str(run_dir / n) for n in TOKENIZER_FILES if (run_dir / n).is_file()), "byte")
+
+
+def _same_tokenizer(a: dict, b: dict) -> bool:
+  return {k: v for k, v in a.items() if k != "file"} == {k: v for k, v in b.items() if k != "file"}
+
+
+def load_data(saved: SavedRun, run_dir: pathlib.Path, path: str, fmt: str) -> data.Dataset:
+  """``path`` as windows of the run's geometry: a prepared folder (its tokenizer must be the
+  run's) or raw input prepared with the run's tokenizer, nothing held out."""
+  cfg = saved.cfg
+  prepared = (pathlib.Path(path) / "manifest.json").is_file()
+  data_cfg = data.DataConfig(
+    path=path,
+    format=fmt,
+    tokenizer="byte" if prepared else _tokenizer_spec(run_dir),
+    pack=cfg.data.pack,
+    eval_fraction=0.0,
+  )
+  dataset = data.load_dataset(data_cfg, cfg.train.seq_len)
+  if not _same_tokenizer(dataset.manifest["tokenizer"], saved.tokenizer.describe()):
+    raise DataError(
+      f"{path} was prepared with another tokenizer ({dataset.manifest['tokenizer']['kind']}, "
+      f"{dataset.manifest['tokenizer']['vocab_size']} ids) than the run's "
+      f"({saved.tokenizer.kind}, {saved.tokenizer.vocab_size} ids); pass the raw files, or "
+      f"prepare them with --tokenizer {_tokenizer_spec(run_dir)}"
+    )
+  return dataset
+
+
+def evaluate(
+  saved: SavedRun, dataset: data.Dataset, *, split: str = "all", batch_size: int = 0
+) -> dict:
+  """Sums over every window of ``split`` (``all``: train and eval) → loss, ppl, bpb."""
+  windows = [w for name, w in (("train", dataset.train), ("eval", dataset.eval))
+             if w is not None and split in ("all", name)]  # fmt: skip
+  if not windows:
+    raise DataError(f"the data has no {split!r} split")
+  apply_fn = models.decoder(saved.cfg.model).apply_fn
+  step = jax.jit(
+    make_eval_step(
+      lambda p, x, train: apply_fn(p, x), saved.tokenizer.token_bytes(), saved.cfg.model.vocab_size
+    )
+  )
+  rows = batch_size or saved.cfg.train.global_batch_size
+  sums = np.zeros(3)
+  for w in windows:
+    for batch in data.eval_batches(w, rows, dataset.pad_id):
+      sums += np.array([float(x) for x in jax.device_get(step(saved.params, batch))])
+  if sums[1] == 0:
+    raise DataError("the data has no loss-masked target (chat data needs assistant turns)")
+  return {**eval_record(*sums, prefix=""), "windows": sum(len(w) for w in windows)}

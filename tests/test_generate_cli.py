@@ -1,0 +1,190 @@
+"""Generation and evaluation of a trained run, as a user runs them: `jaxstep generate`,
+`jaxstep evaluate`, samples written during training, bits per byte."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import make_cfg, read_lines
+
+from jaxstep import Generator, load_run, models, trainer
+from jaxstep.cli import run as run_command
+from jaxstep.core.losses import masked_nll
+from jaxstep.data import ByteTokenizer, eval_batches
+
+TRAIN = ["train.max_steps=12", "train.global_batch_size=8", "train.grad_accum_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A short run that wrote samples at steps 6 and 12 and two checkpoints."""
+  tmp = tmp_path_factory.mktemp("trained")
+  cfg = make_cfg(
+    tmp, *TRAIN, "train.sample_every=6", "checkpoint.every=6", "train.sample_max_new_tokens=8"
+  )
+  trainer.train(cfg)
+  return tmp / "run"
+
+
+def generate(capsys, *args):
+  code = run_command("generate", [str(a) for a in args])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_samples_during_training_are_what_generate_makes_from_that_checkpoint(trained, capsys):
+  records = read_lines(trained / "samples.jsonl")
+  assert [(r["step"], r["mode"]) for r in records[:4]] == [
+    (6, "greedy"), (6, "greedy"), (6, "sampled"), (6, "sampled"),
+  ]  # fmt: skip
+  assert {r["step"] for r in records} == {6, 12}
+  for step in (6, 12):
+    greedy = [r for r in records if r["step"] == step and r["mode"] == "greedy"]
+    code, out, _ = generate(
+      capsys, trained, "--step", step, "--temperature", 0, "--max-new-tokens", 8, "--json"
+    )
+    assert code == 0
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [(g["prompt"], g["text"]) for g in got] == [(r["prompt"], r["text"]) for r in greedy]
+
+
+def test_generate_json_lines_match_the_python_api_and_the_no_cache_path(trained, capsys):
+  args = [trained, "--prompt", "1", "--prompt", "23 + ", "--temperature", "0", "--json"]
+  code, out, err = generate(capsys, *args, "--max-new-tokens", 12)
+  assert code == 0, err
+  lines = [json.loads(line) for line in out.splitlines()]
+  assert [set(x) for x in lines] == [{"prompt", "text", "tokens", "stop_reason"}] * 2
+  saved = load_run(trained)
+  assert saved.step == 12 and isinstance(saved.tokenizer, ByteTokenizer)
+  api = Generator(saved.cfg.model, saved.params, saved.tokenizer).generate(
+    ["1", "23 + "], max_new_tokens=12, temperature=0.0
+  )
+  assert [x["tokens"] for x in lines] == [s.tokens for s in api]
+  assert [x["text"] for x in lines] == [s.text for s in api]
+  code, out_no_cache, _ = generate(capsys, *args, "--max-new-tokens", 12, "--no-cache")
+  assert code == 0 and out_no_cache == out
+
+
+def test_generate_samples_reproducibly_and_prints_text_by_default(trained, capsys):
+  args = [trained, "--prompt", "4", "--temperature", "1.0", "--num-samples", 3]
+  first, second = generate(capsys, *args, "--seed", 5), generate(capsys, *args, "--seed", 5)
+  assert first[0] == 0 and first[1] == second[1]
+  assert first[1].count("--- sample") == 3 and "(update step 12, stop:" in first[1]
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (["{missing}"], "does not exist"),
+    (["{empty_run}"], "holds no checkpoint"),
+    (["{run}", "--prompt", ""], "prompt 1 is empty"),
+    (["{run}", "--prompt", "9" * 40], "max_seq_len is 16"),
+    (["{run}", "--step", "7"], "no checkpoint of update step 7"),
+    (["{run}", "--prompts-file", "{missing}"], "--prompts-file"),
+    (["{run}", "--top-p", "0"], "top_p must be in (0, 1]"),
+  ],
+)
+def test_bad_generate_input_is_one_line_and_exit_2(trained, tmp_path, capsys, args, message):
+  empty_run = tmp_path / "empty"
+  empty_run.mkdir()
+  (empty_run / "config.yaml").write_text((trained / "config.yaml").read_text())
+  names = {"run": trained, "missing": tmp_path / "nope", "empty_run": empty_run}
+  code, out, err = generate(capsys, *[a.format(**names) for a in args])
+  assert code == 2 and out == ""
+  assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_python_m_jaxstep_generate_runs(trained):
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.generate", trained, "--prompt", "1", "--max-new-tokens", "5"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0 and proc.stdout.startswith("--- sample 1"), proc.stderr
+
+
+def independent_eval(saved, windows, pad_id):
+  """Σ NLL, tokens and bytes over the windows, one batch of 4 at a time, by hand."""
+  apply_fn, _ = models.build(saved.cfg.model, 0)
+  nll = tokens = num_bytes = 0.0
+  for batch in eval_batches(windows, 4, pad_id):
+    s, _ = masked_nll(apply_fn(saved.params, batch["inputs"]), batch["targets"], batch["loss_mask"])
+    mask = batch["loss_mask"].astype(bool)
+    nll, tokens = nll + float(s), tokens + mask.sum()
+    num_bytes += (batch["targets"][mask] < 256).sum()  # bytes: every id below 256 is one byte
+  return nll, tokens, num_bytes
+
+
+def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_path, capsys):
+  text = tmp_path / "held_out.txt"
+  text.write_text("1 + 2 = 3\n\n40 + 4 = 44\n\nnaïve café ☕ text\n\n" * 5)
+  code = run_command("evaluate", [str(trained), "--data", str(text), "--json"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  got = json.loads(out)
+  saved = load_run(trained)
+  dataset = trainer.evaluation.load_data(saved, trained, str(text), "auto")
+  nll, tokens, num_bytes = independent_eval(saved, dataset.train, dataset.pad_id)
+  assert got["tokens"] == tokens and got["bytes"] == num_bytes < tokens  # EOS: nats, no bytes
+  assert got["bytes"] == len(text.read_text().replace("\n\n", "").encode())  # every text byte
+  assert got["loss"] == pytest.approx(nll / tokens, rel=1e-5)
+  assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+  assert got["bpb"] == pytest.approx(nll / (math.log(2) * num_bytes), rel=1e-5)
+
+
+def test_evaluate_chat_counts_only_the_assistant_targets(trained, capsys):
+  code = run_command("evaluate", [str(trained), "--data", "bundled:chat", "--json"])
+  got = json.loads(capsys.readouterr().out)
+  dataset = trainer.evaluation.load_data(load_run(trained), trained, "bundled:chat", "auto")
+  masked = sum(int(dataset.train.rows(np.arange(len(dataset.train)), len(dataset.train), 256)[
+    "loss_mask"].sum()) for _ in [0])  # fmt: skip
+  assert code == 0 and got["tokens"] == masked
+  assert masked < 0.5 * len(dataset.train) * 16  # prompts and system turns are not targets
+
+
+def test_evaluate_refuses_data_prepared_with_another_tokenizer(trained, tmp_path, capsys):
+  from jaxstep.data import prepare
+
+  prepare(["bundled:text"], tmp_path / "bpe", train_bpe_vocab=300, progress=False)
+  code = run_command("evaluate", [str(trained), "--data", str(tmp_path / "bpe")])
+  err = capsys.readouterr().err
+  assert code == 2 and "another tokenizer" in err and err.count("\n") == 1
+
+
+def test_eval_during_training_reports_bits_per_byte(tmp_path):
+  cfg = make_cfg(tmp_path, *TRAIN, "data.eval_fraction=0.2", "train.max_steps=2")
+  run, state, _ = trainer.build(cfg)
+  got = trainer.evaluate(run, state.params)
+  saved = type("Saved", (), {"cfg": run.cfg, "params": state.params})
+  nll, tokens, num_bytes = independent_eval(saved, run.dataset.eval, run.dataset.pad_id)
+  assert got["eval_tokens"] == tokens and got["eval_bytes"] == num_bytes
+  assert got["eval_bpb"] == pytest.approx(nll / (math.log(2) * num_bytes), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_on_four_devices_generates_on_one(tmp_path):
+  """Trained by the CLI on a 2 x 2 (data x fsdp) mesh of CPU devices, samples written there;
+  generated here on one device from the checkpoint: the same greedy text."""
+  cfg = make_cfg(tmp_path)  # writes the corpus
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.train", "--config", "tiny", "mesh.data=2", "mesh.fsdp=2",
+     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+     "train.seq_len=32", "train.progress=false", *TRAIN, "train.sample_every=12",
+     f"data.path={cfg.data.path}", f"run_dir={tmp_path / 'run'}"],
+    capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr
+  assert "CPU: 4 devices" in proc.stderr and jax.device_count() == 1
+  greedy = [r for r in read_lines(tmp_path / "run" / "samples.jsonl") if r["mode"] == "greedy"]
+  saved = load_run(tmp_path / "run")
+  out = Generator(saved.cfg.model, saved.params, saved.tokenizer).generate(
+    [r["prompt"] for r in greedy], max_new_tokens=64, temperature=0.0
+  )
+  assert [s.text for s in out] == [r["text"] for r in greedy]
