@@ -144,3 +144,29 @@ def write(name: str, payload: dict, out_dir: pathlib.Path = RESULTS) -> pathlib.
 
 def fmt(stats: dict) -> str:
   return f"{stats['median']:.3f} ({stats['q1']:.3f}–{stats['q3']:.3f})"
+
+
+def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
+  """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker.
+
+  A spec's ``env`` is added to its worker's environment; ``copies: n`` runs n workers of it
+  at the same moment (``Together``). Returns ``(results per name, ready-info per name,
+  failed)``; a worker that cannot start (e.g. torch.compile on some hosts) is recorded in
+  ``failed`` instead of stopping the suite.
+  """
+  workers, failed = {}, {}
+  try:
+    for name, spec in specs.items():  # start them all; they build side by side
+      env, copies = spec.get("env"), spec.get("copies")
+      workers[name] = Together(spec, copies, env) if copies else Worker(spec, env)
+    for name in list(workers):
+      try:
+        workers[name].info  # noqa: B018 -- waits until built and warmed up
+      except RuntimeError as e:
+        failed[name] = str(e)
+        workers.pop(name).close()
+    res = interleaved(workers, rounds=rounds)
+  finally:
+    for w in workers.values():
+      w.close()
+  return res, {n: w.info for n, w in workers.items()}, failed

@@ -14,42 +14,16 @@ import pathlib
 import shutil
 import time
 
+from benchmarks.generate_bench import suite_generate
 from benchmarks.harness import (
   RESULTS,
-  Together,
   Worker,
   environment,
   fmt,
-  interleaved,
+  measure,
   ratio_stats,
   write,
 )
-
-
-def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
-  """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker.
-
-  A spec's ``env`` is added to its worker's environment; ``copies: n`` runs n workers of it
-  at the same moment (``Together``). Returns ``(results per name, ready-info per name,
-  failed)``; a worker that cannot start (e.g. torch.compile on some hosts) is recorded in
-  ``failed`` instead of stopping the suite.
-  """
-  workers, failed = {}, {}
-  try:
-    for name, spec in specs.items():  # start them all; they build side by side
-      env, copies = spec.get("env"), spec.get("copies")
-      workers[name] = Together(spec, copies, env) if copies else Worker(spec, env)
-    for name in list(workers):
-      try:
-        workers[name].info  # noqa: B018 -- waits until built and warmed up
-      except RuntimeError as e:
-        failed[name] = str(e)
-        workers.pop(name).close()
-    res = interleaved(workers, rounds=rounds)
-  finally:
-    for w in workers.values():
-      w.close()
-  return res, {n: w.info for n, w in workers.items()}, failed
 
 
 def suite_host_overhead(quick: bool) -> dict:
@@ -385,6 +359,7 @@ SUITES = {
   "checkpoint": suite_checkpoint,
   "fsdp_memory": suite_fsdp_memory,
   "data": suite_data,
+  "generate": suite_generate,
 }
 
 

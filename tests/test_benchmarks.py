@@ -23,6 +23,11 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "data_rss_delta_mib_200m_10m",
   "prepare_over_tokenizers",
   "loader_tokens_per_s",
+  "decode_cache_over_recompute",
+  "decode_tokens_per_s_b8",
+  "prefill_tokens_per_s_b8",
+  "ttft_ms_b8",
+  "samples_over_step",
 }
 
 
@@ -39,11 +44,13 @@ def test_quick_benchmarks_write_results(tmp_path):
   assert SUMMARY_KEYS <= set(summary)
   if importlib.util.find_spec("torch"):  # torch is installed only for benchmarks
     assert "tokens_vs_pytorch" in summary
+  if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+    assert "decode_vs_hf" in summary
   if os.cpu_count() > 1:  # busy cores slowing each other down needs at least two
     assert "cores_together_over_alone" in summary
   deltas = {"data_startup_delta_s_200m_10m", "data_rss_delta_mib_200m_10m"}  # may be < 0
   assert all(isinstance(v, float) and (v > 0 or k in deltas) for k, v in summary.items())
-  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory", "data"):
+  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory", "data", "generate"):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["environment"]["jax"] and result["rows"]
   assert "| measurement |" in (tmp_path / "results.md").read_text()
