@@ -87,6 +87,7 @@ def test_generate_samples_reproducibly_and_prints_text_by_default(trained, capsy
     (["{run}", "--step", "7"], "no checkpoint of update step 7"),
     (["{run}", "--prompts-file", "{missing}"], "--prompts-file"),
     (["{run}", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["{run}", "--prompt", "bad byte \udcff"], "prompt 1 is not valid text"),
   ],
 )
 def test_bad_generate_input_is_one_line_and_exit_2(trained, tmp_path, capsys, args, message):
@@ -97,6 +98,21 @@ def test_bad_generate_input_is_one_line_and_exit_2(trained, tmp_path, capsys, ar
   code, out, err = generate(capsys, *[a.format(**names) for a in args])
   assert code == 2 and out == ""
   assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_none_left_is_exit_2(trained, tmp_path, capsys):
+  import shutil
+
+  run = tmp_path / "run"
+  shutil.copytree(trained, run)
+  (run / "checkpoints" / "12" / "_CHECKPOINT_METADATA").unlink()  # as a kill mid-save leaves
+  code, out, err = generate(capsys, run, "--prompt", "1", "--max-new-tokens", 2)
+  assert code == 0 and "(update step 6," in out and "update step 12 is unusable" in err
+  (run / "checkpoints" / "6" / "_CHECKPOINT_METADATA").unlink()
+  code, out, err = generate(capsys, run, "--prompt", "1")
+  lines = err.splitlines()  # a warning per skipped checkpoint, then the one error line
+  assert code == 2 and lines[-1].startswith("error: no checkpoint in")
+  assert sum(line.startswith("error") for line in lines) == 1
 
 
 def test_python_m_jaxstep_generate_runs(trained):

@@ -156,7 +156,7 @@ class Generator:
         buffer,
         lengths,
         allowed_ids(vocab, self.tokenizer),
-        jnp.asarray(seed, jnp.uint32),
+        np.uint32(seed % 2**32),  # any Python int is a seed
         jnp.float32(temperature),
         jnp.int32(top_k),
         jnp.float32(top_p),
