@@ -75,3 +75,24 @@ def config_command(prog: str, doc: str, action, argv=None) -> int:
     return action(config_lib.load(args.config, args.overrides))
   except JaxstepError as e:
     return report(e)
+
+
+def run_dir_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+  """The parser of a command that reads a trained run: ``RUN_DIR`` and ``--step``."""
+  p = argparse.ArgumentParser(
+    prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  p.add_argument("run_dir")
+  p.add_argument("--step", type=int, default=None, help="checkpoint (default: newest valid)")
+  return p
+
+
+def run_dir_command(action, args) -> int:
+  """Runs ``action(args) -> exit code`` of a command that reads a trained run; a jaxstep
+  error prints one ``error:`` line and sets the exit code."""
+  setup_logging()
+  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notices on reading a run
+  try:
+    return action(args)
+  except JaxstepError as e:
+    return report(e)

@@ -10,51 +10,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 
-from jaxstep.cli._common import report, setup_logging
-from jaxstep.errors import JaxstepError
-
-log = logging.getLogger("jaxstep")
+from jaxstep.cli._common import run_dir_command, run_dir_parser
 
 
 def parser() -> argparse.ArgumentParser:
   from jaxstep.data.readers import FORMATS
   from jaxstep.trainer.evaluation import SPLITS
 
-  p = argparse.ArgumentParser(
-    prog="jaxstep evaluate",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("run_dir")
+  p = run_dir_parser("jaxstep evaluate", __doc__)
   p.add_argument("--data", required=True, help="files, a directory, a glob, or a prepared folder")
   p.add_argument("--format", default="auto", choices=FORMATS, help="raw input's format")
   p.add_argument("--split", default="all", choices=SPLITS, help="a prepared folder's split")
-  p.add_argument("--step", type=int, default=None, help="checkpoint (default: newest valid)")
   p.add_argument("--batch-size", type=int, default=0, help="windows per batch (0: the run's G)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   return p
 
 
 def main(argv=None) -> int:
-  args = parser().parse_args(argv)
-  setup_logging()
-  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
-  try:
-    from jaxstep.trainer import evaluation
-    from jaxstep.trainer.saved_run import load_run
+  return run_dir_command(evaluate, parser().parse_args(argv))
 
-    saved = load_run(args.run_dir, args.step)
-    dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, args.format)
-    result = {
-      "step": saved.step,
-      "data": args.data,
-      **evaluation.evaluate(saved, dataset, split=args.split, batch_size=args.batch_size),
-    }
-  except JaxstepError as e:
-    return report(e)
+
+def evaluate(args) -> int:
+  from jaxstep.trainer import evaluation
+  from jaxstep.trainer.saved_run import load_run
+
+  saved = load_run(args.run_dir, args.step)
+  dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, args.format)
+  result = {
+    "step": saved.step,
+    "data": args.data,
+    **evaluation.evaluate(saved, dataset, split=args.split, batch_size=args.batch_size),
+  }
   if args.json:
     print(json.dumps(result))
   else:

@@ -16,19 +16,14 @@ import pathlib
 import sys
 import time
 
-from jaxstep.cli._common import report, setup_logging
-from jaxstep.errors import ConfigError, JaxstepError, PromptError
+from jaxstep.cli._common import run_dir_command, run_dir_parser
+from jaxstep.errors import ConfigError, PromptError
 
 log = logging.getLogger("jaxstep")
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="jaxstep generate",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("run_dir")
+  p = run_dir_parser("jaxstep generate", __doc__)
   p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
   p.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line")
   p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per continuation")
@@ -37,7 +32,6 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus probability (1 = off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1, help="continuations per prompt")
-  p.add_argument("--step", type=int, default=None, help="checkpoint (default: newest valid)")
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
   p.add_argument("--no-cache", action="store_true", help="recompute everything per token")
   p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
@@ -59,24 +53,18 @@ def read_prompts(args, default: tuple[str, ...]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  args = parser().parse_args(argv)
-  setup_logging()
-  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
-  try:
-    return generate(args)
-  except JaxstepError as e:
-    return report(e)
+  return run_dir_command(generate, parser().parse_args(argv))
 
 
 def generate(args) -> int:
   import jax.numpy as jnp
 
   from jaxstep.generation import Generator, check_settings
-  from jaxstep.trainer.saved_run import load_run, read_config
+  from jaxstep.trainer.saved_run import load_run
 
   check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.num_samples)
-  prompts = read_prompts(args, read_config(args.run_dir).train.sample_prompts)
   saved = load_run(args.run_dir, args.step)
+  prompts = read_prompts(args, saved.cfg.train.sample_prompts)
   dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
   gen = Generator(
     saved.cfg.model, saved.params, saved.tokenizer, dtype=dtype, use_cache=not args.no_cache
