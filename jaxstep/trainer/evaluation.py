@@ -21,7 +21,7 @@ import numpy as np
 from jaxstep import data, models
 from jaxstep.errors import DataError
 from jaxstep.trainer.build import make_eval_step
-from jaxstep.trainer.saved_run import TOKENIZER_FILES, SavedRun
+from jaxstep.trainer.saved_run import SavedRun, saved_tokenizer_file
 
 SPLITS = ("all", "train", "eval")
 
@@ -40,7 +40,8 @@ def eval_record(nll: float, tokens: float, num_bytes: float, prefix: str = "eval
 
 def _tokenizer_spec(run_dir: pathlib.Path) -> str:
   """How ``prepare`` loads the run's tokenizer: its saved file, else bytes."""
-  return next((str(run_dir / n) for n in TOKENIZER_FILES if (run_dir / n).is_file()), "byte")
+  saved = saved_tokenizer_file(run_dir)
+  return "byte" if saved is None else str(saved)
 
 
 def _same_tokenizer(a: dict, b: dict) -> bool:

@@ -49,11 +49,17 @@ def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
     shutil.copyfile(dataset.folder / entry["file"], run_dir / f"tokenizer{suffix}")
 
 
+def saved_tokenizer_file(run_dir: pathlib.Path) -> pathlib.Path | None:
+  """The copy of the tokenizer that ``save_tokenizer`` left in ``run_dir`` (None: bytes, or
+  a run trained before runs kept one)."""
+  return next((run_dir / n for n in TOKENIZER_FILES if (run_dir / n).is_file()), None)
+
+
 def run_tokenizer(run_dir: pathlib.Path, cfg: config_lib.Config):
   """The run's tokenizer: its saved copy, else what its data config names."""
-  for name in TOKENIZER_FILES:
-    if (run_dir / name).is_file():
-      return data.load_tokenizer(str(run_dir / name))
+  saved = saved_tokenizer_file(run_dir)
+  if saved is not None:
+    return data.load_tokenizer(str(saved))
   folder = pathlib.Path(cfg.data.path)
   if (folder / "manifest.json").is_file():
     return data.prepared_tokenizer(folder, data.read_manifest(folder, verify=False))
