@@ -116,7 +116,7 @@ def samples_cost(spec: dict):
 
   cfg = config_lib.load("tiny", ["train.progress=false", "run_dir=/tmp/unused"])
   run, state, rs = trainer.build(cfg)
-  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer(), run.cfg.train)
+  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer, run.cfg.train)
   batch = parallel.put_batch(next_batch(run, rs), run.batch_sharding)
   state, _ = run.step_fn(state, batch)
   samples(1, state.params)

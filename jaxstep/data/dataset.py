@@ -13,6 +13,7 @@ memory-mapped windows (``shards.py``). A raw ``data.path`` (files, a directory, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -60,8 +61,9 @@ class Dataset:
   folder: pathlib.Path  # the prepared folder
   manifest: dict
 
+  @functools.cached_property
   def tokenizer(self):
-    """The tokenizer the shards were written with (from the prepared folder)."""
+    """The tokenizer the shards were written with (loaded from the prepared folder once)."""
     return prepared_tokenizer(self.folder, self.manifest)
 
 

@@ -147,7 +147,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     scan_unroll=t.scan_unroll,
   )
 
-  eval_step = make_eval_step(apply_fn, dataset.tokenizer().token_bytes(), cfg.model.vocab_size)
+  eval_step = make_eval_step(apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size)
 
   state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)

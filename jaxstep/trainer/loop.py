@@ -167,7 +167,7 @@ def loop(
       cb.on_evaluate(rs.step, record, control)
     return record
 
-  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer(), t) if t.sample_every else None
+  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
   g = t.global_batch_size
   rows = parallel.local_rows(run.batch_sharding, g)  # None: this process reads every row
   batches = data.BatchLoader(
