@@ -125,14 +125,10 @@ class MetricsSink:
     self._append(self.eval_path, record)
     for key in ("eval_loss", "eval_ppl", "eval_bpb"):
       self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
-    message = (
+    self._say(
       f"eval at step {record['step']}: loss {record['eval_loss']:.4f}  ppl "
       f"{record['eval_ppl']:.2f}  bpb {record['eval_bpb']:.4f}"
     )
-    if self.bar.disable:
-      log.info(message)
-    else:
-      self.bar.write(message)
 
   def samples(self, step: int, records: list[dict]) -> None:
     """Generated samples of update ``step``: one ``samples.jsonl`` line each, TensorBoard
@@ -142,8 +138,14 @@ class MetricsSink:
       text = f"**{record['mode']}** `{record['prompt']}` → `{record['text']}`"
       self.tb.add_text(f"samples/{i}", text, step)
       if record["mode"] == "greedy":
-        message = f"sample at step {step}: {record['prompt'] + record['text']!r}"
-        self.bar.write(message) if not self.bar.disable else log.info(message)
+        self._say(f"sample at step {step}: {record['prompt'] + record['text']!r}")
+
+  def _say(self, message: str) -> None:
+    """A line above the progress bar on a terminal; a log line elsewhere."""
+    if self.bar.disable:
+      log.info(message)
+    else:
+      self.bar.write(message)
 
   def close(self) -> None:
     self.bar.close()
