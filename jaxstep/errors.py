@@ -34,6 +34,11 @@ class RunDirError(JaxstepError, FileNotFoundError):
   """A run directory lacks what a command reads (metrics, checkpoints)."""
 
 
+class RunIOError(JaxstepError, OSError):
+  """Writing the run's outputs failed (disk full, read-only or removed directory); the
+  newest complete checkpoint is intact."""
+
+
 class CheckpointError(JaxstepError, RuntimeError):
   """Checkpoints exist but cannot be restored, or do not match the current run."""
 

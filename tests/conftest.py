@@ -78,8 +78,10 @@ def make_cfg(tmp_path, *overrides, docs=200):
     corpus.write_text(
       "\n\n".join(f"{a} + {b} = {a + b}" for a, b in rng.integers(0, 50, size=(docs, 2)))
     )
+  # a schedule of fixed length, so a test may resume a run with a larger max_steps
+  fixed = "train.schedule_steps=64"
   return config_lib.load(
-    None, [*SMALL_MODEL, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", *overrides]
+    None, [*SMALL_MODEL, fixed, f"data.path={corpus}", f"run_dir={tmp_path / 'run'}", *overrides]
   )
 
 

@@ -2,7 +2,8 @@
 
 import json
 
-from jaxstep.trainer.metrics import MetricsSink, read_records
+from jaxstep.trainer.metrics import MetricsSink
+from jaxstep.trainer.records import read_records
 
 
 def write_lines(path, *lines):

@@ -15,16 +15,22 @@ from jaxstep.errors import (
   JaxstepError,
   PromptError,
   RunDirError,
+  RunIOError,
 )
 
 # Bad input: nothing was trained, or nothing was written; the user changes something.
 BAD_INPUT = (ConfigError, DataError, CheckpointError, RunDirError, PromptError)
 
 
+IO_ERROR = 74  # sysexits.h EX_IOERR: a write failed (disk full, read-only directory)
+
+
 def exit_code(error: JaxstepError) -> int:
-  """2 bad input, 128 + signal after SIGTERM/SIGINT, 1 any other stop of a run."""
+  """2 bad input, 74 a failed write, 128 + signal after SIGTERM/SIGINT, 1 any other stop."""
   if isinstance(error, Interrupted):
     return 128 + error.signum
+  if isinstance(error, RunIOError):
+    return IO_ERROR
   return 2 if isinstance(error, BAD_INPUT) else 1
 
 
@@ -48,7 +54,38 @@ def setup_logging() -> None:
     force=True,
   )
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU
-  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO chatter
+  absl = logging.getLogger("absl")
+  absl.setLevel(logging.WARNING)  # orbax's per-save INFO chatter
+  if not any(isinstance(f, _OrbaxErrorsRaisedToUs) for f in absl.filters):
+    absl.addFilter(_OrbaxErrorsRaisedToUs())
+  sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
+
+
+class _OrbaxErrorsRaisedToUs(logging.Filter):
+  """orbax logs a failed background write from each of its threads, with tracebacks, and
+  also raises it to the caller, where jaxstep reports it in one line: drop the logged
+  copies (ERROR and above from orbax's modules); warnings still show."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or "orbax" not in record.pathname
+
+
+def _without_closed_loop_noise(hook):
+  """Drops the echoes of a failed write that the run already reported in one line: after
+  a failed orbax write, tensorstore's callbacks into orbax's closed asyncio loops print an
+  "Event loop is closed" traceback each (dozens), and on a full disk tensorboardX's exit
+  handler fails to flush again. Every other unraisable exception still reaches ``hook``."""
+
+  def filtered(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    owner = getattr(unraisable.object, "__module__", "") or ""
+    if isinstance(value, OSError) and owner.startswith("tensorboardX"):
+      return
+    hook(unraisable)
+
+  return filtered
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

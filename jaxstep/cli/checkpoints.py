@@ -12,7 +12,7 @@ import pathlib
 from jaxstep.cli._common import report
 from jaxstep.errors import RunDirError
 from jaxstep.trainer.checkpoint import list_checkpoints
-from jaxstep.trainer.metrics import read_records
+from jaxstep.trainer.records import read_records
 
 
 def table(run_dir: pathlib.Path) -> list[str]:

@@ -9,7 +9,6 @@ not depend on the tokenizer, so runs with different vocabularies compare on one 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 from jaxstep.cli._common import run_dir_command, run_dir_parser
@@ -33,7 +32,7 @@ def main(argv=None) -> int:
 
 
 def evaluate(args) -> int:
-  from jaxstep.trainer import evaluation
+  from jaxstep.trainer import evaluation, records
   from jaxstep.trainer.saved_run import load_run
 
   saved = load_run(args.run_dir, args.step)
@@ -44,7 +43,7 @@ def evaluate(args) -> int:
     **evaluation.evaluate(saved, dataset, split=args.split, batch_size=args.batch_size),
   }
   if args.json:
-    print(json.dumps(result))
+    print(records.dumps(result))
   else:
     print(
       f"update step {result['step']} on {args.data}: loss {result['loss']:.4f}  ppl "

@@ -47,6 +47,9 @@ def report(cfg) -> str:
 
 def main(argv=None) -> int:
   def action(cfg) -> int:
+    from jaxstep.parallel.cpu_devices import configure_cpu_defaults
+
+    configure_cpu_defaults(cfg)  # the devices train would use for this config
     print(report(cfg))
     return 0
 

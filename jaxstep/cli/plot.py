@@ -12,7 +12,7 @@ import matplotlib
 
 from jaxstep.cli._common import report
 from jaxstep.errors import RunDirError
-from jaxstep.trainer.metrics import read_records
+from jaxstep.trainer.records import read_records
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402

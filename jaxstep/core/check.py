@@ -18,6 +18,7 @@ from jaxstep.core import geometry
 from jaxstep.core.accumulate import accumulate, split_micro_batches
 from jaxstep.core.precision import cast_floating, compute_dtype
 from jaxstep.core.step import default_units_fn, global_batch_size
+from jaxstep.errors import EmptyBatchError
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 3e-2}  # max |a - b| / max |b| per stage
 
@@ -100,7 +101,12 @@ def check_accumulation(
   k = geometry.grad_accum_steps(grad_accum_steps)
   global_batch_size(batch, k)
   dtype = compute_dtype(precision)
-  units = jnp.maximum(jnp.asarray((units_fn or default_units_fn)(batch), jnp.float32), 1.0)
+  units = jnp.asarray((units_fn or default_units_fn)(batch), jnp.float32)
+  if float(units) <= 0:
+    raise EmptyBatchError(
+      "the batch has no normalization units (no loss-masked tokens): both runs would be "
+      "zero and the comparison says nothing; check a batch with tokens"
+    )
   rng = jax.random.PRNGKey(0)
   opt_state = optimizer.init(params)
 

@@ -6,6 +6,7 @@ Schedules count *update steps* (optax's own count advances once per applied upda
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import optax
@@ -34,8 +35,19 @@ class OptimConfig:
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
       raise ConfigError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"optim.{f.name} must be a finite number, got {value}")
     if self.lr <= 0:
       raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+    if self.eps <= 0:
+      raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+    if self.weight_decay < 0:
+      raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
     if self.warmup_steps < 0:
       raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
     if not 0 <= self.final_lr_fraction <= 1:

@@ -46,13 +46,12 @@ def _detect_format(file: pathlib.Path) -> str:
   """``txt`` by extension; for ``.jsonl`` the first record decides ``jsonl`` vs ``chat``."""
   if file.suffix != ".jsonl":
     return "txt"
-  with file.open(encoding="utf-8") as f:
-    for line in f:
-      if line.strip():
-        try:
-          return "chat" if "messages" in json.loads(line) else "jsonl"
-        except (json.JSONDecodeError, TypeError):
-          return "jsonl"  # the reader reports the malformed line with its number
+  for _, line in _lines(file):
+    if line.strip():
+      try:
+        return "chat" if "messages" in json.loads(line) else "jsonl"
+      except (json.JSONDecodeError, TypeError):
+        return "jsonl"  # the reader reports the malformed line with its number
   return "jsonl"
 
 

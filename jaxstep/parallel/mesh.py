@@ -25,10 +25,17 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
       f"the mesh's data and fsdp sizes must be positive, at most one of them -1; got "
       f"data={data} and fsdp={fsdp}"
     )
+  fixed = fsdp if data == -1 else data if fsdp == -1 else None
+  if fixed is not None and num_devices % fixed:
+    name = "fsdp" if data == -1 else "data"
+    raise ConfigError(
+      f"mesh.{name}={fixed} does not divide the {num_devices} device(s) here; set mesh.{name} "
+      f"to a divisor of {num_devices}"
+    )
   if data == -1:
-    data = num_devices // fsdp if num_devices % fsdp == 0 else 0
+    data = num_devices // fsdp
   if fsdp == -1:
-    fsdp = num_devices // data if num_devices % data == 0 else 0
+    fsdp = num_devices // data
   if data * fsdp != num_devices:
     raise ConfigError(
       f"the mesh's data × fsdp must equal the {num_devices} devices; got data={data} × fsdp={fsdp}"

@@ -38,6 +38,7 @@ class Run:
   mesh: Mesh
   batch_sharding: NamedSharding  # samples over every device
   total_steps: int  # update steps this run will take in all (max_steps / epochs)
+  schedule_steps: int  # update steps the lr schedule spans (train.schedule_steps or total)
   steps_per_epoch: int
   flops_per_token: float
 
@@ -131,8 +132,9 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   total = _total_update_steps(t, spe)
+  schedule_steps = t.schedule_steps or total
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
-  optimizer = make_optimizer(cfg.optim, total)
+  optimizer = make_optimizer(cfg.optim, schedule_steps)
   scaler = _loss_scaler(t)
   loss_fn = next_token_loss(apply_fn)
   step = make_train_step(
@@ -166,6 +168,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     mesh=mesh,
     batch_sharding=batch_sh,
     total_steps=total,
+    schedule_steps=schedule_steps,
     steps_per_epoch=spe,
     flops_per_token=cfg.model.flops_per_token(t.seq_len),
   )
@@ -175,5 +178,8 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     grad_accum_steps=t.grad_accum_steps,
     config_digest=config_digest(cfg),
     jaxstep_version=jaxstep.__version__,
+    seed=t.seed,
+    schedule_steps=schedule_steps,
+    model=config_lib.to_dict(cfg.model),
   )
   return run, state, run_state

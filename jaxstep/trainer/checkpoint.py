@@ -13,9 +13,12 @@ one did restore; if none restores, ``CheckpointError`` — never a silent restar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import pathlib
+import re
 import shutil
 from typing import Any, NamedTuple
 
@@ -23,11 +26,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxstep.core.trees import path_name
-from jaxstep.errors import CheckpointError
+from jaxstep.errors import CheckpointError, RunIOError
+from jaxstep.trainer import integrity
 from jaxstep.trainer.run_dir import stamped
 
 log = logging.getLogger("jaxstep")
-STATE, RUN = "state", "run"
+STATE, RUN, VERIFY = "state", "run", "verify"
 COMMIT_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it when a step is finalized
 
 
@@ -65,6 +69,13 @@ def _dir_size(path: pathlib.Path) -> int:
 def _first_line(e: Exception) -> str:
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _write_cause(e: Exception) -> str:
+  """The OS error inside an orbax/tensorstore write error (``[os_error_code='28']`` → "No
+  space left on device"), else the error's first line."""
+  code = re.search(r"os_error_code='(\d+)'", str(e))
+  return os.strerror(int(code.group(1))) if code else _first_line(e)
 
 
 def _shapes_mismatch(saved_tree, target, what: str) -> str | None:
@@ -122,6 +133,7 @@ class Checkpointer:
 
   def __init__(self, directory, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = pathlib.Path(directory).resolve()
+    self.read_only = read_only
     if read_only:
       options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0, max_to_keep=None
@@ -133,7 +145,11 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
       self.directory,
       options=options,
-      item_handlers={STATE: ocp.StandardCheckpointHandler(), RUN: ocp.JsonCheckpointHandler()},
+      item_handlers={
+        STATE: ocp.StandardCheckpointHandler(),
+        RUN: ocp.JsonCheckpointHandler(),
+        VERIFY: ocp.JsonCheckpointHandler(),
+      },
     )
 
   def __enter__(self) -> Checkpointer:
@@ -145,18 +161,53 @@ class Checkpointer:
 
   def save(self, step: int, state, metadata: dict | None = None) -> bool:
     """Saves ``state`` (and ``metadata``) as ``step`` unless that step is saved already;
-    returns whether it saved. Asynchronous by default: ``wait()`` blocks until on disk."""
+    returns whether it saved. Asynchronous by default: ``wait()`` blocks until on disk.
+
+    Raises:
+      RunIOError: too little free space for the state's bytes, or this save or an earlier
+        background one failed (the step is then not a checkpoint; older ones are intact).
+    """
     step = int(step)
     if step in self.manager.all_steps():
       return False
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(dict(metadata or {}))
-      ),
-      force=True,
-    )
+    self._check_room(step, state)
+    verify = {"checksums": integrity.checksums(state)}
+    with self._reported(f"saving the checkpoint of update step {step}"):
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          run=ocp.args.JsonSave(dict(metadata or {})),
+          verify=ocp.args.JsonSave(verify),
+        ),
+        force=True,
+      )
     return True
+
+  def _check_room(self, step: int, state) -> None:
+    """Refuses to start a save that cannot fit: the arrays' bytes plus a margin for orbax's
+    metadata (10 % + 1 MiB) vs the free space."""
+    arrays = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+    need = int(arrays * 1.1) + 2**20
+    free = shutil.disk_usage(self.directory).free
+    if free < need:
+      raise RunIOError(
+        f"{self.directory} has {free / 2**20:.1f} MiB free, the checkpoint of update step "
+        f"{step} needs about {need / 2**20:.1f} MiB"
+      )
+
+  @contextlib.contextmanager
+  def _reported(self, what: str):
+    """orbax's errors (raised here, or from a background save) as one ``RunIOError``."""
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 - any write failure means the same to the caller
+      raise RunIOError(f"{what} in {self.directory} failed ({_write_cause(e)})") from e
+
+  def check(self) -> None:
+    """Raises ``RunIOError`` if a background save has failed (cheap; no wait)."""
+    with self._reported("a background checkpoint save"):
+      self.manager.check_for_errors()
 
   def steps(self) -> list[int]:
     """Saved steps, oldest first."""
@@ -170,7 +221,8 @@ class Checkpointer:
 
     ``target`` is a state like the saved one: concrete arrays or ``jax.ShapeDtypeStruct``
     leaves, carrying the shardings wanted *now*. A newer checkpoint that does not restore
-    is skipped loudly and moved to ``<directory>.corrupt/`` once an older one restored.
+    is skipped loudly and moved to ``<directory>.corrupt/`` once an older one restored
+    (left in place when read-only).
 
     Returns:
       ``Restored(state, metadata, step)``, or None when the directory holds no checkpoint.
@@ -213,16 +265,20 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - any failure to read means unusable
       return None, f"metadata unreadable ({_first_line(e)})"
     item = self._restorable(step, saved, abstract)
+    items = {STATE: ocp.args.StandardRestore(item), RUN: ocp.args.JsonRestore()}
+    if (path / VERIFY).is_dir():  # checkpoints written before checksums have none
+      items[VERIFY] = ocp.args.JsonRestore()
     try:
-      out = self.manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(item), run=ocp.args.JsonRestore()),
-      )
+      out = self.manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001
       return None, f"unreadable ({_first_line(e)})"
     state = out.state
     if isinstance(item, dict) and _fields(abstract) is not None:
       state = abstract.replace(**state)
+    expected = (out.get(VERIFY) or {}).get("checksums", {})
+    problem = integrity.mismatch(state, expected) or integrity.nonfinite(state)
+    if problem:
+      return None, problem
     return (state, dict(out.run or {})), None
 
   def _restorable(self, step, saved, abstract):
@@ -257,8 +313,9 @@ class Checkpointer:
     return abstract if fields is None else fields
 
   def _quarantine(self, skipped) -> None:
-    """Moves unusable newer steps aside so new saves can take their step numbers."""
-    if not skipped:
+    """Moves unusable newer steps aside so new saves can take their step numbers (never in
+    a directory opened read-only: someone else's run is reported on, not changed)."""
+    if not skipped or self.read_only:
       return
     target = self.directory.parent / f"{self.directory.name}.corrupt"
     target.mkdir(exist_ok=True)
@@ -269,8 +326,9 @@ class Checkpointer:
     self.manager.reload()
 
   def wait(self) -> None:
-    """Blocks until any background save is on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until any background save is on disk (``RunIOError`` if it failed)."""
+    with self._reported("finishing a checkpoint save"):
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.close()

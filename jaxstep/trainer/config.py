@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import pathlib
 import types
 import typing
@@ -41,6 +43,7 @@ class TrainConfig:
   seq_len: int = 128  # tokens per sample (inputs); windows hold seq_len + 1 tokens
   max_steps: int = 1000  # stop after this many update steps (0 = no limit)
   epochs: int = 0  # stop after this many passes over the data (0 = no limit)
+  schedule_steps: int = 0  # update steps the lr schedule spans (0 = the run's length)
   seed: int = 0  # params init, data order, dropout
   precision: str = "fp32"  # fp32 | bf16 | fp16 (low-precision compute, fp32 params + grads)
   loss_scale_init: float = 32768.0  # fp16: starting dynamic loss scale
@@ -48,6 +51,7 @@ class TrainConfig:
   loss_scale_min: float = 1.0  # fp16: the scale never halves below this
   loss_scale_max: float = 16777216.0  # fp16: the scale never doubles above this (2^24)
   nonfinite: str = "skip"  # skip | halt: what to do when an update is non-finite
+  max_consecutive_skips: int = 20  # halt after this many skipped updates in a row (0 = off)
   debug_nan_step: int = 0  # fault injection: make this update step's loss NaN (0 = off)
   spike_factor: float = 0.0  # skip updates with loss > factor × running median (0 = off)
   spike_window: int = 32  # applied updates in the running median
@@ -77,11 +81,13 @@ class TrainConfig:
     for name in (
       "max_steps",
       "epochs",
+      "schedule_steps",
       "eval_every",
       "eval_batches",
       "sample_every",
       "debug_nan_step",
       "early_stopping_patience",
+      "max_consecutive_skips",
     ):
       if getattr(self, name) < 0:
         raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -102,6 +108,13 @@ class TrainConfig:
       raise ConfigError("need 0 < train.loss_scale_min <= loss_scale_init <= loss_scale_max")
     if self.loss_scale_growth_interval <= 0:
       raise ConfigError("train.loss_scale_growth_interval must be > 0")
+    if self.spike_factor != 0 and not self.spike_factor > 1:
+      raise ConfigError(
+        f"train.spike_factor must be 0 (off) or > 1 (a multiple of the median loss), got "
+        f"{self.spike_factor}"
+      )
+    if self.peak_tflops < 0:
+      raise ConfigError(f"train.peak_tflops must be >= 0, got {self.peak_tflops}")
     if self.nonfinite not in NONFINITE_POLICIES:
       raise ConfigError(
         f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {self.nonfinite!r}"
@@ -118,6 +131,7 @@ class CheckpointConfig:
     default=True, metadata={"key": "async"}
   )  # save in the background
   allow_data_change: bool = False  # resume even if the dataset fingerprint changed
+  allow_schedule_change: bool = False  # resume with a re-planned lr schedule length
 
   def __post_init__(self):
     if self.every < 0 or self.keep < 1:
@@ -137,6 +151,18 @@ class MeshConfig:
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
   cpu_devices: int = 0  # CLI on a CPU-only host: virtual devices (0 = per core that fits G/K)
 
+  def __post_init__(self):
+    for name in ("data", "fsdp"):
+      if getattr(self, name) == 0 or getattr(self, name) < -1:
+        raise ConfigError(f"mesh.{name} must be >= 1 or -1 (the rest), got {getattr(self, name)}")
+    if self.data == -1 and self.fsdp == -1:
+      raise ConfigError("mesh.data and mesh.fsdp cannot both be -1; set one of them")
+    for name in ("num_processes", "cpu_devices"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"mesh.{name} must be >= 0, got {getattr(self, name)}")
+    if self.process_id < -1:
+      raise ConfigError(f"mesh.process_id must be >= 0 or -1 (auto), got {self.process_id}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -151,6 +177,10 @@ class Config:
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
 
   def __post_init__(self):
+    if not self.run_dir.strip():
+      raise ConfigError("run_dir is empty; name the folder for the run's outputs")
+    if not self.data.path.strip():
+      raise ConfigError("data.path is empty; name a prepared folder, file, directory or glob")
     if self.train.seq_len > self.model.max_seq_len:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
@@ -221,13 +251,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         except ValueError:
           pass
     elif t is float and not isinstance(value, bool):
+      number = None
       if isinstance(value, int | float):
-        return float(value)
-      if isinstance(value, str):
+        number = float(value)
+      elif isinstance(value, str):
         try:
-          return float(value)
+          number = float(value)
         except ValueError:
           pass
+      if number is not None and not math.isfinite(number):
+        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+      if number is not None:
+        return number
     elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
       return str(value)
   names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
@@ -293,9 +328,13 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
   """
   file = _resolve_path(path)
   try:
-    tree = yaml.safe_load(file.read_text()) or {}
+    tree = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
   except yaml.YAMLError as e:
     raise ConfigError(f"{file}: not valid YAML ({e})".replace("\n", " ")) from None
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  except OSError as e:
+    raise ConfigError(f"config file {str(file)!r} cannot be read ({e.strerror})") from None
   if not isinstance(tree, dict):
     raise ConfigError(f"{file}: the top level must be a mapping of sections")
   for item in overrides:
@@ -306,9 +345,23 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
       raise _unknown(key.strip())
     _set_dotted(tree, key.strip(), value)
   try:
-    return _build(Config(), tree)
+    cfg = _build(Config(), tree)
   except TypeError as e:  # a dataclass refused a value _coerce let through
     raise ConfigError(str(e)) from None
+  return _expand_paths(cfg)
+
+
+def _expand(path: str) -> str:
+  """``~`` and ``$VAR`` in a path, as a shell would expand them (``bundled:…`` unchanged)."""
+  return os.path.expanduser(os.path.expandvars(path))
+
+
+def _expand_paths(cfg: Config) -> Config:
+  """The config with ``~`` and environment variables expanded in every path key."""
+  data = dataclasses.replace(
+    cfg.data, path=_expand(cfg.data.path), tokenizer=_expand(cfg.data.tokenizer)
+  )
+  return dataclasses.replace(cfg, run_dir=_expand(cfg.run_dir), data=data)
 
 
 def dump(cfg: Config) -> str:

@@ -8,13 +8,13 @@ global batch is saved for debugging, and under ``halt`` the run stops.
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 
 import numpy as np
 
 from jaxstep.errors import ConfigError, EmptyBatchError, NonFiniteError
+from jaxstep.trainer import records
 
 log = logging.getLogger("jaxstep")
 NONFINITE_POLICIES = ("skip", "halt")  # skip: train on; halt: checkpoint and stop
@@ -27,7 +27,7 @@ def _save_bad_batch(run_dir: pathlib.Path, step: int, batch: dict, position: dic
   folder.mkdir(exist_ok=True)
   path = folder / f"step_{step:08d}.npz"
   np.savez(path, **batch)
-  path.with_suffix(".json").write_text(json.dumps({"step": step, **position}) + "\n")
+  path.with_suffix(".json").write_text(records.dumps({"step": step, **position}) + "\n")
   return path
 
 
@@ -37,12 +37,15 @@ class NonFiniteGuard:
   Args:
     policy: ``skip`` logs and saves the batch; ``halt`` then raises ``NonFiniteError``.
     run_dir: where bad batches go; None on processes that write nothing (all but 0).
+    max_consecutive: under ``skip``, this many skipped updates in a row raise
+      ``NonFiniteError`` (a run whose every update is skipped is not training; 0 = never).
   """
 
-  def __init__(self, policy: str, run_dir: pathlib.Path | None):
+  def __init__(self, policy: str, run_dir: pathlib.Path | None, max_consecutive: int = 0):
     if policy not in NONFINITE_POLICIES:
       raise ConfigError(f"policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
-    self.policy, self.run_dir = policy, run_dir
+    self.policy, self.run_dir, self.max_consecutive = policy, run_dir, max_consecutive
+    self.consecutive = 0
 
   @property
   def needs_every_step(self) -> bool:
@@ -60,7 +63,9 @@ class NonFiniteGuard:
         f"skipped); raise train.global_batch_size or check the data's masks"
       )
     if not record["skipped"]:
+      self.consecutive = 0
       return
+    self.consecutive += 1
     saved = None
     if self.run_dir is not None:
       saved = _save_bad_batch(self.run_dir, step, batch, {**position, "loss": record["loss"]})
@@ -74,4 +79,10 @@ class NonFiniteGuard:
       raise NonFiniteError(
         f"update step {step} was non-finite (loss {record['loss']}); train.nonfinite=halt "
         f"stops here with the last good parameters checkpointed and the batch in {saved}"
+      )
+    if self.max_consecutive and self.consecutive >= self.max_consecutive:
+      raise NonFiniteError(
+        f"{self.consecutive} updates in a row were skipped (the last at update step {step}, "
+        f"loss {record['loss']}); the last good parameters are checkpointed. Lower optim.lr "
+        f"or check the data; train.max_consecutive_skips=0 trains on regardless"
       )

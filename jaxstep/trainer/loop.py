@@ -18,13 +18,15 @@ import numpy as np
 
 from jaxstep import data, models, parallel
 from jaxstep.core.state import TrainState
-from jaxstep.errors import EmptyBatchError, Interrupted
+from jaxstep.errors import EmptyBatchError, Interrupted, RunIOError
 from jaxstep.trainer import config as config_lib
+from jaxstep.trainer import records
 from jaxstep.trainer import resume as resume_lib
 from jaxstep.trainer import run_dir as run_dir_lib
+from jaxstep.trainer.background import watch_threads
 from jaxstep.trainer.build import Run, build
 from jaxstep.trainer.callbacks import Callback, EarlyStopping, TrainerControl
-from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
 from jaxstep.trainer.evaluation import eval_record
 from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, Reported
@@ -91,26 +93,40 @@ def train(
 ) -> TrainResult:
   """Trains ``cfg`` to the end (max_steps / epochs / a callback's stop) and returns the state.
 
-  Re-running with the same ``run_dir`` resumes from its newest valid checkpoint
-  (``resume=False`` sets earlier outputs aside; ``resume_from`` starts from another run's
-  checkpoint). SIGTERM/SIGINT save a checkpoint at the update boundary, then raise
-  ``Interrupted``.
+  Re-running with the same ``run_dir`` resumes from its newest valid checkpoint, or, if
+  that checkpoint is the last step, says so and touches nothing (``resume=False`` sets
+  earlier outputs aside; ``resume_from`` starts from another run's checkpoint). One run at
+  a time holds ``run_dir``, and nothing is written there before every check has passed.
+  SIGTERM/SIGINT save a checkpoint at the update boundary, then raise ``Interrupted``.
   """
   run, state, rs = build(cfg)
   cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
-  run_dir = run_dir_lib.prepare(cfg.run_dir, config_lib.dump(cfg))
-  if jax.process_index() == 0:
-    save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
-  ckpt, state, rs = resume_lib.start(
-    cfg,
-    run_dir,
-    state,
-    rs,
-    resume=resume,
-    resume_from=resume_from,
-    steps_per_epoch=run.steps_per_epoch,
-  )
-  return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+  with run_dir_lib.locked(cfg.run_dir) as run_dir:
+    ckpt, state, rs = resume_lib.start(
+      cfg,
+      run_dir,
+      state,
+      rs,
+      resume=resume,
+      resume_from=resume_from,
+      steps_per_epoch=run.steps_per_epoch,
+    )
+    if rs.step >= run.total_steps:
+      ckpt.close()
+      return _already_finished(run, state, rs, run_dir)
+    run_dir_lib.write_config(run_dir, config_lib.dump(cfg))
+    if jax.process_index() == 0:
+      save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
+    return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+
+
+def _already_finished(run: Run, state: TrainState, rs: RunState, run_dir) -> TrainResult:
+  """A re-run of a finished command: reports the recorded end, writes nothing."""
+  reason = f"already finished at update step {rs.step}"
+  log.info("%s; nothing to do (run_dir %s)", reason, run_dir)
+  last = (records.read_records(run_dir / "metrics.jsonl") or [{}])[-1]
+  evals = records.read_records(run_dir / "eval.jsonl")
+  return TrainResult(state, rs, last, evals[-1] if evals else None, reason)
 
 
 def loop(
@@ -141,7 +157,7 @@ def loop(
     if writer
     else NullSink()
   )
-  guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None)
+  guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None, t.max_consecutive_skips)
   if t.early_stopping_patience:
     callbacks = [*callbacks, EarlyStopping(t.early_stopping_patience)]
   control = TrainerControl()
@@ -179,8 +195,10 @@ def loop(
 
   last_eval = None
   try:
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop, watch_threads() as threads:
       while rs.step < run.total_steps and not control.should_stop and not stop.signum:
+        threads.check()  # a dead TensorBoard writer, say
+        ckpt.check()  # a failed background save
         batch = _checked(run, rs, next(batches), whole=rows is None)
         state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding, g))
         where = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
@@ -202,12 +220,19 @@ def loop(
       evaluated = last_eval is not None and last_eval["step"] == rs.step
       if stop.signum is None and run.dataset.eval and not evaluated:
         last_eval = evaluate_and_report()
-  except BaseException:  # a halt or an error: keep the state it got to, then re-raise
-    sink.close()
-    _final_save(ckpt, state, rs, position(), quiet=True)
-    raise
-  sink.close()
-  _final_save(ckpt, state, rs, position())  # always: at the end and on a signal
+      threads.check()
+      sink.close()
+  except BaseException as e:  # a halt or an error: keep the state it got to, then re-raise
+    _close_quietly(sink)
+    if not isinstance(e, OSError):
+      _final_save(ckpt, state, rs, position(), quiet=True)
+      raise
+    _close_quietly(ckpt)  # lets a save in flight finish; another would fail like this write
+    raise _io_failure(e, run_dir) from e
+  try:
+    _final_save(ckpt, state, rs, position())  # always: at the end and on a signal
+  except RunIOError as e:
+    raise _io_failure(e, run_dir) from e
   if stop.signum is not None:
     name = signal.Signals(stop.signum).name
     raise Interrupted(
@@ -220,13 +245,40 @@ def loop(
   return TrainResult(state, rs, late.last_record, last_eval, reason)
 
 
-def _final_save(ckpt, state, rs: RunState, metadata: dict, quiet: bool = False) -> None:
+def _io_failure(error: OSError, run_dir: pathlib.Path) -> RunIOError:
+  """A failed write as one ``RunIOError`` naming what failed and the checkpoint to resume
+  from."""
+  if isinstance(error, RunIOError):
+    what = str(error)
+  else:  # a write here, or TensorBoard's writer thread (which names no file)
+    what = f"writing {error.filename or f'in {run_dir}'} failed ({error.strerror or error})"
+  newest = step_dirs(run_dir / "checkpoints")
+  where = (
+    f"the newest complete checkpoint is update step {newest[0][0]}"
+    if newest
+    else "no checkpoint was completed"
+  )
+  return RunIOError(f"{what}; {where}. Make room (or fix the directory) and re-run to resume")
+
+
+def _close_quietly(closable) -> None:
+  """Closes a writer while another error is already on its way up."""
   try:
-    ckpt.save(rs.step, state, metadata)  # a no-op if this step is saved already
+    closable.close()
+  except Exception as e:  # noqa: BLE001 - the error being raised says what went wrong
+    log.debug("closing %s after an error failed too: %s", type(closable).__name__, e)
+
+
+def _final_save(ckpt, state, rs: RunState, metadata: dict, quiet: bool = False) -> None:
+  """Saves ``rs.step`` (a no-op if saved already), waits for it, closes the checkpointer;
+  ``quiet``: another error is on its way up, so a failure here is only logged."""
+  try:
+    ckpt.save(rs.step, state, metadata)
     ckpt.wait()
   except Exception as e:
+    _close_quietly(ckpt)
     if not quiet:
       raise
     log.error("final checkpoint at update step %d failed: %s", rs.step, e)  # keep the cause
-  finally:
-    ckpt.close()
+    return
+  ckpt.close()

@@ -8,9 +8,7 @@ TensorFlow nor a JAX-specific runtime (clu's writers pull in TensorFlow).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import pathlib
 import sys
 import time
@@ -19,9 +17,12 @@ import jax
 import tqdm
 from tensorboardX import SummaryWriter
 
+from jaxstep.trainer import records
 from jaxstep.trainer.perf import mfu
 
 log = logging.getLogger("jaxstep")
+
+QUEUE_EVENTS = 10_000  # TensorBoard events waiting for the writer thread
 
 # What every metrics.jsonl line holds; aux sums and counters come on top.
 TRAIN_FIELDS = (
@@ -36,35 +37,6 @@ TRAIN_FIELDS = (
   "mfu",
   "step_time",
 )
-
-
-def read_records(path: pathlib.Path) -> list[dict]:
-  """The records of a ``.jsonl`` file (none if it is missing), skipping blank lines and a
-  line cut short by a kill."""
-  if not path.exists():
-    return []
-  records = []
-  for line in path.read_text().splitlines():
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue
-  return records
-
-
-def _truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
-  """Keeps the records with ``step <= last_step`` (a resumed run rewrites the rest, so no
-  step appears twice)."""
-  if path.exists():
-    keep = [r for r in read_records(path) if r["step"] <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-
-
-def _clean(value):
-  """JSON has no NaN/inf: write them as strings a reader can still parse with float()."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return str(value)
-  return value
 
 
 class MetricsSink:
@@ -82,9 +54,13 @@ class MetricsSink:
     self.train_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     self.samples_path = run_dir / "samples.jsonl"
     for path in (self.train_path, self.eval_path, self.samples_path):
-      _truncate_jsonl(path, start_step)
+      records.truncate_records(path, start_step)
     # purge_step tells TensorBoard to drop events a resumed run is about to write again
-    self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+    # A queue far longer than one update's events: if the writer thread dies (disk full)
+    # the loop learns it from the thread's exception before a put could ever block.
+    self.tb = SummaryWriter(
+      str(run_dir / "tensorboard"), purge_step=start_step + 1, max_queue=QUEUE_EVENTS
+    )
     self.bar = tqdm.tqdm(
       total=total_steps,
       initial=start_step,
@@ -92,10 +68,6 @@ class MetricsSink:
       dynamic_ncols=True,
       disable=not (progress and sys.stderr.isatty()),
     )
-
-  def _append(self, path: pathlib.Path, record: dict) -> None:
-    with path.open("a") as f:
-      f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
   def advance(self, record: dict) -> None:
     """Every update step: move the bar; show the latest loss and throughput."""
@@ -106,7 +78,7 @@ class MetricsSink:
 
   def train(self, record: dict) -> None:
     """A logged update step (fields: ``TRAIN_FIELDS`` plus aux such as ``skipped``)."""
-    self._append(self.train_path, record)
+    records.append(self.train_path, record)
     for key, value in record.items():
       if key not in ("step", "epoch"):
         self.tb.add_scalar(f"train/{key}", float(value), record["step"])
@@ -122,7 +94,7 @@ class MetricsSink:
       )
 
   def eval(self, record: dict) -> None:
-    self._append(self.eval_path, record)
+    records.append(self.eval_path, record)
     for key in ("eval_loss", "eval_ppl", "eval_bpb"):
       self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
     self._say(
@@ -130,11 +102,11 @@ class MetricsSink:
       f"{record['eval_ppl']:.2f}  bpb {record['eval_bpb']:.4f}"
     )
 
-  def samples(self, step: int, records: list[dict]) -> None:
+  def samples(self, step: int, samples: list[dict]) -> None:
     """Generated samples of update ``step``: one ``samples.jsonl`` line each, TensorBoard
     text per prompt, and the greedy ones in the log."""
-    for i, record in enumerate(records):
-      self._append(self.samples_path, record)
+    for i, record in enumerate(samples):
+      records.append(self.samples_path, record)
       text = f"**{record['mode']}** `{record['prompt']}` → `{record['text']}`"
       self.tb.add_text(f"samples/{i}", text, step)
       if record["mode"] == "greedy":

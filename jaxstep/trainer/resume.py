@@ -50,12 +50,57 @@ def _convert_legacy(saved: dict) -> dict:
   }
 
 
+# Model keys that change no array and no computation a checkpoint depends on.
+HARMLESS_MODEL_KEYS = ("dropout",)
+
+
+def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool) -> None:
+  """Refuses a resume whose model, seed or lr schedule differs from the checkpoint's (a
+  checkpoint written before these were recorded is not checked); states a harmless model
+  change in one line."""
+  if saved.get("model"):
+    changed = {
+      k: (saved["model"].get(k), v) for k, v in current.model.items() if saved["model"].get(k) != v
+    }
+    for key in HARMLESS_MODEL_KEYS:
+      if key in changed:
+        old, new = changed.pop(key)
+        log.warning("RESUME WITH A CHANGE: model.%s %s → %s since the checkpoint", key, old, new)
+    if changed:
+      diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in changed.items())
+      raise CheckpointError(
+        f"the model changed since the checkpoint ({diff}); set it back or start a new run_dir"
+      )
+  if "seed" in saved and saved["seed"] != current.seed:
+    raise CheckpointError(
+      f"train.seed changed since the checkpoint ({saved['seed']} → {current.seed}); it sets "
+      f"the data order, so set it back or start a new run_dir"
+    )
+  old, new = saved.get("schedule_steps"), current.schedule_steps
+  if old and old != new:
+    if not allow_schedule_change:
+      raise CheckpointError(
+        f"the lr schedule was planned for {old} update steps, this config plans {new} "
+        f"(train.max_steps or epochs changed); set train.schedule_steps={old} to keep it (the "
+        f"lr then holds its final value past step {old}), or "
+        f"checkpoint.allow_schedule_change=true to re-plan it for {new} steps"
+      )
+    log.warning("RESUME WITH A CHANGE: the lr schedule re-planned from %d to %d steps", old, new)
+
+
 def reconcile(
-  saved: dict, current: RunState, *, state_step: int, steps_per_epoch: int, allow_data_change: bool
+  saved: dict,
+  current: RunState,
+  *,
+  state_step: int,
+  steps_per_epoch: int,
+  allow_data_change: bool,
+  allow_schedule_change: bool = False,
 ) -> RunState:
   """The position to continue from, after checking the saved run fits the current one."""
   if "batch_size_semantics" not in saved:
     saved = _convert_legacy(saved)
+  _check_same_run(saved, current, allow_schedule_change)
   if saved["global_batch_size"] != current.global_batch_size:
     raise CheckpointError(
       f"the checkpoint was written with train.global_batch_size "
@@ -110,37 +155,45 @@ def start(
   resume: bool = True,
   resume_from: str | None = None,
 ):
-  """Opens ``run_dir/checkpoints`` and returns ``(checkpointer, state, run_state)``."""
+  """Restores where the run starts (checking it fits), then opens ``run_dir/checkpoints``
+  for saving; returns ``(checkpointer, state, run_state)``. Nothing is written before the
+  checks pass except moving a corrupt checkpoint of this run aside; ``resume_from``'s
+  source is only read."""
   if not resume:
     archive_previous(run_dir)
-  c = cfg.checkpoint
-  ckpt = Checkpointer(run_dir / "checkpoints", keep=c.keep, async_save=c.async_)
+  c, own = cfg.checkpoint, run_dir / "checkpoints"
+  restored = None
   if resume_from:
-    if ckpt.has_checkpoints():
+    if step_dirs(own):
       raise CheckpointError(
         f"{run_dir} already has checkpoints; --resume-from needs a new "
         f"run_dir (or --no-resume to set them aside)"
       )
     directory, step = _locate(resume_from)
-    source = Checkpointer(directory, read_only=True)
-    restored = source.restore(state, step)
-    source.close()
-  else:
-    restored = ckpt.restore(state) if resume else None
-  if restored is None:
-    return ckpt, state, run_state
-  state, saved, step = restored
-  run_state = reconcile(
-    saved,
-    run_state,
-    state_step=int(state.step),
-    steps_per_epoch=steps_per_epoch,
-    allow_data_change=c.allow_data_change,
-  )
-  log.info(
-    "resumed from the checkpoint of update step %d (epoch %d, step_in_epoch %d)",
-    step,
-    run_state.epoch,
-    run_state.step_in_epoch,
-  )
-  return ckpt, state, run_state
+    restored = _restore(Checkpointer(directory, read_only=True), state, step)
+  elif resume and step_dirs(own):
+    restored = _restore(Checkpointer(own, keep=c.keep), state, None)
+  if restored is not None:
+    state, saved, step = restored
+    run_state = reconcile(
+      saved,
+      run_state,
+      state_step=int(state.step),
+      steps_per_epoch=steps_per_epoch,
+      allow_data_change=c.allow_data_change,
+      allow_schedule_change=c.allow_schedule_change,
+    )
+    log.info(
+      "resumed from the checkpoint of update step %d (epoch %d, step_in_epoch %d)",
+      step,
+      run_state.epoch,
+      run_state.step_in_epoch,
+    )
+  return Checkpointer(own, keep=c.keep, async_save=c.async_), state, run_state
+
+
+def _restore(checkpointer: Checkpointer, state, step: int | None):
+  try:
+    return checkpointer.restore(state, step)
+  finally:
+    checkpointer.close()

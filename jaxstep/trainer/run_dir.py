@@ -1,17 +1,25 @@
-"""The run directory: created once, earlier outputs set aside on ``--no-resume``, and the
-one way folders that must not collide are named (``<name>-<YYYYmmdd-HHMMSS>``)."""
+"""The run directory: one run at a time (an exclusive lock), written only after every check
+passed, earlier outputs set aside on ``--no-resume``, and the one way folders that must not
+collide are named (``<name>-<YYYYmmdd-HHMMSS>``)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
+import os
 import pathlib
 import shutil
 import time
 
 import jax
 
+from jaxstep.errors import RunDirError
+
 log = logging.getLogger("jaxstep")
-RUN_OUTPUTS = ("checkpoints", "checkpoints.corrupt", "metrics.jsonl", "eval.jsonl", "tensorboard")
+LOCK = ".lock"  # holds the pid of the run that owns the directory
+ARCHIVES = "previous-"  # folders that --no-resume made
 
 
 def stamped(name: str) -> str:
@@ -19,21 +27,72 @@ def stamped(name: str) -> str:
   return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare(run_dir: str | pathlib.Path, config_yaml: str) -> pathlib.Path:
-  """Creates ``run_dir`` and (process 0) writes the resolved config to ``config.yaml``."""
+def _unusable(run_dir: pathlib.Path, e: OSError) -> RunDirError:
+  return RunDirError(
+    f"run_dir {run_dir} cannot be used ({e.strerror or e}); choose a writable directory"
+  )
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | pathlib.Path):
+  """Creates ``run_dir`` and holds an exclusive lock on ``run_dir/.lock`` for the block.
+
+  ``flock`` is released by the OS when the process dies, so a killed run never leaves a
+  stale lock. Only process 0 locks (the processes of one job share the directory). A
+  directory this call created and that stays empty but for the lock is removed on exit.
+
+  Raises:
+    RunDirError: the directory cannot be created or written, or another run holds it.
+  """
   run_dir = pathlib.Path(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() != 0:
+    yield run_dir
+    return
+  created = not run_dir.exists()
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise _unusable(run_dir, e) from None
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise _unusable(run_dir, e) from None
+      holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+      raise RunDirError(
+        f"run_dir {run_dir} is in use by another run (pid {holder}); wait for it to end or "
+        f"choose another run_dir"
+      ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+      yield run_dir
+    finally:
+      if created and [p.name for p in run_dir.iterdir()] == [LOCK]:
+        shutil.rmtree(run_dir, ignore_errors=True)
+  finally:
+    os.close(fd)
+
+
+def write_config(run_dir: pathlib.Path, config_yaml: str) -> None:
+  """(Process 0) writes the resolved config to ``run_dir/config.yaml``."""
   if jax.process_index() == 0:
     (run_dir / "config.yaml").write_text(config_yaml)
-  return run_dir
 
 
 def archive_previous(run_dir: pathlib.Path) -> None:
-  """``--no-resume``: moves an earlier run's outputs into ``run_dir/previous-<time>/``."""
-  present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+  """``--no-resume``: moves everything an earlier run left (checkpoints, metrics, events,
+  config, bad batches, plots, samples) into ``run_dir/previous-<time>/``."""
+  if jax.process_index() != 0 or not run_dir.is_dir():
+    return
+  present = sorted(
+    p.name for p in run_dir.iterdir() if p.name != LOCK and not p.name.startswith(ARCHIVES)
+  )
   if not present:
     return
-  dest = run_dir / stamped("previous")
+  dest = run_dir / stamped(ARCHIVES.rstrip("-"))
   dest.mkdir()
   for name in present:
     shutil.move(str(run_dir / name), dest / name)

@@ -21,6 +21,9 @@ class RunState:
     batch_size_semantics: ``"global"``: ``global_batch_size`` counts samples per update.
     config_digest: hash of the resolved config.
     jaxstep_version: the version that wrote it.
+    seed: ``train.seed`` (data order, init, dropout).
+    schedule_steps: update steps the lr schedule was planned for.
+    model: the resolved ``model`` config section.
   """
 
   step: int = 0
@@ -33,6 +36,9 @@ class RunState:
   batch_size_semantics: str = "global"
   config_digest: str = ""
   jaxstep_version: str = ""
+  seed: int = 0
+  schedule_steps: int = 0
+  model: dict = dataclasses.field(default_factory=dict)
 
   def advanced(self, *, steps_per_epoch: int, num_samples: int) -> RunState:
     """The position after consuming one global batch (one update step)."""

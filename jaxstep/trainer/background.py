@@ -1,0 +1,41 @@
+"""Failures of background threads, handed to the main loop instead of printed.
+
+tensorboardX writes events in a thread; when a write fails (disk full) that thread dies
+and, without this, the loop would only notice by blocking forever on the writer's queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+class ThreadErrors:
+  """Exceptions that ended a thread while the block ran; ``check`` raises the first."""
+
+  def __init__(self):
+    self.errors: list[tuple[str, BaseException]] = []
+
+  def check(self) -> None:
+    if self.errors:
+      name, error = self.errors[0]
+      raise error
+
+
+@contextlib.contextmanager
+def watch_threads():
+  """Within the block, an exception that ends any thread is kept (not printed) for the
+  main loop to raise with ``ThreadErrors.check()``."""
+  errors = ThreadErrors()
+  previous = threading.excepthook
+
+  def hook(args):
+    if args.exc_type is SystemExit or args.exc_value is None:
+      return previous(args)
+    errors.errors.append((args.thread.name if args.thread else "?", args.exc_value))
+
+  threading.excepthook = hook
+  try:
+    yield errors
+  finally:
+    threading.excepthook = previous

@@ -1,0 +1,559 @@
+"""Faults a hostile-but-realistic user meets: invalid values, unreadable files, full disks,
+two runs on one run_dir, checkpoints corrupted in place, changed configs on resume. Each
+must end in one ``error:`` line, a documented exit code, no hang, and nothing lost."""
+
+import pathlib
+
+import pytest
+from conftest import make_cfg
+
+from jaxstep.cli import train as train_cli
+
+SMALL = [
+  "model.d_model=32",
+  "model.n_layers=1",
+  "model.n_heads=2",
+  "model.max_seq_len=16",
+  "train.seq_len=16",
+  "train.progress=false",
+  "train.sample_every=0",
+]
+
+INVALID = {
+  "optim.lr=nan": "'optim.lr' must be a finite number",
+  "optim.lr=inf": "'optim.lr' must be a finite number",
+  "optim.b2=1.5": "optim.b2 must be in [0, 1)",
+  "optim.eps=-1": "optim.eps must be > 0",
+  "optim.weight_decay=-5": "optim.weight_decay must be >= 0",
+  "train.spike_factor=-1": "train.spike_factor must be 0 (off) or > 1",
+  "mesh.cpu_devices=-2": "mesh.cpu_devices must be >= 0",
+  "mesh.data=0": "mesh.data must be >= 1 or -1",
+  "train.max_consecutive_skips=-1": "train.max_consecutive_skips must be >= 0",
+  "run_dir=": "run_dir is empty",
+  "data.path=": "data.path is empty",
+}
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+  """The CLI's ``setup_logging`` points the root logger at this test's captured stderr;
+  later tests must not log into that closed stream."""
+  import logging
+
+  root = logging.getLogger()
+  handlers, level = list(root.handlers), root.level
+  yield
+  root.handlers[:], root.level = handlers, level
+
+
+def one_error(capsys) -> str:
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err
+  return errors[0]
+
+
+@pytest.mark.parametrize("override", sorted(INVALID))
+def test_an_invalid_value_exits_2_naming_the_key_and_writes_nothing(
+  tmp_path, monkeypatch, capsys, override
+):
+  monkeypatch.chdir(tmp_path)
+  args = [override] if override.startswith("run_dir") else [override, "run_dir=r"]
+  assert train_cli.main(args) == 2
+  assert INVALID[override] in one_error(capsys)
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_config_file_is_one_line(tmp_path, capsys):
+  assert train_cli.main(["--config", str(tmp_path)]) == 2
+  assert "cannot be read (Is a directory)" in one_error(capsys)
+  bad = tmp_path / "latin1.yaml"
+  bad.write_bytes(b"train:\n  seed: \xff\n")
+  assert train_cli.main(["--config", str(bad)]) == 2
+  assert "latin1.yaml: not UTF-8 text" in one_error(capsys)
+
+
+def test_home_and_environment_variables_expand_in_paths(tmp_path, monkeypatch):
+  from jaxstep.trainer import config as config_lib
+
+  monkeypatch.setenv("HOME", str(tmp_path))
+  monkeypatch.setenv("RUNS", "/data/runs")
+  cfg = config_lib.load(None, ["run_dir=~/a", "data.path=$RUNS/corpus.txt"])
+  assert cfg.run_dir == f"{tmp_path}/a" and cfg.data.path == "/data/runs/corpus.txt"
+  yaml_file = tmp_path / "c.yaml"
+  yaml_file.write_text("run_dir: ~/from-yaml\n")
+  assert config_lib.load(yaml_file).run_dir == f"{tmp_path}/from-yaml"
+
+
+def test_a_non_utf8_jsonl_file_is_a_data_error(tmp_path, capsys):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(b'{"text": "caf\xe9"}\n')
+  assert train_cli.main([f"data.path={bad}", f"run_dir={tmp_path / 'r'}"]) == 2
+  assert "bad.jsonl:1: not UTF-8 text" in one_error(capsys)
+  assert not (tmp_path / "r").exists()
+
+
+# --- a write fails mid-run: one line, exit 74, the newest complete checkpoint intact ------
+
+IO_EXIT = 74
+
+
+def enospc(filename=None):
+  import errno
+  import os
+
+  return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+
+def train_main(tmp_path, *overrides) -> int:
+  """The CLI in this process (its device set is already fixed by conftest's JAX)."""
+  import jax
+
+  jax.devices()  # the backend is up: the CLI leaves this process's devices alone
+  make_cfg(tmp_path)  # writes the corpus
+  return train_cli.main(
+    [
+      *SMALL,
+      f"data.path={tmp_path / 'corpus.txt'}",
+      f"run_dir={tmp_path / 'run'}",
+      "train.max_steps=12",
+      "train.log_every=1",
+      "checkpoint.every=4",
+      *overrides,
+    ]
+  )
+
+
+def assert_resumable_from(run_dir: pathlib.Path, step: int) -> None:
+  from jaxstep.trainer.checkpoint import list_checkpoints, step_dirs
+
+  assert step_dirs(run_dir / "checkpoints")[0][0] == step
+  assert all(info.problem is None for info in list_checkpoints(run_dir / "checkpoints"))
+
+
+def newest_in(line: str) -> int:
+  import re
+
+  return int(re.search(r"the newest complete checkpoint is update step (\d+)", line).group(1))
+
+
+def failing_after(calls: int, error_fn, original):
+  count = {"n": 0}
+
+  def wrapped(*args, **kwargs):
+    count["n"] += 1
+    if count["n"] > calls:
+      raise error_fn()
+    return original(*args, **kwargs)
+
+  return wrapped
+
+
+def test_a_failed_metrics_write_stops_with_one_line_and_keeps_the_checkpoint(
+  tmp_path, monkeypatch, capsys
+):
+  from jaxstep.trainer import records
+
+  target = tmp_path / "run" / "metrics.jsonl"
+  monkeypatch.setattr(
+    records, "append", failing_after(6, lambda: enospc(str(target)), records.append)
+  )
+  assert train_main(tmp_path) == IO_EXIT
+  line = one_error(capsys)
+  assert f"writing {target} failed (No space left on device)" in line
+  assert "the newest complete checkpoint is update step 4" in line
+  assert_resumable_from(tmp_path / "run", 4)
+
+
+def test_a_dead_tensorboard_writer_thread_stops_the_run_instead_of_hanging(
+  tmp_path, monkeypatch, capsys
+):
+  from tensorboardX import event_file_writer
+
+  writer = event_file_writer.EventsWriter
+  monkeypatch.setattr(
+    writer, "write_event", failing_after(30, enospc, writer.write_event), raising=True
+  )
+  assert train_main(tmp_path, "train.max_steps=400", "checkpoint.every=100") == IO_EXIT
+  line = one_error(capsys)
+  assert "No space left on device" in line and str(tmp_path / "run") in line
+
+
+def test_a_failed_checkpoint_save_is_one_line_and_older_ones_stay(tmp_path, monkeypatch, capsys):
+  import orbax.checkpoint as ocp
+
+  manager = ocp.CheckpointManager
+  monkeypatch.setattr(
+    manager,
+    "save",
+    failing_after(
+      1, lambda: ValueError("RESOURCE_EXHAUSTED: Failed writing: No space"), manager.save
+    ),
+  )
+  assert train_main(tmp_path) == IO_EXIT
+  line = one_error(capsys)
+  assert "saving the checkpoint of update step 8" in line and "RESOURCE_EXHAUSTED" in line
+  assert "the newest complete checkpoint is update step 4" in line
+  assert_resumable_from(tmp_path / "run", 4)
+
+
+def test_too_little_room_for_a_checkpoint_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+  import shutil
+
+  from jaxstep.trainer import checkpoint
+
+  real = shutil.disk_usage
+  calls = {"n": 0}
+
+  def usage(path):
+    calls["n"] += 1
+    total, used, free = real(path)
+    return type(real(path))(total, used, free if calls["n"] == 1 else 1024)
+
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage", usage)
+  assert train_main(tmp_path) == IO_EXIT
+  line = one_error(capsys)
+  assert "0.0 MiB free, the checkpoint of update step 8 needs" in line
+  assert_resumable_from(tmp_path / "run", 4)
+
+
+def test_a_failed_bad_batch_dump_is_one_line(tmp_path, monkeypatch, capsys):
+  from jaxstep.trainer import guards
+
+  def savez(path, **arrays):
+    raise enospc(str(path))
+
+  monkeypatch.setattr(guards.np, "savez", savez)
+  assert train_main(tmp_path, "train.debug_nan_step=6") == IO_EXIT
+  assert "bad_batches/step_00000006.npz failed (No space left on device)" in one_error(capsys)
+  assert_resumable_from(tmp_path / "run", 4)
+
+
+# --- one run per run_dir; nothing written before the checks; a finished run is left alone --
+
+
+def test_a_second_run_on_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, capsys):
+  import os
+  import subprocess
+  import sys
+
+  run_dir = tmp_path / "run"
+  holder = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "import sys, time; from jaxstep.trainer import run_dir as r\n"
+      f"with r.locked({str(run_dir)!r}):\n  print('locked', flush=True); time.sleep(60)",
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    assert train_main(tmp_path) == 2
+    line = one_error(capsys)
+    assert f"run_dir {run_dir} is in use by another run (pid {holder.pid})" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing else written
+  finally:
+    holder.kill()
+    holder.wait()
+  assert train_main(tmp_path) == 0  # the OS released the dead holder's lock
+  assert os.path.exists(run_dir / "checkpoints" / "12")
+
+
+def test_a_refused_resume_leaves_config_yaml_as_it_was(tmp_path):
+  from jaxstep import CheckpointError, trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
+  before = (tmp_path / "run" / "config.yaml").read_text()
+  with pytest.raises(CheckpointError, match="model changed"):
+    trainer.train(make_cfg(tmp_path, "train.max_steps=4", "model.n_heads=4"))
+  assert (tmp_path / "run" / "config.yaml").read_text() == before
+
+
+def test_no_resume_archives_everything_of_the_old_run(tmp_path):
+  from jaxstep import trainer
+
+  cfg = make_cfg(tmp_path, "train.max_steps=2", "train.debug_nan_step=2")
+  trainer.train(cfg)
+  (tmp_path / "run" / "loss.png").write_bytes(b"png")
+  old = {p.name for p in (tmp_path / "run").iterdir()} - {".lock"}
+  assert {"config.yaml", "bad_batches", "loss.png", "checkpoints"} <= old
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"), resume=False)
+  (previous,) = (tmp_path / "run").glob("previous-*")
+  assert {p.name for p in previous.iterdir()} == old
+  assert not (tmp_path / "run" / "bad_batches").exists()
+  assert not (tmp_path / "run" / "loss.png").exists()
+
+
+def test_re_running_a_finished_command_changes_nothing(tmp_path, capsys):
+  assert train_main(tmp_path, "train.eval_every=0") == 0
+  run_dir = tmp_path / "run"
+  before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+  capsys.readouterr()
+  assert train_main(tmp_path, "train.eval_every=0") == 0
+  out = capsys.readouterr()
+  assert "already finished at update step 12" in out.err
+  assert "final step 12: loss nan" not in out.out and "final step 12: loss " in out.out
+  after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+  assert after == before
+
+
+@pytest.mark.parametrize(
+  "override, message",
+  [
+    ("model.n_heads=4", r"model changed since the checkpoint \(model.n_heads 2 → 4\)"),
+    ("train.seed=1", r"train.seed changed since the checkpoint \(0 → 1\)"),
+    ("train.schedule_steps=0", "lr schedule was planned for 64 update steps, this config plans 4"),
+  ],
+)
+def test_resume_refuses_a_changed_model_seed_or_schedule(tmp_path, override, message):
+  from jaxstep import CheckpointError, trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
+  with pytest.raises(CheckpointError, match=message):
+    trainer.train(make_cfg(tmp_path, "train.max_steps=4", override))
+
+
+def test_extending_max_steps_keeps_or_re_plans_the_schedule_as_told(tmp_path, caplog):
+  import logging
+
+  from jaxstep import CheckpointError, trainer
+  from jaxstep.trainer.records import read_records
+
+  first = ["train.schedule_steps=0", "optim.warmup_steps=0", "train.log_every=1"]
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", *first))
+  with pytest.raises(CheckpointError, match="set train.schedule_steps=4 to keep it"):
+    trainer.train(make_cfg(tmp_path, "train.max_steps=6", *first))
+  kept_cfg = make_cfg(tmp_path, "train.max_steps=6", *first[1:], "train.schedule_steps=4")
+  kept = trainer.train(kept_cfg)
+  lrs = [r["lr"] for r in read_records(tmp_path / "run" / "metrics.jsonl")]
+  final = kept_cfg.optim.lr * kept_cfg.optim.final_lr_fraction
+  assert kept.run_state.step == 6 and lrs[4] == lrs[5] == pytest.approx(final)  # held
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    trainer.train(
+      make_cfg(tmp_path, "train.max_steps=8", *first, "checkpoint.allow_schedule_change=true")
+    )
+  assert "the lr schedule re-planned from 4 to 8 steps" in caplog.text
+
+
+def test_a_harmless_model_change_is_stated_in_one_line(tmp_path, caplog):
+  import logging
+
+  from jaxstep import trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    trainer.train(make_cfg(tmp_path, "train.max_steps=4", "model.dropout=0.1"))
+  assert "RESUME WITH A CHANGE: model.dropout 0.0 → 0.1" in caplog.text
+
+
+# --- corrupted checkpoint bytes, runaway skips, read-only sources ---------------------------
+
+
+def zero_bytes_in_largest_file(step_dir: pathlib.Path) -> None:
+  largest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  middle = len(data) // 2
+  data[middle : middle + 8] = bytes(8)
+  largest.write_bytes(bytes(data))
+
+
+def test_bytes_changed_in_place_are_caught_and_the_run_falls_back(tmp_path, caplog):
+  import logging
+
+  from jaxstep import trainer
+  from jaxstep.trainer.records import read_records
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    result = trainer.train(make_cfg(tmp_path, "train.max_steps=6", "checkpoint.every=2"))
+  assert "CHECKPOINT SKIPPED: update step 4" in caplog.text
+  assert result.run_state.step == 6
+  records = read_records(tmp_path / "run" / "metrics.jsonl")
+  assert all(r["updated"] for r in records) and all(r["loss"] < 10 for r in records)
+
+
+def test_a_checksum_mismatch_names_the_leaf():
+  import jax.numpy as jnp
+
+  from jaxstep.trainer import integrity
+
+  state = {"w": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones(3, jnp.bfloat16)}
+  saved = integrity.checksums(state)
+  assert integrity.mismatch(state, saved) is None
+  changed = {**state, "w": state["w"].at[500:502].set(0.0)}
+  assert "w changed since it was saved" in integrity.mismatch(changed, saved)
+  swapped = {**state, "w": state["w"][::-1]}  # same bytes, other places
+  assert integrity.mismatch(swapped, saved) is not None
+  assert "w holds NaN" in integrity.nonfinite({"w": state["w"].at[3].set(jnp.nan)})
+
+
+def test_runaway_skips_halt_with_the_last_good_state(tmp_path, capsys):
+  assert train_main(tmp_path, "optim.lr=1e6", "train.max_consecutive_skips=3") == 1
+  line = one_error(capsys)
+  assert "3 updates in a row were skipped" in line and "train.max_consecutive_skips=0" in line
+  from jaxstep.trainer.records import read_records
+
+  records = read_records(tmp_path / "run" / "metrics.jsonl")
+  assert records[-1]["step"] < 12 and [r["updated"] for r in records[-3:]] == [False] * 3
+
+
+def can_mount() -> bool:
+  import os
+  import shutil
+
+  return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+  """A small tmpfs of its own (root only), unmounted after the test."""
+  import subprocess
+
+  mounts = []
+
+  def mount(size: str, read_only: bool = False) -> pathlib.Path:
+    point = tmp_path / f"mnt{len(mounts)}"
+    point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)])
+    if proc.returncode:
+      pytest.skip("cannot mount a tmpfs here")
+    mounts.append(point)
+    return point
+
+  def remount_read_only(point: pathlib.Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+  if not can_mount():
+    pytest.skip("mounting a tmpfs needs root")
+  mount.read_only = remount_read_only
+  yield mount
+  for point in mounts:
+    subprocess.run(["umount", "-l", str(point)])
+
+
+def test_resume_from_a_read_only_source_with_a_corrupt_newest_step(tmp_path, tmpfs, caplog):
+  import logging
+  import shutil
+
+  from jaxstep import trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  source = tmpfs("64m")
+  shutil.copytree(tmp_path / "run", source / "run")
+  zero_bytes_in_largest_file(source / "run" / "checkpoints" / "4")
+  tmpfs.read_only(source)
+  listing = sorted(str(p) for p in source.rglob("*"))
+  cfg = make_cfg(tmp_path, "train.max_steps=6", f"run_dir={tmp_path / 'other'}")
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    result = trainer.train(cfg, resume_from=str(source / "run"))
+  assert "CHECKPOINT SKIPPED: update step 4" in caplog.text and result.run_state.step == 6
+  assert sorted(str(p) for p in source.rglob("*")) == listing  # nothing moved there
+
+
+def test_resume_from_leaves_a_writable_source_untouched(tmp_path):
+  from jaxstep import trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
+  listing = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
+  cfg = make_cfg(tmp_path, "train.max_steps=6", f"run_dir={tmp_path / 'other'}")
+  assert trainer.train(cfg, resume_from=str(tmp_path / "run")).run_state.step == 6
+  assert sorted(str(p) for p in (tmp_path / "run").rglob("*")) == listing
+
+
+def test_a_full_disk_ends_the_run_in_one_line_without_hanging(tmp_path, tmpfs):
+  """A real full filesystem: the events and metrics fill it, or the next checkpoint does
+  not fit. Either way: exit 74, one line, no traceback, within the timeout, and the
+  checkpoints that were completed are intact."""
+  import subprocess
+  import sys
+
+  make_cfg(tmp_path)
+  for size, overrides in (
+    ("64k", ["train.max_steps=2000", "checkpoint.every=0"]),
+    ("1600k", ["train.max_steps=40", "checkpoint.every=5"]),
+  ):
+    run_dir = tmpfs(size) / "run"
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "jaxstep.train",
+        *SMALL,
+        f"data.path={tmp_path / 'corpus.txt'}",
+        f"run_dir={run_dir}",
+        "train.log_every=1",
+        *overrides,
+      ],
+      capture_output=True,
+      text=True,
+      timeout=240,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == IO_EXIT and len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+    if size == "64k":
+      assert "No space left on device" in errors[0]
+    else:
+      assert "MiB free" in errors[0]
+      assert_resumable_from(run_dir, newest_in(errors[0]))
+
+
+def test_a_disk_that_fills_during_a_checkpoint_write(tmp_path, tmpfs, monkeypatch, capsys):
+  """The free-space check passed, then orbax's own write fails: one line, exit 74, the
+  checkpoint before it intact (the failed one stays a temporary directory)."""
+  import collections
+
+  from jaxstep.trainer import checkpoint
+
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+  run_dir = tmpfs("700k") / "run"
+  code = train_main(tmp_path, f"run_dir={run_dir}", "train.max_steps=40", "checkpoint.every=2")
+  assert code == IO_EXIT
+  line = one_error(capsys)
+  assert "checkpoint" in line and "No space left on device" in line
+  assert "the newest complete checkpoint is update step" in line
+  assert_resumable_from(run_dir, newest_in(line))
+
+
+# --- readers survive what a kill leaves; smaller items --------------------------------------
+
+
+def test_plot_and_checkpoints_read_a_metrics_file_with_a_cut_last_line(tmp_path, capsys):
+  from jaxstep import trainer
+  from jaxstep.cli import checkpoints, plot
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2", "train.log_every=1"))
+  with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 5, "lo')
+  assert plot.main([str(tmp_path / "run")]) == 0
+  assert checkpoints.main([str(tmp_path / "run")]) == 0
+  assert "Traceback" not in capsys.readouterr().err
+
+
+def test_check_refuses_a_batch_without_loss_tokens():
+  import jax.numpy as jnp
+  import optax
+  from conftest import regression_loss
+
+  from jaxstep import EmptyBatchError, check_accumulation
+
+  params = {"w": jnp.ones(())}
+  batch = {"x": jnp.ones((4,)), "y": jnp.ones((4,)), "loss_mask": jnp.zeros((4,))}
+  with pytest.raises(EmptyBatchError, match="no loss-masked tokens"):
+    check_accumulation(regression_loss, params, batch, optax.sgd(0.1), 2)
+
+
+def test_bad_batch_positions_are_strict_json(tmp_path):
+  import json
+
+  from jaxstep import trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=3", "train.debug_nan_step=2"))
+  text = (tmp_path / "run" / "bad_batches" / "step_00000002.json").read_text()
+  record = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in {text}"))
+  assert record["loss"] == "nan"
