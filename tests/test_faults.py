@@ -557,3 +557,145 @@ def test_bad_batch_positions_are_strict_json(tmp_path):
   text = (tmp_path / "run" / "bad_batches" / "step_00000002.json").read_text()
   record = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in {text}"))
   assert record["loss"] == "nan"
+
+
+def test_the_checkpoints_command_reports_bytes_changed_in_place(tmp_path, capsys):
+  from jaxstep import trainer
+  from jaxstep.cli import checkpoints
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
+  assert checkpoints.main([str(tmp_path / "run")]) == 0
+  rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+  assert rows["2"].endswith("ok")
+  assert "INVALID" in rows["4"] and "checksum mismatch" in rows["4"]
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
+  """Two processes on 127.0.0.1; only process 1 gets SIGTERM. JAX's preemption sync point
+  picks one update step: both save it and exit 143 (a host stopping alone would leave the
+  other blocked in the next collective)."""
+  import os
+  import re
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from test_sharding import devices_env, free_port
+
+  from jaxstep.trainer.records import read_records
+
+  make_cfg(tmp_path)
+  run_dir, port = tmp_path / "run", free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "jaxstep.train",
+        *SMALL,
+        "train.max_steps=100000",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "train.global_batch_size=8",
+        "train.grad_accum_steps=2",
+        f"data.path={tmp_path / 'corpus.txt'}",
+        f"run_dir={run_dir}",
+      ],
+      env={
+        **devices_env(1),
+        "JAXSTEP_COORDINATOR": f"127.0.0.1:{port}",
+        "JAXSTEP_NUM_PROCESSES": "2",
+        "JAXSTEP_PROCESS_ID": str(i),
+      },
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  try:
+    deadline = time.time() + 240
+    while len(read_records(run_dir / "metrics.jsonl")) < 3:
+      assert time.time() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.2)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    outs = [p.communicate(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  steps = []
+  for p, (_, err) in zip(procs, outs, strict=True):
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps.append(int(re.search(r"stopped by SIGTERM at update step (\d+)", err).group(1)))
+  assert steps[0] == steps[1] and (run_dir / "checkpoints" / str(steps[0])).is_dir()
+
+
+@pytest.mark.parametrize("where", ["a_file", "proc", "read_only"])
+def test_an_unusable_run_dir_is_one_line(tmp_path, capsys, where, request):
+  if where == "a_file":
+    run_dir = tmp_path / "file"
+    run_dir.write_text("not a directory")
+  elif where == "proc":
+    run_dir = pathlib.Path("/proc/jaxstep-run")
+  else:
+    if not can_mount():
+      pytest.skip("mounting a tmpfs needs root")
+    mount = request.getfixturevalue("tmpfs")
+    point = mount("1m")
+    mount.read_only(point)
+    run_dir = point / "run"
+  assert train_main(tmp_path, f"run_dir={run_dir}") == 2
+  assert f"run_dir {run_dir} cannot be used" in one_error(capsys)
+
+
+def test_a_corrupt_checkpoint_manifest_falls_back_without_noise(tmp_path):
+  import subprocess
+  import sys
+
+  from jaxstep import trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  for manifest in (tmp_path / "run" / "checkpoints" / "4").rglob("manifest.ocdbt"):
+    manifest.write_bytes(b"\0" * manifest.stat().st_size)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxstep.train",
+      *SMALL,
+      "train.schedule_steps=64",
+      "train.max_steps=6",
+      "checkpoint.every=2",
+      f"data.path={tmp_path / 'corpus.txt'}",
+      f"run_dir={tmp_path / 'run'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "CHECKPOINT SKIPPED: update step 4" in proc.stderr
+  assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+
+
+def test_memory_accepts_the_fsdp_mesh_that_train_accepts():
+  import os
+  import subprocess
+  import sys
+
+  if (os.cpu_count() or 1) < 2:
+    pytest.skip("needs 2 cores for 2 CPU devices")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.memory", "mesh.fsdp=2"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**env, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "mesh data=1 fsdp=2" in proc.stdout

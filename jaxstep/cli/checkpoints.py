@@ -1,6 +1,8 @@
 """``jaxstep checkpoints RUN_DIR``: list checkpoints with step, epoch, loss, size, validity.
 
-The loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not logged).
+Every checkpoint is read back and its arrays checked against the checksums saved with them
+(and for NaN/inf), so "ok" means a resume would restore it. The loss is the logged
+``metrics.jsonl`` loss of that update step ("-" if it was not logged).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jaxstep.trainer.records import read_records
 def table(run_dir: pathlib.Path) -> list[str]:
   losses = {r["step"]: r["loss"] for r in read_records(run_dir / "metrics.jsonl")}
   rows = [f"{'step':>8} {'epoch':>6} {'loss':>9} {'size MB':>9}  status"]
-  for info in list_checkpoints(run_dir / "checkpoints"):
+  for info in list_checkpoints(run_dir / "checkpoints", verify=True):
     epoch = info.run.get("epoch", "-") if info.run else "-"
     loss = losses.get(info.step)
     loss = f"{float(loss):.4f}" if loss is not None else "-"

@@ -334,8 +334,10 @@ class Checkpointer:
     self.manager.close()
 
 
-def list_checkpoints(directory) -> list[CheckpointInfo]:
-  """Every step directory with its size, saved RunState and what (if anything) is wrong."""
+def list_checkpoints(directory, verify: bool = False) -> list[CheckpointInfo]:
+  """Every step directory with its size, saved RunState and what (if anything) is wrong;
+  ``verify`` also reads every array onto this process's first device and checks its
+  checksum and finiteness (what a restore would find)."""
   directory = pathlib.Path(directory)
   reader = Checkpointer(directory, read_only=True)
   infos = []
@@ -349,6 +351,24 @@ def list_checkpoints(directory) -> list[CheckpointInfo]:
         )
       except Exception as e:  # noqa: BLE001
         problem = f"unreadable ({_first_line(e)})"
+    if problem is None and verify:
+      problem = _verify(reader, s, path)
     infos.append(CheckpointInfo(s, path, problem, _dir_size(path), run))
   reader.close()
   return infos
+
+
+def _verify(reader: Checkpointer, step: int, path: pathlib.Path) -> str | None:
+  """Reads step ``step`` as saved onto one device; the checksum/finiteness problem, if any."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  saved = reader.manager.item_metadata(step)[STATE].tree
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+  items = {STATE: ocp.args.StandardRestore(target)}
+  if (path / VERIFY).is_dir():
+    items[VERIFY] = ocp.args.JsonRestore()
+  try:
+    out = reader.manager.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # noqa: BLE001
+    return f"unreadable ({_first_line(e)})"
+  expected = (out.get(VERIFY) or {}).get("checksums", {})
+  return integrity.mismatch(out.state, expected) or integrity.nonfinite(out.state)

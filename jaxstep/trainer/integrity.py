@@ -67,9 +67,12 @@ def mismatch(state, expected: dict[str, list]) -> str | None:
 
 
 def _checked_parts(state):
-  """What must be finite: a ``TrainState``'s params and optimizer state, else every leaf."""
+  """What must be finite: a train state's params and optimizer state (a ``TrainState``, or
+  one read back as a dict), else every leaf."""
   if dataclasses.is_dataclass(state) and hasattr(state, "params"):
     return {"params": state.params, "opt_state": getattr(state, "opt_state", None)}
+  if isinstance(state, dict) and "params" in state:
+    return {"params": state["params"], "opt_state": state.get("opt_state")}
   return {"state": state}
 
 

@@ -196,7 +196,10 @@ def loop(
   last_eval = None
   try:
     with stop_on_signals() as stop, watch_threads() as threads:
-      while rs.step < run.total_steps and not control.should_stop and not stop.signum:
+      while rs.step < run.total_steps and not control.should_stop:
+        stop.poll(rs.step)  # multi-host: has every process agreed to stop here?
+        if stop.signum:
+          break
         threads.check()  # a dead TensorBoard writer, say
         ckpt.check()  # a failed background save
         batch = _checked(run, rs, next(batches), whole=rows is None)
