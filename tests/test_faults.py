@@ -232,33 +232,49 @@ def test_a_failed_bad_batch_dump_is_one_line(tmp_path, monkeypatch, capsys):
 # --- one run per run_dir; nothing written before the checks; a finished run is left alone --
 
 
-def test_a_second_run_on_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, capsys):
-  import os
+def test_two_concurrent_runs_on_one_run_dir_and_a_killed_holder(tmp_path, capsys):
+  """The second run exits 2 naming the first's pid and writes nothing; once the first is
+  killed with SIGKILL, the OS has released its lock and the next run resumes."""
+  import signal
   import subprocess
   import sys
+  import time
 
+  from jaxstep.trainer.records import read_records
+
+  make_cfg(tmp_path)
   run_dir = tmp_path / "run"
-  holder = subprocess.Popen(
+  first = subprocess.Popen(
     [
       sys.executable,
-      "-c",
-      "import sys, time; from jaxstep.trainer import run_dir as r\n"
-      f"with r.locked({str(run_dir)!r}):\n  print('locked', flush=True); time.sleep(60)",
+      "-m",
+      "jaxstep.train",
+      *SMALL,
+      "train.max_steps=100000",
+      "train.log_every=1",
+      "checkpoint.every=5",
+      f"data.path={tmp_path / 'corpus.txt'}",
+      f"run_dir={run_dir}",
     ],
-    stdout=subprocess.PIPE,
-    text=True,
+    stderr=subprocess.DEVNULL,
   )
   try:
-    assert holder.stdout.readline().strip() == "locked"
+    deadline = time.time() + 240
+    while len(read_records(run_dir / "metrics.jsonl")) < 12:
+      assert time.time() < deadline and first.poll() is None
+      time.sleep(0.2)
+    before = sorted(p.name for p in run_dir.iterdir())
     assert train_main(tmp_path) == 2
     line = one_error(capsys)
-    assert f"run_dir {run_dir} is in use by another run (pid {holder.pid})" in line
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing else written
+    assert f"run_dir {run_dir} is in use by another run (pid {first.pid})" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    first.send_signal(signal.SIGKILL)
+    first.wait()
   finally:
-    holder.kill()
-    holder.wait()
-  assert train_main(tmp_path) == 0  # the OS released the dead holder's lock
-  assert os.path.exists(run_dir / "checkpoints" / "12")
+    first.kill()
+  # the lock is free again, and the run restores its newest checkpoint (step >= 10)
+  assert train_main(tmp_path, "train.max_steps=5", "train.schedule_steps=100000") == 0
+  assert "already finished at update step" in capsys.readouterr().err
 
 
 def test_a_refused_resume_leaves_config_yaml_as_it_was(tmp_path):
