@@ -37,6 +37,7 @@ from jaxstep.errors import (  # noqa: E402
   NonFiniteError,
   PromptError,
   RunDirError,
+  RunIOError,
 )
 from jaxstep.generation import Generator, Sample  # noqa: E402
 from jaxstep.trainer import config  # noqa: E402
@@ -58,6 +59,7 @@ __all__ = [
   "OptimConfig",
   "PromptError",
   "RunDirError",
+  "RunIOError",
   "Sample",
   "SavedRun",
   "Session",

@@ -114,9 +114,11 @@ class Checkpointer:
   JSON-able dict of metadata under one directory: ``<directory>/<step>/{state,run}``.
 
   Saves are atomic (orbax writes a temporary directory and renames it when complete) and,
-  by default, asynchronous: ``save`` returns after the device→host copy. Restore takes the
-  newest step that restores cleanly into the layout of the target you pass, so a state
-  saved on 8 devices restores onto 1 and vice versa.
+  by default, asynchronous: ``save`` returns after the device→host copy. Each save records
+  a checksum per array (``integrity``). Restore takes the newest step that restores cleanly
+  — structure intact, checksums equal, params and optimizer state finite — into the layout
+  of the target you pass, so a state saved on 8 devices restores onto 1 and vice versa.
+  A failed write raises ``RunIOError``.
 
   Args:
     directory: where the step directories go (created if missing).
