@@ -715,3 +715,20 @@ def test_memory_accepts_the_fsdp_mesh_that_train_accepts():
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "mesh data=1 fsdp=2" in proc.stdout
+
+
+def test_generate_skips_a_checkpoint_whose_params_changed_in_place(tmp_path, caplog):
+  import json
+  import logging
+
+  from jaxstep import load_run, trainer
+
+  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  # the params' bytes and their recorded checksum disagree (as if the bytes changed)
+  record = tmp_path / "run" / "checkpoints" / "4" / "verify" / "metadata"
+  saved = json.loads(record.read_text())
+  saved["checksums"]["params/embed/embedding"][0] ^= 1
+  record.write_text(json.dumps(saved))
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    saved = load_run(tmp_path / "run")
+  assert saved.step == 2 and "checksum mismatch" in caplog.text

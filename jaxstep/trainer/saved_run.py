@@ -2,7 +2,8 @@
 the params of one checkpoint — what ``jaxstep generate`` and ``jaxstep evaluate`` need.
 
 Only the ``params`` of the checkpoint are read (orbax partial restore: the optimizer state
-stays on disk), onto this process's first device, whatever mesh wrote them. The tokenizer
+stays on disk), onto this process's first device, whatever mesh wrote them, and checked
+against the checksums saved with them. The tokenizer
 is the copy ``train`` leaves in the run directory (``tokenizer.json`` / ``tokenizer.model``;
 none for bytes), so a deleted data cache does not orphan a run.
 """
@@ -21,8 +22,10 @@ import orbax.checkpoint as ocp
 from jaxstep import data, models
 from jaxstep.errors import CheckpointError, JaxstepError, RunDirError
 from jaxstep.trainer import config as config_lib
+from jaxstep.trainer import integrity
 from jaxstep.trainer.checkpoint import (
   STATE,
+  VERIFY,
   _first_line,
   _layout_problem,
   _shapes_mismatch,
@@ -133,4 +136,22 @@ def _restore(path: pathlib.Path, abstract):
         partial_restore=True,
       ),
     )
-  return restored["params"]
+  params = restored["params"]
+  problem = integrity.mismatch(params, _params_checksums(path)) or integrity.nonfinite(
+    {"params": params}
+  )
+  if problem:
+    raise CheckpointError(problem)
+  return params
+
+
+def _params_checksums(path: pathlib.Path) -> dict:
+  """The checksums saved with the params, keyed relative to ``params`` (none in a
+  checkpoint written before checksums)."""
+  if not (path / VERIFY).is_dir():
+    return {}
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+    saved = reader.restore(path / VERIFY, args=ocp.args.JsonRestore()) or {}
+  prefix = "params/"
+  checksums = saved.get("checksums", {})
+  return {k[len(prefix) :]: v for k, v in checksums.items() if k.startswith(prefix)}
