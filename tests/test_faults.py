@@ -732,3 +732,35 @@ def test_generate_skips_a_checkpoint_whose_params_changed_in_place(tmp_path, cap
   with caplog.at_level(logging.WARNING, logger="jaxstep"):
     saved = load_run(tmp_path / "run")
   assert saved.step == 2 and "checksum mismatch" in caplog.text
+
+
+def test_checksums_on_the_host_equal_those_on_a_device_mesh():
+  """The numpy path (CPU arrays held whole) and the jitted path (sharded arrays, any
+  device) compute the same sums, so a checkpoint saved one way verifies the other way."""
+  import subprocess
+  import sys
+
+  from test_sharding import devices_env
+
+  code = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxstep.trainer import integrity
+state = {
+  "w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) / 7,
+  "b": jnp.ones(8, jnp.bfloat16),
+  "n": jnp.arange(6, dtype=jnp.int32),
+  "k": jax.random.PRNGKey(3),
+  "f": jnp.array([True, False]),
+}
+host = integrity.checksums(state)
+mesh = jax.make_mesh((4,), ("x",))
+sharded = dict(state, w=jax.device_put(state["w"], NamedSharding(mesh, P("x"))))
+device = {k: [int(v) for v in integrity._sums([x])][0] for k, x in sharded.items()}
+assert {k: v[0] for k, v in host.items()} == device, (host, device)
+print("same")
+"""
+  proc = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=devices_env(4)
+  )
+  assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr[-2000:]

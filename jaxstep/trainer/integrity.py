@@ -3,8 +3,9 @@
 orbax verifies structure (metadata, commit marker) but not array bytes: a checkpoint whose
 array file was overwritten in place restores "fine". So every save records, per leaf, a
 32-bit position-weighted sum of the leaf's raw bits, ``Σ_i bits_i · (2654435761·i + 1) mod
-2³²``, computed on the device where the state lives (wrap-around integer sums are exact in
-any order, so the value does not depend on the sharding or on how many devices reduce it).
+2³²``, computed where the state lives — with numpy when every array is in this host's CPU
+memory (no compile), else in one jitted program on the devices (wrap-around integer sums
+are exact in any order, so the value depends neither on the sharding nor on the path).
 Restore recomputes it and compares; a zeroed or flipped word changes the sum with
 probability 1 − 2⁻³². Restored params and optimizer state must also be finite.
 """
@@ -46,13 +47,45 @@ def _sums(leaves):
   return [_leaf_sum(x) for x in leaves]
 
 
+def _on_host(leaves) -> bool:
+  """Every leaf is a numpy array or a CPU array this process holds whole."""
+  return all(
+    isinstance(x, np.ndarray)
+    or (
+      isinstance(x, jax.Array)
+      and x.is_fully_addressable
+      and all(d.platform == "cpu" for d in x.devices())
+    )
+    for x in leaves
+  )
+
+
+def _host_words(x) -> np.ndarray:
+  if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  if x.dtype == np.bool_:
+    return x.reshape(-1).astype(np.uint32)
+  unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize]
+  return np.ascontiguousarray(x).view(unsigned).reshape(-1).astype(np.uint32)
+
+
+def _host_sum(x) -> int:
+  words = _host_words(x)
+  weights = np.arange(words.size, dtype=np.uint32) * np.uint32(MULTIPLIER) + np.uint32(1)
+  return int(np.sum(words * weights, dtype=np.uint32))
+
+
 def checksums(state) -> dict[str, list]:
   """``{leaf path: [checksum, dtype]}`` of every array leaf of ``state`` (JSON-able)."""
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  values = _sums([leaf for _, leaf in flat])
+  leaves = [leaf for _, leaf in flat]
+  if _on_host(leaves):
+    values = [_host_sum(x) for x in leaves]
+  else:
+    values = [int(np.asarray(v.addressable_data(0))) for v in _sums(leaves)]
   return {
-    path_name(path): [int(np.asarray(v.addressable_data(0))), str(leaf.dtype)]
-    for (path, leaf), v in zip(flat, values, strict=True)
+    path_name(path): [v, str(leaf.dtype)] for (path, leaf), v in zip(flat, values, strict=True)
   }
 
 
@@ -88,8 +121,12 @@ def nonfinite(state) -> str | None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(_checked_parts(state))[0]
     if jnp.issubdtype(leaf.dtype, jnp.floating)
   ]
-  flags = _finite_flags([leaf for _, leaf in flat])
+  leaves = [leaf for _, leaf in flat]
+  if _on_host(leaves):
+    flags = [bool(np.isfinite(np.asarray(x)).all()) for x in leaves]
+  else:
+    flags = [bool(np.asarray(ok.addressable_data(0))) for ok in _finite_flags(leaves)]
   for (path, _), ok in zip(flat, flags, strict=True):
-    if not bool(np.asarray(ok.addressable_data(0))):
+    if not ok:
       return f"{path_name(path)} holds NaN or inf"
   return None
