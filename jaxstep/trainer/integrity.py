@@ -67,13 +67,16 @@ def _host_words(x) -> np.ndarray:
   if x.dtype == np.bool_:
     return x.reshape(-1).astype(np.uint32)
   unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize]
-  return np.ascontiguousarray(x).view(unsigned).reshape(-1).astype(np.uint32)
+  return np.ascontiguousarray(x).view(unsigned).reshape(-1).astype(np.uint32, copy=False)
 
 
 def _host_sum(x) -> int:
   words = _host_words(x)
-  weights = np.arange(words.size, dtype=np.uint32) * np.uint32(MULTIPLIER) + np.uint32(1)
-  return int(np.sum(words * weights, dtype=np.uint32))
+  terms = np.arange(words.size, dtype=np.uint32)  # one buffer, updated in place
+  np.multiply(terms, np.uint32(MULTIPLIER), out=terms)
+  terms += np.uint32(1)
+  np.multiply(terms, words, out=terms)
+  return int(terms.sum(dtype=np.uint32))
 
 
 def checksums(state) -> dict[str, list]:
