@@ -71,6 +71,10 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys):
   bad.write_bytes(b"train:\n  seed: \xff\n")
   assert train_cli.main(["--config", str(bad)]) == 2
   assert "latin1.yaml: not UTF-8 text" in one_error(capsys)
+  from jaxstep.cli import memory
+
+  assert memory.main(["--config", str(bad)]) == 2
+  assert "latin1.yaml: not UTF-8 text" in one_error(capsys)
 
 
 def test_home_and_environment_variables_expand_in_paths(tmp_path, monkeypatch):
@@ -91,6 +95,10 @@ def test_a_non_utf8_jsonl_file_is_a_data_error(tmp_path, capsys):
   assert train_cli.main([f"data.path={bad}", f"run_dir={tmp_path / 'r'}"]) == 2
   assert "bad.jsonl:1: not UTF-8 text" in one_error(capsys)
   assert not (tmp_path / "r").exists()
+  from jaxstep.cli import check
+
+  assert check.main([f"data.path={bad}"]) == 2
+  assert "bad.jsonl:1: not UTF-8 text" in one_error(capsys)
 
 
 # --- a write fails mid-run: one line, exit 74, the newest complete checkpoint intact ------
@@ -367,6 +375,25 @@ def test_a_harmless_model_change_is_stated_in_one_line(tmp_path, caplog):
 # --- corrupted checkpoint bytes, runaway skips, read-only sources ---------------------------
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+  """One run of 4 update steps with checkpoints at 2 and 4, trained once for the tests
+  that damage or read a copy of it."""
+  from jaxstep import trainer
+
+  shared = tmp_path_factory.mktemp("four_steps")
+  trainer.train(make_cfg(shared, "train.max_steps=4", "checkpoint.every=2", "train.log_every=1"))
+  return shared
+
+
+def copy_of(shared: pathlib.Path, tmp_path: pathlib.Path) -> None:
+  """``tmp_path/run`` and ``tmp_path/corpus.txt`` as copies of the shared run."""
+  import shutil
+
+  shutil.copytree(shared / "run", tmp_path / "run")
+  shutil.copyfile(shared / "corpus.txt", tmp_path / "corpus.txt")
+
+
 def zero_bytes_in_largest_file(step_dir: pathlib.Path) -> None:
   largest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   data = bytearray(largest.read_bytes())
@@ -375,13 +402,13 @@ def zero_bytes_in_largest_file(step_dir: pathlib.Path) -> None:
   largest.write_bytes(bytes(data))
 
 
-def test_bytes_changed_in_place_are_caught_and_the_run_falls_back(tmp_path, caplog):
+def test_bytes_changed_in_place_are_caught_and_the_run_falls_back(four_steps, tmp_path, caplog):
   import logging
 
   from jaxstep import trainer
   from jaxstep.trainer.records import read_records
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING, logger="jaxstep"):
     result = trainer.train(make_cfg(tmp_path, "train.max_steps=6", "checkpoint.every=2"))
@@ -450,13 +477,15 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(point)])
 
 
-def test_resume_from_a_read_only_source_with_a_corrupt_newest_step(tmp_path, tmpfs, caplog):
+def test_resume_from_a_read_only_source_with_a_corrupt_newest_step(
+  four_steps, tmp_path, tmpfs, caplog
+):
   import logging
   import shutil
 
   from jaxstep import trainer
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   source = tmpfs("64m")
   shutil.copytree(tmp_path / "run", source / "run")
   zero_bytes_in_largest_file(source / "run" / "checkpoints" / "4")
@@ -469,10 +498,10 @@ def test_resume_from_a_read_only_source_with_a_corrupt_newest_step(tmp_path, tmp
   assert sorted(str(p) for p in source.rglob("*")) == listing  # nothing moved there
 
 
-def test_resume_from_leaves_a_writable_source_untouched(tmp_path):
+def test_resume_from_leaves_a_writable_source_untouched(four_steps, tmp_path):
   from jaxstep import trainer
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
   listing = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
   cfg = make_cfg(tmp_path, "train.max_steps=6", f"run_dir={tmp_path / 'other'}")
@@ -539,11 +568,12 @@ def test_a_disk_that_fills_during_a_checkpoint_write(tmp_path, tmpfs, monkeypatc
 # --- readers survive what a kill leaves; smaller items --------------------------------------
 
 
-def test_plot_and_checkpoints_read_a_metrics_file_with_a_cut_last_line(tmp_path, capsys):
-  from jaxstep import trainer
+def test_plot_and_checkpoints_read_a_metrics_file_with_a_cut_last_line(
+  four_steps, tmp_path, capsys
+):
   from jaxstep.cli import checkpoints, plot
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2", "train.log_every=1"))
+  copy_of(four_steps, tmp_path)
   with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
     f.write('{"step": 5, "lo')
   assert plot.main([str(tmp_path / "run")]) == 0
@@ -575,11 +605,10 @@ def test_bad_batch_positions_are_strict_json(tmp_path):
   assert record["loss"] == "nan"
 
 
-def test_the_checkpoints_command_reports_bytes_changed_in_place(tmp_path, capsys):
-  from jaxstep import trainer
+def test_the_checkpoints_command_reports_bytes_changed_in_place(four_steps, tmp_path, capsys):
   from jaxstep.cli import checkpoints
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
   assert checkpoints.main([str(tmp_path / "run")]) == 0
   rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
@@ -668,13 +697,11 @@ def test_an_unusable_run_dir_is_one_line(tmp_path, capsys, where, request):
   assert f"run_dir {run_dir} cannot be used" in one_error(capsys)
 
 
-def test_a_corrupt_checkpoint_manifest_falls_back_without_noise(tmp_path):
+def test_a_corrupt_checkpoint_manifest_falls_back_without_noise(four_steps, tmp_path):
   import subprocess
   import sys
 
-  from jaxstep import trainer
-
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   for manifest in (tmp_path / "run" / "checkpoints" / "4").rglob("manifest.ocdbt"):
     manifest.write_bytes(b"\0" * manifest.stat().st_size)
   proc = subprocess.run(
@@ -717,13 +744,13 @@ def test_memory_accepts_the_fsdp_mesh_that_train_accepts():
   assert "mesh data=1 fsdp=2" in proc.stdout
 
 
-def test_generate_skips_a_checkpoint_whose_params_changed_in_place(tmp_path, caplog):
+def test_generate_skips_a_checkpoint_whose_params_changed_in_place(four_steps, tmp_path, caplog):
   import json
   import logging
 
-  from jaxstep import load_run, trainer
+  from jaxstep import load_run
 
-  trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
+  copy_of(four_steps, tmp_path)
   # the params' bytes and their recorded checksum disagree (as if the bytes changed)
   record = tmp_path / "run" / "checkpoints" / "4" / "verify" / "metadata"
   saved = json.loads(record.read_text())
