@@ -191,7 +191,8 @@ class Checkpointer:
     metadata (10 % + 1 MiB) vs the free space."""
     arrays = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
     need = int(arrays * 1.1) + 2**20
-    free = shutil.disk_usage(self.directory).free
+    existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+    free = shutil.disk_usage(existing).free  # another host may not have created it yet
     if free < need:
       raise RunIOError(
         f"{self.directory} has {free / 2**20:.1f} MiB free, the checkpoint of update step "

@@ -200,8 +200,8 @@ def loop(
         stop.poll(rs.step)  # multi-host: has every process agreed to stop here?
         if stop.signum:
           break
+        ckpt.check()  # a failed background save (as one RunIOError)
         threads.check()  # a dead TensorBoard writer, say
-        ckpt.check()  # a failed background save
         batch = _checked(run, rs, next(batches), whole=rows is None)
         state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding, g))
         where = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
