@@ -548,9 +548,10 @@ def test_a_full_disk_ends_the_run_in_one_line_without_hanging(tmp_path, tmpfs):
 
 
 def test_a_disk_that_fills_during_a_checkpoint_write(tmp_path, tmpfs, monkeypatch, capsys):
-  """The free-space check passed, then orbax's own write fails: one line, exit 74, the
-  checkpoint before it intact (the failed one stays a temporary directory)."""
+  """The free-space check passed, then orbax's own write fails: one line, exit 74, naming
+  the save that failed (it stays a temporary directory) and the intact one before it."""
   import collections
+  import re
 
   from jaxstep.trainer import checkpoint
 
@@ -560,7 +561,9 @@ def test_a_disk_that_fills_during_a_checkpoint_write(tmp_path, tmpfs, monkeypatc
   code = train_main(tmp_path, f"run_dir={run_dir}", "train.max_steps=40", "checkpoint.every=2")
   assert code == IO_EXIT
   line = one_error(capsys)
-  assert "checkpoint" in line and "No space left on device" in line
+  assert "No space left on device" in line
+  failed = int(re.search(r"the checkpoint of update step (\d+) in", line).group(1))
+  assert (run_dir / "checkpoints" / f"{failed}.orbax-checkpoint-tmp").is_dir()  # that one
   assert "the newest complete checkpoint is update step" in line
   assert_resumable_from(run_dir, newest_in(line))
 

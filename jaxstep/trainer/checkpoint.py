@@ -136,6 +136,7 @@ class Checkpointer:
   def __init__(self, directory, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = pathlib.Path(directory).resolve()
     self.read_only = read_only
+    self.pending: int | None = None  # the step of a background save not yet waited for
     if read_only:
       options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, save_interval_steps=0, max_to_keep=None
@@ -172,6 +173,7 @@ class Checkpointer:
     step = int(step)
     if step in self.manager.all_steps():
       return False
+    self.wait()  # orbax would wait for the previous save anyway; this names it if it failed
     self._check_room(step, state)
     verify = {"checksums": integrity.checksums(state)}
     with self._reported(f"saving the checkpoint of update step {step}"):
@@ -184,6 +186,7 @@ class Checkpointer:
         ),
         force=True,
       )
+    self.pending = step
     return True
 
   def _check_room(self, step: int, state) -> None:
@@ -209,7 +212,7 @@ class Checkpointer:
 
   def check(self) -> None:
     """Raises ``RunIOError`` if a background save has failed (cheap; no wait)."""
-    with self._reported("a background checkpoint save"):
+    with self._reported(self._background()):
       self.manager.check_for_errors()
 
   def steps(self) -> list[int]:
@@ -330,8 +333,13 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until any background save is on disk (``RunIOError`` if it failed)."""
-    with self._reported("finishing a checkpoint save"):
+    with self._reported(self._background()):
       self.manager.wait_until_finished()
+    self.pending = None
+
+  def _background(self) -> str:
+    step = "" if self.pending is None else f" of update step {self.pending}"
+    return f"writing the checkpoint{step}"
 
   def close(self) -> None:
     self.manager.close()
