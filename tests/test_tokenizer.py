@@ -129,3 +129,10 @@ def test_a_run_trains_on_a_bpe_vocabulary(tmp_path, bpe):
     )
   follows = trainer.build(make_cfg(tmp_path / "auto", f"data.tokenizer={bpe.path}"))[0]
   assert follows.cfg.model.vocab_size == 320  # 0: the tokenizer's size
+
+
+def test_special_token_names_in_text_stay_text(bpe):
+  for text in ("<pad>", "a <bos> b </s>", "<|endoftext|>"):
+    ids = bpe.encode(text)
+    assert bpe.PAD not in ids and bpe.BOS not in ids and bpe.EOS not in ids
+    assert bpe.decode(ids) == text

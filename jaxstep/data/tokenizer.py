@@ -92,6 +92,9 @@ class HFTokenizer:
       for role in ("pad", "bos", "eos")
     )
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # Text is text: "<pad>" written in a document is five characters, never the PAD id (a
+    # special id comes only from the code that places it, e.g. BOS/EOS around documents).
+    self._tok.encode_special_tokens = True
     unk = getattr(self._tok.model, "unk_token", None)
     self.unknown_id = self._tok.token_to_id(unk) if unk else None  # what unencodable text becomes
 
