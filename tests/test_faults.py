@@ -5,19 +5,11 @@ must end in one ``error:`` line, a documented exit code, no hang, and nothing lo
 import pathlib
 
 import pytest
-from conftest import make_cfg
+from conftest import SMALL_MODEL, make_cfg
 
 from jaxstep.cli import train as train_cli
 
-SMALL = [
-  "model.d_model=32",
-  "model.n_layers=1",
-  "model.n_heads=2",
-  "model.max_seq_len=16",
-  "train.seq_len=16",
-  "train.progress=false",
-  "train.sample_every=0",
-]
+SMALL = [*SMALL_MODEL, "train.sample_every=0"]
 
 INVALID = {
   "optim.lr=nan": "'optim.lr' must be a finite number",
@@ -631,7 +623,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
   import sys
   import time
 
-  from test_sharding import devices_env, free_port
+  from test_sharding import free_port, process_env
 
   from jaxstep.trainer.records import read_records
 
@@ -653,12 +645,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
         f"data.path={tmp_path / 'corpus.txt'}",
         f"run_dir={run_dir}",
       ],
-      env={
-        **devices_env(1),
-        "JAXSTEP_COORDINATOR": f"127.0.0.1:{port}",
-        "JAXSTEP_NUM_PROCESSES": "2",
-        "JAXSTEP_PROCESS_ID": str(i),
-      },
+      env=process_env(port, i, devices=1),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

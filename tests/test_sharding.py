@@ -116,6 +116,16 @@ def test_replicated_gradients_and_metrics_are_reduced_as_one_flat_buffer(equival
     assert len(r["all_reduce_operands"]) <= 2, r  # the token count N, then everything else
 
 
+def process_env(port: int, process_id: int, devices: int) -> dict:
+  """The environment of process ``process_id`` of a 2-process job on 127.0.0.1."""
+  return {
+    **devices_env(devices),
+    "JAXSTEP_COORDINATOR": f"127.0.0.1:{port}",
+    "JAXSTEP_NUM_PROCESSES": "2",
+    "JAXSTEP_PROCESS_ID": str(process_id),
+  }
+
+
 def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -145,12 +155,7 @@ def test_two_processes_match_a_single_process_run(tmp_path):
   procs = [
     subprocess.Popen(
       [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / 'multi'}"],
-      env={
-        **devices_env(2),
-        "JAXSTEP_COORDINATOR": f"127.0.0.1:{port}",
-        "JAXSTEP_NUM_PROCESSES": "2",
-        "JAXSTEP_PROCESS_ID": str(i),
-      },
+      env=process_env(port, i, devices=2),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

@@ -58,7 +58,8 @@ def setup_logging() -> None:
   absl.setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   if not any(isinstance(f, _OrbaxErrorsRaisedToUs) for f in absl.filters):
     absl.addFilter(_OrbaxErrorsRaisedToUs())
-  sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
+  if not getattr(sys.unraisablehook, "drops_reported_write_echoes", False):  # once
+    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
 
 
 class _OrbaxErrorsRaisedToUs(logging.Filter):
@@ -85,6 +86,7 @@ def _without_closed_loop_noise(hook):
       return
     hook(unraisable)
 
+  filtered.drops_reported_write_echoes = True
   return filtered
 
 

@@ -14,12 +14,11 @@ class ThreadErrors:
   """Exceptions that ended a thread while the block ran; ``check`` raises the first."""
 
   def __init__(self):
-    self.errors: list[tuple[str, BaseException]] = []
+    self.errors: list[BaseException] = []
 
   def check(self) -> None:
     if self.errors:
-      name, error = self.errors[0]
-      raise error
+      raise self.errors[0]
 
 
 @contextlib.contextmanager
@@ -32,7 +31,7 @@ def watch_threads():
   def hook(args):
     if args.exc_type is SystemExit or args.exc_value is None:
       return previous(args)
-    errors.errors.append((args.thread.name if args.thread else "?", args.exc_value))
+    errors.errors.append(args.exc_value)
 
   threading.excepthook = hook
   try:

@@ -113,14 +113,14 @@ def train(
     )
     if rs.step >= run.total_steps:
       ckpt.close()
-      return _already_finished(run, state, rs, run_dir)
+      return _already_finished(state, rs, run_dir)
     run_dir_lib.write_config(run_dir, config_lib.dump(cfg))
     if jax.process_index() == 0:
       save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
     return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
 
 
-def _already_finished(run: Run, state: TrainState, rs: RunState, run_dir) -> TrainResult:
+def _already_finished(state: TrainState, rs: RunState, run_dir) -> TrainResult:
   """A re-run of a finished command: reports the recorded end, writes nothing."""
   reason = f"already finished at update step {rs.step}"
   log.info("%s; nothing to do (run_dir %s)", reason, run_dir)
