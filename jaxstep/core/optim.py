@@ -79,12 +79,16 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def decay_mask(params, *, decay_embeddings: bool = False):
   """True for leaves that get weight decay: matrices, not biases/norm scales (ndim < 2).
 
-  Embedding tables (any path component containing ``embed``) decay only if asked.
+  Embedding tables (any path component containing ``embed``) decay only if asked. Scanned
+  layers: a leaf under a ``blocks`` mapping that is not keyed by layer index (``0, 1, …``)
+  holds every layer along a leading axis, which does not count towards ``ndim``.
   """
 
   def decays(path, leaf):
-    is_embedding = any("embed" in key_name(k).lower() for k in path)
-    return leaf.ndim >= 2 and (decay_embeddings or not is_embedding)
+    names = [key_name(k) for k in path]
+    is_embedding = any("embed" in name.lower() for name in names)
+    stacked = any(a == "blocks" and not b.isdigit() for a, b in zip(names, names[1:], strict=False))
+    return leaf.ndim - stacked >= 2 and (decay_embeddings or not is_embedding)
 
   return jax.tree_util.tree_map_with_path(decays, params)
 

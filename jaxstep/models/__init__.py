@@ -1,6 +1,7 @@
 """Models as ``(apply_fn, params)`` pairs: the step sees a plain params pytree.
 
-``build`` makes the bundled GPT (``gpt.py``, with the CPU kernels of ``cpu_kernels.py``);
+``build`` makes the bundled GPT (``gpt.py``; kernels per platform: ``backends.py``; the
+blocks as a list or a scanned stack: ``layers.py``);
 ``from_nnx`` and ``from_linen`` adapt your own module into a ``Model`` (``adapters.py``).
 """
 
@@ -13,6 +14,7 @@ import jax
 from flax import nnx
 
 from jaxstep.errors import ConfigError
+from jaxstep.models import backends
 from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
 
@@ -35,6 +37,7 @@ def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict
   state besides its parameters, and takes its dropout key as ``rng``."""
   if model_config.vocab_size == 0:
     raise ConfigError("model.vocab_size 0 means 'the tokenizer's size': resolve it first")
+  backends.check_attention(model_config.attention)
   model = from_nnx(GPT(model_config, rngs=nnx.Rngs(params=rng)))
 
   def apply_fn(params, inputs, *, rng=None, train=False):

@@ -1,12 +1,18 @@
-"""A small decoder-only transformer (GPT) in Flax NNX.
+"""A decoder-only transformer (GPT) in Flax NNX.
 
-Pre-LayerNorm blocks; attention uses one fused QKV projection and two einsums with a causal
-mask (faster on CPU than ``nnx.MultiHeadAttention``), with a hand-written backward that
-transposes only ``[S, Dh]`` operands and query blocks that skip the fully masked scores
-(``cpu_kernels.causal_attention``); every projection's weight gradient is ordered for
-XLA:CPU (``cpu_kernels.dense_dot_general``); LayerNorm with a closed-form backward
-(``cpu_kernels.LayerNorm``); learned position embeddings; tied or untied output head. What
-each kernel is worth: docs/performance.md.
+Pre-LayerNorm blocks; one fused QKV projection; causal attention by the kernel
+``model.attention`` selects (``backends.py``: on CPU a blocked kernel with a hand-written
+backward, on a GPU cuDNN's flash attention); on CPU every projection and LayerNorm uses a
+backward ordered for XLA:CPU (``cpu_kernels.py``); learned position embeddings; tied or
+untied output head. What each kernel is worth: docs/performance.md.
+
+Depth: ``model.remat`` recomputes each block's activations in the backward pass instead of
+keeping them (``block``: everything but the block's input; ``dots``: keeps the
+projections' matmul outputs, recomputes the rest); ``model.scan_layers`` stacks the
+blocks' parameters along a leading layer axis and walks them with ``lax.scan``, so the
+step compiles one block however deep the model. Both change memory and compile time, never
+the numbers: the same parameters give the same loss and gradients (``layers.py`` converts
+parameters between the stacked and the per-block layout).
 
 ``GPT.decode`` is the same network over a key/value cache, for generation: it reads and
 writes ``cache`` at each row's own positions, so a batch of prompts of different lengths
@@ -23,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.errors import BatchError, ConfigError
-from jaxstep.models.cpu_kernels import LayerNorm, causal_attention, dense_dot_general
+from jaxstep.models import backends, layers
+from jaxstep.models.cpu_kernels import LayerNorm, dense_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,9 @@ class GPTConfig:
   mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
   dropout: float = 0.0  # dropout rate on attention output, MLP output and embeddings
   tie_embeddings: bool = True  # output head reuses the token embedding table
+  attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
+  remat: str = "none"  # none | block | dots: recompute activations in the backward pass
+  scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
 
   def __post_init__(self):
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -53,6 +63,15 @@ class GPTConfig:
       )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+    if self.attention not in backends.ATTENTION_BACKENDS:
+      raise ConfigError(
+        f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
+        f"got {self.attention!r}"
+      )
+    if self.remat not in layers.REMAT_POLICIES:
+      raise ConfigError(
+        f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {self.remat!r}"
+      )
 
   def matmul_params(self) -> int:
     """Weights that take part in a matmul per token (all blocks + the output head)."""
@@ -68,29 +87,34 @@ class GPTConfig:
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * self.d_model * seq_len
 
 
-# Every projection uses the CPU-friendly backward (same math as autodiff).
-_DENSE = {"dot_general": dense_dot_general}
+def _kernels() -> tuple[dict, type]:
+  """``nnx.Linear`` keyword arguments and the LayerNorm class for this platform: the
+  CPU-ordered backward passes on CPU, flax's own elsewhere (same params, same math)."""
+  if backends.use_cpu_kernels():
+    return {"dot_general": dense_dot_general}, LayerNorm
+  return {}, nnx.LayerNorm
 
 
 class Block(nnx.Module):
   """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d = cfg.d_model
-    self.n_heads = cfg.n_heads
-    self.ln1 = LayerNorm(d, rngs=rngs)
-    self.qkv = nnx.Linear(d, 3 * d, **_DENSE, rngs=rngs)
-    self.proj = nnx.Linear(d, d, **_DENSE, rngs=rngs)
-    self.ln2 = LayerNorm(d, rngs=rngs)
-    self.fc = nnx.Linear(d, cfg.mlp_ratio * d, **_DENSE, rngs=rngs)
-    self.out = nnx.Linear(cfg.mlp_ratio * d, d, **_DENSE, rngs=rngs)
+    d, (dense, layer_norm) = cfg.d_model, _kernels()
+    self.n_heads, self.attention_kernel = cfg.n_heads, cfg.attention
+    self.ln1 = layer_norm(d, rngs=rngs)
+    self.qkv = nnx.Linear(d, 3 * d, **dense, rngs=rngs)
+    self.proj = nnx.Linear(d, d, **dense, rngs=rngs)
+    self.ln2 = layer_norm(d, rngs=rngs)
+    self.fc = nnx.Linear(d, cfg.mlp_ratio * d, **dense, rngs=rngs)
+    self.out = nnx.Linear(cfg.mlp_ratio * d, d, **dense, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def attention(self, x: jax.Array) -> jax.Array:
     b, s, d = x.shape  # [B, S, D]
     h = self.n_heads
     q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)  # [B, S, H, Dh]
-    return self.proj(causal_attention(q, k, v).reshape(b, s, d))
+    out = backends.causal_attention(q, k, v, self.attention_kernel)
+    return self.proj(out.reshape(b, s, d))
 
   def decode(self, x, cache, positions):
     """The block over a key/value cache: ``x [B, S, D]`` at ``positions [B, S]``; this
@@ -119,37 +143,47 @@ class GPT(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
+    dense, layer_norm = _kernels()
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
     self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-    self.ln_f = LayerNorm(cfg.d_model, rngs=rngs)
+    blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+    # Built one by one either way, so a seed gives the same model in both layouts.
+    self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
+    self.ln_f = layer_norm(cfg.d_model, rngs=rngs)
     self.head = (
       None
       if cfg.tie_embeddings
-      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, **_DENSE, rngs=rngs)
+      else nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, **dense, rngs=rngs)
     )
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(
     self, inputs: jax.Array, *, rng: jax.Array | None = None, train: bool = False
   ) -> jax.Array:
-    s = inputs.shape[1]
+    s, n = inputs.shape[1], self.cfg.n_layers
     if s > self.cfg.max_seq_len:
       raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-    keys = (
-      jax.random.split(rng, len(self.blocks) + 1)
-      if rng is not None
-      else [None] * (len(self.blocks) + 1)
-    )
+    keys = jax.random.split(rng, n + 1) if rng is not None else None
     x = self.embed(inputs) + self.pos_embed(jnp.arange(s))[None]
-    x = self.dropout(x, deterministic=not train, rngs=keys[0])
-    for block, key in zip(self.blocks, keys[1:], strict=True):
-      x = block(x, rng=key, train=train)
+    x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
+    x = layers.walk(
+      self.blocks,
+      x,
+      None if keys is None else keys[1:],
+      scanned=self.cfg.scan_layers,
+      remat=self.cfg.remat,
+      train=train,
+    )
     return self._logits(x)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.ln_f(x)
     return self.embed.attend(x) if self.head is None else self.head(x)
+
+  def _block_list(self) -> list[Block]:
+    if self.cfg.scan_layers:
+      return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
+    return list(self.blocks)
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
     """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the
@@ -159,7 +193,7 @@ class GPT(nnx.Module):
     h, dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
     return tuple(
       (jnp.zeros((batch, h, dh, length), dtype), jnp.zeros((batch, h, length, dh), dtype))
-      for _ in self.blocks
+      for _ in range(self.cfg.n_layers)
     )
 
   def decode(
@@ -173,7 +207,7 @@ class GPT(nnx.Module):
     query sees only positions up to its own."""
     x = self.embed(inputs) + self.pos_embed(positions)
     new_cache = []
-    for block, layer_cache in zip(self.blocks, cache, strict=True):
+    for block, layer_cache in zip(self._block_list(), cache, strict=True):
       x, layer_cache = block.decode(x, layer_cache, positions)
       new_cache.append(layer_cache)
     return self._logits(x), tuple(new_cache)

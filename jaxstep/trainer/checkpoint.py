@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import CheckpointError, RunIOError
-from jaxstep.trainer import integrity
+from jaxstep.trainer import block_layout, integrity
 from jaxstep.trainer.run_dir import stamped
 
 log = logging.getLogger("jaxstep")
@@ -94,6 +94,15 @@ def _shapes_mismatch(saved_tree, target, what: str) -> str | None:
     if saved[name] != shape:
       return f"{what} {name} has shape {saved[name]} in the checkpoint, {shape} here"
   return None
+
+
+def _in_saved_layout(saved, abstract):
+  """``abstract``, or (``model.scan_layers`` changed since the save) it in the saved
+  checkpoint's block layout."""
+  have, want = block_layout.saved_layout(saved), block_layout.saved_layout(abstract)
+  if have is None or want is None or have == want:
+    return abstract
+  return block_layout.in_layout(abstract, have)
 
 
 def _fields(target) -> dict | None:
@@ -270,6 +279,7 @@ class Checkpointer:
       saved = self.manager.item_metadata(step)[STATE].tree
     except Exception as e:  # noqa: BLE001 - any failure to read means unusable
       return None, f"metadata unreadable ({_first_line(e)})"
+    target, abstract = abstract, _in_saved_layout(saved, abstract)
     item = self._restorable(step, saved, abstract)
     items = {STATE: ocp.args.StandardRestore(item), RUN: ocp.args.JsonRestore()}
     if (path / VERIFY).is_dir():  # checkpoints written before checksums have none
@@ -285,6 +295,8 @@ class Checkpointer:
     problem = integrity.mismatch(state, expected) or integrity.nonfinite(state)
     if problem:
       return None, problem
+    if abstract is not target:
+      state = block_layout.back_to(state, target)
     return (state, dict(out.run or {})), None
 
   def _restorable(self, step, saved, abstract):

@@ -12,6 +12,8 @@ import logging
 import pathlib
 
 from jaxstep.errors import CheckpointError
+from jaxstep.models import GPTConfig
+from jaxstep.trainer import config as config_lib
 from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
 from jaxstep.trainer.run_dir import archive_previous
 from jaxstep.trainer.run_state import RunState
@@ -52,6 +54,9 @@ def _convert_legacy(saved: dict) -> dict:
 
 # Model keys that change no array and no computation a checkpoint depends on.
 HARMLESS_MODEL_KEYS = ("dropout",)
+# Model keys that choose kernels or memory layout only: the same parameters and the same
+# math (a different block layout is converted at restore), so a change is simply taken.
+KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers")
 
 
 def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool) -> None:
@@ -59,8 +64,11 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
   checkpoint written before these were recorded is not checked); states a harmless model
   change in one line."""
   if saved.get("model"):
+    defaults = config_lib.to_dict(GPTConfig())  # keys added since the checkpoint was written
     changed = {
-      k: (saved["model"].get(k), v) for k, v in current.model.items() if saved["model"].get(k) != v
+      k: (old, v)
+      for k, v in current.model.items()
+      if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k, defaults.get(k))) != v
     }
     for key in HARMLESS_MODEL_KEYS:
       if key in changed:

@@ -1,0 +1,102 @@
+"""Which kernels the bundled GPT runs on which platform: the one place that decides.
+
+Attention (``model.attention``):
+
+- ``blocked``: ``cpu_kernels.causal_attention``, query blocks that skip the fully masked
+  scores and a hand-written backward whose dots suit XLA:CPU. It keeps the fp32
+  probabilities (``B·H·S²·4`` bytes per layer, roughly halved by the skipped blocks) as
+  backward residuals: right for CPU, wasteful on a GPU.
+- ``xla``: ``jax.nn.dot_product_attention(implementation="xla")``, plain XLA (any
+  platform, any dtype); autodiff's backward.
+- ``cudnn``: the same call with ``implementation="cudnn"``: cuDNN's fused flash attention
+  (CUDA GPUs, bf16/fp16, head dim a multiple of 8 up to 128), which never materializes
+  the S×S probabilities.
+- ``auto``: ``blocked`` on CPU; on a GPU ``cudnn`` where it supports the dtype and head
+  dim, else ``xla`` (logged once per reason); ``xla`` on any other platform.
+
+The CPU-only backward tricks (``dense_dot_general`` for every projection, the closed-form
+``LayerNorm`` backward) are used when the platform is CPU and nowhere else: on
+accelerators autodiff's backward is already what the hardware wants. Either way the
+parameters and the math are the same, so a checkpoint moves freely between platforms.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxstep.errors import ConfigError
+from jaxstep.models import cpu_kernels
+
+ATTENTION_BACKENDS = ("auto", "blocked", "xla", "cudnn")
+CUDNN_MAX_HEAD_DIM = 128
+
+log = logging.getLogger("jaxstep")
+_logged: set[str] = set()
+
+
+def platform() -> str:
+  """The platform arrays are computed on (``"cpu"``, ``"gpu"``, ``"tpu"``): what every
+  choice in this module follows. Tests replace it to see the GPU choices on CPU."""
+  return jax.default_backend()
+
+
+def use_cpu_kernels() -> bool:
+  """Whether projections and LayerNorm use the backward passes written for XLA:CPU."""
+  return platform() == "cpu"
+
+
+def cudnn_problem(dtype, head_dim: int) -> str | None:
+  """Why cuDNN's fused attention cannot take these inputs, or None if it can."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"cuDNN attention needs bf16 or fp16 inputs, these are {jnp.dtype(dtype).name}"
+  if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    return (
+      f"cuDNN attention needs a head dim that is a multiple of 8 up to "
+      f"{CUDNN_MAX_HEAD_DIM}, this one is {head_dim}"
+    )
+  return None
+
+
+def check_attention(choice: str) -> None:
+  """Raises ConfigError if ``model.attention`` cannot run on this platform at all."""
+  if choice not in ATTENTION_BACKENDS:
+    raise ConfigError(
+      f"model.attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}"
+    )
+  if choice == "cudnn" and platform() != "gpu":
+    raise ConfigError(
+      f"model.attention=cudnn needs a CUDA GPU, this run is on {platform()}; use auto or xla"
+    )
+
+
+def resolve_attention(choice: str, dtype, head_dim: int) -> str:
+  """The kernel ``choice`` means for inputs of ``dtype`` with ``head_dim`` on this
+  platform: ``blocked``, ``xla`` or ``cudnn`` (see the module docstring)."""
+  check_attention(choice)
+  if choice != "auto":
+    if choice == "cudnn" and (problem := cudnn_problem(dtype, head_dim)):
+      raise ConfigError(f"model.attention=cudnn: {problem}; use auto or xla")
+    return choice
+  where = platform()
+  if where == "cpu":
+    return "blocked"
+  if where != "gpu":
+    return "xla"
+  if problem := cudnn_problem(dtype, head_dim):
+    if problem not in _logged:
+      _logged.add(problem)
+      log.warning("model.attention=auto uses xla, not cudnn: %s", problem)
+    return "xla"
+  return "cudnn"
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str) -> jax.Array:
+  """Causal softmax attention ``[B, S, H, Dh]`` × 3 → ``[B, S, H, Dh]`` with the kernel
+  ``choice`` resolves to. Scores and softmax are fp32 in every kernel."""
+  kernel = resolve_attention(choice, q.dtype, q.shape[-1])
+  if kernel == "blocked":
+    return cpu_kernels.causal_attention(q, k, v)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
