@@ -1,7 +1,7 @@
 """``jaxstep check [--config FILE] [key=value …]``: is accumulation exact here?
 
 Runs one update of the config's model, optimizer and first global batch twice — with the
-config's K micro-steps (2 if K is 1) and with K = 1 — and compares stage by stage: logits →
+config's K micro-steps (2 if K is 1 or auto) and with K = 1 — and compares stage by stage: logits →
 loss → gradients → clipped update → new params. Prints max abs / rel error per stage with
 PASS/FAIL against the precision's tolerance and names the first stage that diverges. Exit 0
 only if all pass. Dropout is switched off for the comparison (its masks depend on the
@@ -20,8 +20,12 @@ from jaxstep.core.check import CheckReport, check_accumulation
 
 
 def _compared_k(cfg) -> int:
-  """The K checked against K = 1: the config's, or 2 when the config has none."""
-  return max(cfg.train.grad_accum_steps, 2)
+  """The K checked against K = 1: the config's, or 2 when the config has none (1, or
+  ``auto``: then the smallest K > 1 that divides G)."""
+  k, g = cfg.train.grad_accum_steps, cfg.train.global_batch_size
+  if k == "auto":
+    return next((c for c in range(2, g + 1) if g % c == 0), 2)
+  return max(k, 2)
 
 
 def check_config(cfg, loss_fn=None) -> CheckReport:

@@ -31,14 +31,19 @@ __all__ = [
 ]
 
 
-def build(model_config: GPTConfig, rng: jax.Array | int) -> tuple[Callable, dict]:
+def build(
+  model_config: GPTConfig, rng: jax.Array | int, *, abstract: bool = False
+) -> tuple[Callable, dict]:
   """Builds the bundled GPT: ``(apply_fn, params)`` with ``apply_fn(params, inputs, *,
   rng=None, train=False) -> logits``, params initialised from ``rng``. The GPT keeps no
-  state besides its parameters, and takes its dropout key as ``rng``."""
+  state besides its parameters, and takes its dropout key as ``rng``. ``abstract``: the
+  params are ``jax.ShapeDtypeStruct`` leaves, nothing is initialised (to compile a model
+  too large for this host)."""
   if model_config.vocab_size == 0:
     raise ConfigError("model.vocab_size 0 means 'the tokenizer's size': resolve it first")
   backends.check_attention(model_config.attention)
-  model = from_nnx(GPT(model_config, rngs=nnx.Rngs(params=rng)))
+  make = lambda: GPT(model_config, rngs=nnx.Rngs(params=rng))  # noqa: E731
+  model = from_nnx(nnx.eval_shape(make) if abstract else make())
 
   def apply_fn(params, inputs, *, rng=None, train=False):
     return model.apply_fn(params, inputs, rng=rng, train=train)[0]

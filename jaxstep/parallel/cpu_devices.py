@@ -37,17 +37,19 @@ def _cpu_only() -> bool:
 
 def cpu_device_count(cfg, cores: int) -> int:
   """Devices to split one CPU into: the mesh's explicit size, else the most (≤ cores) that
-  divide the global batch into equal micro-batch shards (G % (devices × K) == 0)."""
+  divide the global batch into equal micro-batch shards (G % (devices × K) == 0; K = 1
+  for ``auto``)."""
   m, t = cfg.mesh, cfg.train
   if m.cpu_devices:
     return m.cpu_devices
   if m.data > 0 and m.fsdp > 0:
     return m.data * m.fsdp
   fixed = max(m.data, m.fsdp, 1)
+  k = 1 if t.grad_accum_steps == "auto" else t.grad_accum_steps  # auto: K is chosen later
   fits = [
     d
     for d in range(1, max(cores, 1) + 1)
-    if d % fixed == 0 and geometry.divides(t.global_batch_size, t.grad_accum_steps, d)
+    if d % fixed == 0 and geometry.divides(t.global_batch_size, k, d)
   ]
   return max(fits) if fits else 1
 

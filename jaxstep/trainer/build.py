@@ -23,6 +23,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.core.step import make_train_step
 from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import GPTConfig
+from jaxstep.trainer import auto_accum
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer.run_state import RunState
 
@@ -41,6 +42,7 @@ class Run:
   schedule_steps: int  # update steps the lr schedule spans (train.schedule_steps or total)
   steps_per_epoch: int
   flops_per_token: float
+  accum_table: tuple = ()  # grad_accum_steps=auto: the (K, bytes per device) compiled
 
 
 def _total_update_steps(train_cfg, steps_per_epoch: int) -> int:
@@ -111,7 +113,7 @@ def _mesh(cfg: config_lib.Config) -> Mesh:
   mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
   problem = geometry.split_problem(
     t.global_batch_size,
-    t.grad_accum_steps,
+    1 if t.grad_accum_steps == "auto" else t.grad_accum_steps,
     mesh.devices.size,
     names=config_lib.CONFIG_NAMES_OF_G_AND_K,
   )
@@ -120,11 +122,89 @@ def _mesh(cfg: config_lib.Config) -> Mesh:
   return mesh
 
 
+def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int):
+  """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps."""
+  t = cfg.train
+  loss_fn = next_token_loss(apply_fn)
+  return make_train_step(
+    _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
+    make_optimizer(cfg.optim, schedule_steps),
+    grad_accum_steps=k,
+    precision=t.precision,
+    mesh=mesh if mesh.devices.size > 1 else None,
+    loss_scale=_loss_scaler(t),
+    spike_factor=t.spike_factor,
+    spike_window=t.spike_window,
+    scan_unroll=t.scan_unroll,
+  )
+
+
+def jit_step(step, state_shardings, mesh: Mesh):
+  """``step`` jitted: state donated and laid out by ``state_shardings``, the batch's samples
+  over every device, metrics replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(
+    step,
+    in_shardings=(state_shardings, parallel.batch_sharding(mesh)),
+    out_shardings=(state_shardings, replicated),
+    donate_argnums=0,
+  )
+
+
+def abstract_batch(t: config_lib.TrainConfig, mesh: Mesh) -> dict:
+  """A global batch's shapes, dtypes and sharding (what the loop feeds the step)."""
+  sharding = parallel.batch_sharding(mesh)
+  shape = (t.global_batch_size, t.seq_len)
+  batch = {
+    k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    for k in ("inputs", "targets", "loss_mask")
+  }
+  if t.debug_nan_step:
+    batch["poison"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
+  return batch
+
+
+def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
+  """``(apply_fn, state)``: the model and its initial train state as shapes and shardings
+  only (nothing allocated: what ``memory`` and ``auto`` compile against)."""
+  apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(cfg.train.seed), abstract=True)
+  step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
+  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
+  return apply_fn, _with_shardings(state, parallel.tree_shardings(state, mesh))
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def resolve_grad_accum(cfg, apply_fn, mesh: Mesh, schedule_steps: int, state) -> tuple[int, list]:
+  """``train.grad_accum_steps``, or for ``auto`` the K ``auto_accum`` chooses by compiling
+  the step on ``state`` (abstract or concrete) for the candidates it tries; the second item
+  is the ``(K, bytes)`` table compiled (empty for a fixed K)."""
+  t = cfg.train
+  if t.grad_accum_steps != "auto":
+    return t.grad_accum_steps, []
+  budget = auto_accum.budget_bytes(t.memory_budget_gb)
+  state = _with_shardings(state, jax.tree.map(lambda x: x.sharding, state))
+  batch = abstract_batch(t, mesh)
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+
+  def compile_k(k):
+    step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
+    return jit_step(step, state_sh, mesh).lower(state, batch).compile()
+
+  return auto_accum.choose(t.global_batch_size, mesh.devices.size, compile_k, budget)
+
+
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   """Loads data (all data errors surface here), lays out the mesh, builds the jitted steps.
 
   With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
+  ``train.grad_accum_steps: auto`` is resolved here (``auto_accum``); ``run.cfg`` holds
+  the K chosen.
   """
   t = cfg.train
   mesh = _mesh(cfg)
@@ -134,36 +214,19 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   total = _total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
-  optimizer = make_optimizer(cfg.optim, schedule_steps)
-  scaler = _loss_scaler(t)
-  loss_fn = next_token_loss(apply_fn)
-  step = make_train_step(
-    _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
-    optimizer,
-    grad_accum_steps=t.grad_accum_steps,
-    precision=t.precision,
-    mesh=mesh if mesh.devices.size > 1 else None,
-    loss_scale=scaler,
-    spike_factor=t.spike_factor,
-    spike_window=t.spike_window,
-    scan_unroll=t.scan_unroll,
-  )
-
-  eval_step = make_eval_step(apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size)
-
-  state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
+  init = train_step(cfg, apply_fn, mesh, schedule_steps, 1).init
+  state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
+  k, table = resolve_grad_accum(cfg, apply_fn, mesh, schedule_steps, state)
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum_steps=k))
+  t = cfg.train
+  eval_step = make_eval_step(apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size)
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
   run = Run(
     cfg=cfg,
     dataset=dataset,
-    step_fn=jax.jit(
-      step,
-      in_shardings=(state_sh, batch_sh),
-      out_shardings=(state_sh, replicated),
-      donate_argnums=0,
-    ),
+    step_fn=jit_step(train_step(cfg, apply_fn, mesh, schedule_steps, k), state_sh, mesh),
     eval_fn=jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
     mesh=mesh,
     batch_sharding=batch_sh,
@@ -171,6 +234,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     schedule_steps=schedule_steps,
     steps_per_epoch=spe,
     flops_per_token=cfg.model.flops_per_token(t.seq_len),
+    accum_table=tuple(table),
   )
   run_state = RunState(
     dataset_fingerprint=dataset.fingerprint,

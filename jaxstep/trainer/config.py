@@ -24,6 +24,7 @@ from jaxstep.core.precision import PRECISIONS
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig
+from jaxstep.trainer import profiling
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -39,7 +40,8 @@ class TrainConfig:
   """Batch geometry, run length and cadences. Step counts are update steps."""
 
   global_batch_size: int = 32  # samples per optimizer update (G)
-  grad_accum_steps: int = 4  # micro-steps per update (K); micro-batch = G/K samples
+  grad_accum_steps: int | str = 4  # micro-steps per update (K), or auto: fit memory_budget_gb
+  memory_budget_gb: float = 0.0  # auto K: bytes per device (0 = 90% of the GPU's; CPU: set it)
   seq_len: int = 128  # tokens per sample (inputs); windows hold seq_len + 1 tokens
   max_steps: int = 1000  # stop after this many update steps (0 = no limit)
   epochs: int = 0  # stop after this many passes over the data (0 = no limit)
@@ -65,9 +67,18 @@ class TrainConfig:
   sample_every: int = 0  # generate from sample_prompts every this many update steps (0 = off)
   sample_prompts: tuple[str, ...] = ("the ", "38 + 61 = ")  # text prompts for those samples
   sample_max_new_tokens: int = 64  # tokens generated per sample
+  profile_steps: str = ""  # "A:B": jax.profiler trace of update steps A..B in run_dir/profile
 
   def __post_init__(self):
-    geometry.grad_accum_steps(self.grad_accum_steps)
+    if isinstance(self.grad_accum_steps, str) and self.grad_accum_steps != "auto":
+      raise ConfigError(
+        f"train.grad_accum_steps must be a positive integer or auto, got {self.grad_accum_steps!r}"
+      )
+    if self.grad_accum_steps != "auto":
+      geometry.grad_accum_steps(self.grad_accum_steps)
+    profiling.parse_steps(self.profile_steps)
+    if self.memory_budget_gb < 0:
+      raise ConfigError(f"train.memory_budget_gb must be >= 0, got {self.memory_budget_gb}")
     for name in (
       "global_batch_size",
       "seq_len",
@@ -91,7 +102,7 @@ class TrainConfig:
     ):
       if getattr(self, name) < 0:
         raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-    problem = geometry.split_problem(
+    problem = self.grad_accum_steps != "auto" and geometry.split_problem(
       self.global_batch_size, self.grad_accum_steps, names=CONFIG_NAMES_OF_G_AND_K
     )
     if problem:

@@ -20,7 +20,7 @@ from jaxstep import data, models, parallel
 from jaxstep.core.state import TrainState
 from jaxstep.errors import EmptyBatchError, Interrupted, RunIOError
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import records
+from jaxstep.trainer import profiling, records
 from jaxstep.trainer import resume as resume_lib
 from jaxstep.trainer import run_dir as run_dir_lib
 from jaxstep.trainer.background import watch_threads
@@ -193,6 +193,8 @@ def loop(
   def position() -> dict:  # what a checkpoint records besides the state
     return {**rs.to_json(), "loader": batches.state()}
 
+  steps = profiling.parse_steps(t.profile_steps)
+  profiler = profiling.StepProfiler(steps, run_dir) if steps else None
   last_eval = None
   try:
     with stop_on_signals() as stop, watch_threads() as threads:
@@ -203,7 +205,11 @@ def loop(
         ckpt.check()  # a failed background save (as one RunIOError)
         threads.check()  # a dead TensorBoard writer, say
         batch = _checked(run, rs, next(batches), whole=rows is None)
+        if profiler is not None:
+          profiler.before(rs.step + 1)
         state, metrics = run.step_fn(state, parallel.put_batch(batch, run.batch_sharding, g))
+        if profiler is not None:
+          profiler.after(rs.step + 1, state)
         where = {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch}
         rs = rs.advanced(steps_per_epoch=run.steps_per_epoch, num_samples=len(run.dataset.train))
         after(late.submit(rs.step, metrics, batch, where))
@@ -219,6 +225,8 @@ def loop(
           after(late.flush())
           sink.samples(rs.step, samples(rs.step, state.params))
           late.restart_clock()
+      if profiler is not None:
+        profiler.stop()  # the run ended before the last profiled step
       after(late.flush())
       evaluated = last_eval is not None and last_eval["step"] == rs.step
       if stop.signum is None and run.dataset.eval and not evaluated:
@@ -227,6 +235,8 @@ def loop(
       sink.close()
   except BaseException as e:  # a halt or an error: keep the state it got to, then re-raise
     _close_quietly(sink)
+    if profiler is not None:
+      profiler.stop()
     if not isinstance(e, OSError):
       _final_save(ckpt, state, rs, position(), quiet=True)
       raise

@@ -1,0 +1,63 @@
+"""``train.profile_steps: "A:B"``: a ``jax.profiler`` trace of update steps A through B
+(inclusive) in ``run_dir/profile/`` (TensorBoard's profile plugin or Perfetto read it).
+
+The trace starts before update step A is dispatched and stops once update step B's state
+is computed, so it holds whole steps: host work, compilation if A is the first step, and
+the device's kernels. A resumed run past A starts at its first step. Off (``""``), the loop
+holds ``None`` and pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import jax
+
+from jaxstep.errors import ConfigError
+
+log = logging.getLogger("jaxstep")
+
+
+def parse_steps(spec: str) -> tuple[int, int] | None:
+  """``"A:B"`` → ``(A, B)`` with ``1 <= A <= B``; ``""`` → None; anything else a
+  ``ConfigError``."""
+  if not spec:
+    return None
+  first, sep, last = spec.partition(":")
+  try:
+    a, b = int(first), int(last)
+  except ValueError:
+    a = b = 0
+  if not sep or not 1 <= a <= b:
+    raise ConfigError(
+      f"train.profile_steps must be 'A:B' with update steps 1 <= A <= B, got {spec!r}"
+    )
+  return a, b
+
+
+class StepProfiler:
+  """Starts and stops one trace around update steps ``first..last``."""
+
+  def __init__(self, steps: tuple[int, int], run_dir: pathlib.Path):
+    self.first, self.last = steps
+    self.directory = run_dir / "profile"
+    self.active = False
+
+  def before(self, step: int) -> None:
+    """Called before update step ``step`` is dispatched."""
+    if not self.active and self.first <= step <= self.last:
+      jax.profiler.start_trace(str(self.directory))
+      self.active = True
+
+  def after(self, step: int, state) -> None:
+    """Called once update step ``step`` is dispatched; ``state`` is its output."""
+    if self.active and step >= self.last:
+      jax.block_until_ready(state)
+      self.stop()
+      log.info("profile of update steps %d-%d written to %s", self.first, step, self.directory)
+
+  def stop(self) -> None:
+    if self.active:
+      self.active = False
+      jax.profiler.stop_trace()
