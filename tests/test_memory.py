@@ -56,3 +56,46 @@ def test_memory_cli_prints_gib_to_three_decimals():
   for needle in ("ZeRO-3  16P/D", "jaxstep layout:", "arguments (state + batch)", "0.005 GiB"):
     assert needle in proc.stdout
   assert GIB == 2**30
+
+
+def _predicted_over_compiled(name, *overrides):
+  from jaxstep.trainer.memory import predicted_bytes
+
+  cfg = config_lib.load(name, list(overrides))
+  c = compiled_memory(cfg)
+  predicted = predicted_bytes(c["cfg"], c["num_params"], c["grad_accum_steps"], 1, 1)
+  return predicted["peak"] / c["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+  "name, overrides",
+  [
+    ("tiny", []),
+    ("small", []),
+    ("small", ["model.scan_layers=true"]),
+    ("small", ["model.scan_layers=true", "model.remat=block", "train.precision=bf16"]),
+  ],
+)
+def test_ledger_prediction_is_within_10_percent_of_the_compiled_step(name, overrides):
+  assert _predicted_over_compiled(name, *overrides) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2-124m", "gpt-350m", "gpt-1.3b"])
+def test_ledger_prediction_holds_for_the_real_size_configs(name):
+  """Compiled on abstract inputs (nothing allocated) at the K an 80 GiB budget picks."""
+  assert _predicted_over_compiled(name, "train.grad_accum_steps=16") == pytest.approx(1.0, abs=0.10)
+
+
+def test_memory_cli_prints_the_auto_search_for_a_budget():
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.memory", "--config", "small", "mesh.cpu_devices=1"]
+    + ["train.grad_accum_steps=auto", "train.memory_budget_gb=0.08"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert "grad_accum_steps=auto, budget 0.080 GiB per device:" in proc.stdout
+  assert "over" in proc.stdout and "fits" in proc.stdout and "chosen K = " in proc.stdout
+  assert "predicted ÷ compiled peak" in proc.stdout

@@ -7,7 +7,12 @@ compiled step's ``memory_analysis()``, per device (GiB = 2^30 bytes).
 from __future__ import annotations
 
 from jaxstep.cli._common import config_command
-from jaxstep.trainer.memory import compiled_memory, jaxstep_layout, textbook_state_bytes
+from jaxstep.trainer.memory import (
+  compiled_memory,
+  jaxstep_layout,
+  predicted_bytes,
+  textbook_state_bytes,
+)
 
 GIB = 2**30
 
@@ -16,9 +21,11 @@ def report(cfg) -> str:
   c = compiled_memory(cfg)
   p, dp = c["num_params"], c["data"] * c["fsdp"]
   gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
+  k, rows = c["grad_accum_steps"], cfg.train.global_batch_size // (c["grad_accum_steps"] * dp)
   lines = [
     f"P = {p:,} parameters; mesh data={c['data']} fsdp={c['fsdp']}; "
-    f"precision {cfg.train.precision}; per device:",
+    f"precision {cfg.train.precision}; K = {k} (micro-batch {rows} per device); "
+    f"remat {cfg.model.remat}, scan_layers {str(cfg.model.scan_layers).lower()}; per device:",
     "",
     f"textbook mixed-precision Adam (16 B/param), D = {dp}:",
   ]
@@ -33,15 +40,25 @@ def report(cfg) -> str:
   for name, b in layout.items():
     lines.append(f"  {name:<48} {gib(b)}")
   persistent = sum(b for n, b in layout.items() if "during" not in n)
+  predicted = predicted_bytes(c["cfg"], p, k, c["data"], c["fsdp"])
   lines += [
     f"  {'persistent state (params + moments)':<48} {gib(persistent)}",
+    f"  {'temporaries: activations, gradients (estimate)':<48} {gib(predicted['activations'])}",
+    f"  {'predicted peak (state, batch, gathered, above)':<48} {gib(predicted['peak'])}",
     "",
-    "compiled train step (memory_analysis):",
+    f"compiled train step (memory_analysis, {c['platform']}):",
     f"  {'arguments (state + batch)':<48} {gib(c['argument_bytes'])}",
-    f"  {'outputs':<48} {gib(c['output_bytes'])}",
+    f"  {'outputs (aliased to the donated state)':<48} {gib(c['output_bytes'])}",
     f"  {'temporaries (accumulator, activations, …)':<48} {gib(c['temp_bytes'])}",
-    f"  {'state arrays as placed':<48} {gib(c['state_bytes'])}",
+    f"  {'peak: arguments + outputs − aliased + temps':<48} {gib(c['peak_bytes'])}",
+    f"  {'predicted ÷ compiled peak':<48} {predicted['peak'] / c['peak_bytes']:9.3f}",
   ]
+  if c["auto_table"]:
+    budget = c["budget_bytes"]
+    lines += ["", f"grad_accum_steps=auto, budget {gib(budget).strip()} per device:"]
+    for cand, b in c["auto_table"]:
+      lines.append(f"  K={cand:<5} {gib(b)}  {'fits' if b <= budget else 'over'}")
+    lines.append(f"  chosen K = {k}")
   return "\n".join(lines)
 
 
