@@ -99,7 +99,7 @@ def test_every_schema_field_is_commented_in_base_yaml():
   assert all("  # " in line for line in leaf_lines)
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "sft-chat", "gpt-350m-gpu"])
+@pytest.mark.parametrize("name", ["tiny", "small", "sft-chat", "gpt2-124m", "gpt-350m", "gpt-1.3b"])
 def test_bundled_configs_load(name):
   cfg = config_lib.load(name)
   assert dataclasses.is_dataclass(cfg)
