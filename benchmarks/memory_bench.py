@@ -1,8 +1,7 @@
-"""Per-device memory of params + optimizer state under fsdp = 1, 2, 4, 8.
-
-Runs in a worker with 8 virtual CPU devices; reads ``memory_analysis()`` of the compiled
-train step (argument bytes = state + batch per device) and the bytes of the state's own
-shards on device 0.
+"""Per-device memory of params + optimizer state under fsdp = 1, 2, 4, 8 (a worker with 8
+virtual CPU devices: ``memory_analysis()`` of the compiled train step, argument bytes =
+state + batch per device, and the bytes of the state's own shards on device 0); and compile
+time and temporaries against depth, scanned vs unrolled blocks, per remat policy.
 """
 
 from __future__ import annotations
@@ -62,4 +61,46 @@ def fsdp_memory(spec: dict):
   return {"rows": rows, "num_params": models.num_params(params)}, lambda: {}
 
 
-CONTENDERS = {"fsdp_memory": fsdp_memory}
+def _compiled_step(model: dict, layers: int, k: int, micro: int):
+  """Lowers and compiles the train step of a GPT with ``layers`` blocks: ``(seconds,
+  temp bytes)``, caches cleared first so the compile is real."""
+  import time
+
+  import jax.numpy as jnp
+
+  cfg = models.GPTConfig(**{**model, "n_layers": layers})
+  apply_fn, params = models.build(cfg, 0, abstract=True)
+  opt = make_optimizer(OptimConfig(), 100)
+  step = make_train_step(next_token_loss(apply_fn), opt, grad_accum_steps=k)
+  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
+  batch = {
+    n: jax.ShapeDtypeStruct((micro * k, cfg.max_seq_len), jnp.int32)
+    for n in ("inputs", "targets", "loss_mask")
+  }
+  jax.clear_caches()
+  t = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+  return time.perf_counter() - t, compiled.memory_analysis().temp_size_in_bytes
+
+
+def depth(spec: dict):
+  """Compile seconds (best of ``repeats``, trace + lower + compile) and temp bytes at
+  ``shallow`` and ``deep`` blocks, scanned and unrolled, for each remat policy."""
+  jax.jit(lambda x: x + 1).lower(1.0).compile()  # backend warm-up, not counted
+  rows = []
+  for scan in (True, False):
+    for remat in spec["remats"]:
+      model = {**spec["model"], "scan_layers": scan, "remat": remat}
+      row = {"scan_layers": scan, "remat": remat}
+      for name, layers in (("shallow", spec["shallow"]), ("deep", spec["deep"])):
+        runs = [
+          _compiled_step(model, layers, spec["k"], spec["micro"]) for _ in range(spec["repeats"])
+        ]
+        row[f"{name}_compile_s"] = min(r[0] for r in runs)
+        row[f"{name}_temp_bytes"] = runs[0][1]
+      row["compile_ratio"] = row["deep_compile_s"] / row["shallow_compile_s"]
+      rows.append(row)
+  return {"rows": rows}, lambda: {}
+
+
+CONTENDERS = {"fsdp_memory": fsdp_memory, "depth": depth}

@@ -280,6 +280,49 @@ def suite_compile(quick: bool) -> dict:
   return out
 
 
+def suite_depth(quick: bool) -> dict:
+  """Compile time 24 blocks ÷ 2 blocks, scanned (``model.scan_layers``) vs unrolled, and the
+  compiled temporaries of 24 blocks per ``model.remat`` policy."""
+  from benchmarks.step_bench import MODEL, QUICK_MODEL
+
+  model = QUICK_MODEL if quick else MODEL
+  spec = {
+    "kind": "depth",
+    "model": model,
+    "shallow": 2,
+    "deep": 8 if quick else 24,
+    "k": 2,
+    "micro": 4,
+    "remats": ["none"] if quick else ["none", "block", "dots"],
+    "repeats": 1 if quick else 3,
+  }
+  w = Worker(spec)
+  found = w.info["rows"]
+  w.close()
+  mib, deep = 2**20, spec["deep"]
+  by = {(r["scan_layers"], r["remat"]): r for r in found}
+  scanned, unrolled = by[(True, "none")], by[(False, "none")]
+  rows = [
+    (
+      f"compile {deep} blocks ÷ 2 blocks, {'scanned' if r['scan_layers'] else 'unrolled'}, "
+      f"remat {r['remat']} ({r['shallow_compile_s']:.2f} s → {r['deep_compile_s']:.2f} s; "
+      f"temporaries at {deep}: {r['deep_temp_bytes'] / mib:.1f} MiB)",
+      f"{r['compile_ratio']:.2f}",
+      "≤ 1.5" if r["scan_layers"] else "",
+    )
+    for r in found
+  ]
+  return {
+    "rows_by_variant": found,
+    "model": model,
+    "rows": rows,
+    "summary": {
+      "depth_compile_ratio_scanned": scanned["compile_ratio"],
+      "depth_compile_ratio_unrolled": unrolled["compile_ratio"],
+    },
+  }
+
+
 def suite_data(quick: bool) -> dict:
   """Start-up and peak RSS against corpus size, prepare against its tokenizer, the loader."""
   import tempfile
@@ -355,6 +398,7 @@ def suite_data(quick: bool) -> dict:
 SUITES = {
   "step": suite_step,
   "compile": suite_compile,
+  "depth": suite_depth,
   "host_overhead": suite_host_overhead,
   "checkpoint": suite_checkpoint,
   "fsdp_memory": suite_fsdp_memory,

@@ -12,6 +12,8 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "scan_over_floor",
   "compile_ratio_k64_k1",
   "temp_mem_ratio_k64_k1",
+  "depth_compile_ratio_scanned",
+  "depth_compile_ratio_unrolled",
   "tokens_vs_multisteps",
   "cpu_mfu",
   "ckpt_stall_over_step",
@@ -50,7 +52,41 @@ def test_quick_benchmarks_write_results(tmp_path):
     assert "cores_together_over_alone" in summary
   deltas = {"data_startup_delta_s_200m_10m", "data_rss_delta_mib_200m_10m"}  # may be < 0
   assert all(isinstance(v, float) and (v > 0 or k in deltas) for k, v in summary.items())
-  for name in ("step", "compile", "host_overhead", "checkpoint", "fsdp_memory", "data", "generate"):
+  for name in (
+    "step",
+    "compile",
+    "depth",
+    "host_overhead",
+    "checkpoint",
+    "fsdp_memory",
+    "data",
+    "generate",
+  ):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["environment"]["jax"] and result["rows"]
   assert "| measurement |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_on_tiny_shapes_and_round_trips_bitwise(tmp_path):
+  """The GPU check's script, on this host with tiny shapes: one JSON line, the checkpoint
+  round trip bitwise (device → device, one more step, → CPU), a case measured per field."""
+  out = tmp_path / "smoke.json"
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.gpu_smoke", "--tiny", "--steps", "1", "--max-cases", "1"]
+    + ["--out", str(out)],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert json.loads(out.read_text()) == result
+  checkpoint = result["checkpoint"]
+  assert checkpoint["restored_on_device_bitwise"] and checkpoint["next_step_bitwise"]
+  assert checkpoint["restored_on_cpu_bitwise"] and checkpoint["cpu_copy_platform"] == "cpu"
+  (case,) = result["cases"]
+  assert case["model"] == "gpt2-124m" and case["attention"] == "blocked"
+  assert case["tokens_per_s"] > 0 and 0 < case["mfu"] < 1 and case["auto_table_gib"]
+  assert case["grad_accum_steps"] in {int(k) for k in case["auto_table_gib"]}
+  assert len(result["skipped"]) == 7  # 2 models × 2 kernels × 2 remat, one measured

@@ -1,0 +1,195 @@
+"""The GPU check in one process, one JSON line: ``bash benchmarks/gpu_smoke.sh`` (GPU) or
+``python -m benchmarks.gpu_smoke --tiny`` (any host, tiny shapes; what the tests run).
+
+For gpt2-124m and gpt-1.3b in bf16, for each attention kernel (``cudnn`` and ``xla`` on a
+GPU; ``blocked`` and ``xla`` elsewhere) and remat (``none`` and ``block``): tokens/s, MFU
+(``GPTConfig.flops_per_token``: 6·W + attention, against 989 TFLOP/s on a GPU), peak
+device memory, and the K that ``grad_accum_steps: auto`` chose. Then the checkpoint round
+trip: the session state saved by orbax from the device, restored onto the device (bitwise
+equal, and one more step from it equal to the same step from the original), and restored
+onto the CPU (bitwise equal). Batches are random tokens: this measures the step, not data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.auto_accum import GIB
+from jaxstep.trainer.build import build
+from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.perf import mfu, peak_flops_per_device
+
+GPU_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+# name, bundled config, global batch (smaller than the configs': a smoke test, not a run)
+MODELS = [("gpt2-124m", "gpt2-124m", 64), ("gpt-1.3b", "gpt-1.3b", 16)]
+TINY = [
+  "model.d_model=32",
+  "model.n_layers=2",
+  "model.n_heads=2",
+  "model.max_seq_len=32",
+  "model.vocab_size=264",
+  "train.seq_len=32",
+  "train.memory_budget_gb=0.05",
+]
+
+
+def _config(name: str, batch: int, overrides: list[str], run_dir: str, tiny: bool):
+  base = [
+    "data.path=bundled:text",
+    "data.eval_fraction=0",
+    f"train.global_batch_size={8 if tiny else batch}",
+    "train.progress=false",
+    f"run_dir={run_dir}",
+  ]
+  return config_lib.load(name, [*base, *(TINY if tiny else []), *overrides])
+
+
+def _random_batch(run, seed: int = 0) -> dict:
+  t = run.cfg.train
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, 256, (t.global_batch_size, t.seq_len + 1), dtype=np.int32)
+  batch = {
+    "inputs": ids[:, :-1],
+    "targets": ids[:, 1:],
+    "loss_mask": np.ones((t.global_batch_size, t.seq_len), np.int32),
+  }
+  return jax.device_put(batch, run.batch_sharding)
+
+
+def _peak_memory(device) -> int | None:
+  stats = device.memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def measure(name, config, batch, attention, remat, steps, tiny) -> dict:
+  """One case: build (``grad_accum_steps: auto``), one step to compile, ``steps`` timed."""
+  overrides = [
+    f"model.attention={attention}",
+    f"model.remat={remat}",
+    "train.grad_accum_steps=auto",
+  ]
+  with tempfile.TemporaryDirectory() as run_dir:
+    cfg = _config(config, batch, overrides, run_dir, tiny)
+    t0 = time.perf_counter()
+    run, state, _ = build(cfg)
+    data = _random_batch(run)
+    state, metrics = run.step_fn(state, data)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      state, metrics = run.step_fn(state, data)
+    jax.block_until_ready((state, metrics))
+    seconds = (time.perf_counter() - t0) / steps
+  t = run.cfg.train
+  tokens_per_s = t.global_batch_size * t.seq_len / seconds
+  peak = peak_flops_per_device(GPU_PEAK_TFLOPS if jax.default_backend() == "gpu" else 0.0)
+  memory = _peak_memory(jax.local_devices()[0])
+  return {
+    "model": name,
+    "attention": attention,
+    "remat": remat,
+    "grad_accum_steps": t.grad_accum_steps,
+    "auto_table_gib": {k: round(b / GIB, 3) for k, b in run.accum_table},
+    "global_batch_size": t.global_batch_size,
+    "step_s": round(seconds, 4),
+    "tokens_per_s": round(tokens_per_s, 1),
+    "mfu": round(mfu(run.flops_per_token, tokens_per_s, peak, run.mesh.devices.size), 4),
+    "device_peak_memory_gib": None if memory is None else round(memory / GIB, 3),
+    "build_and_first_step_s": round(compile_s, 1),
+    "loss": float(metrics["loss"]),
+  }
+
+
+def _bitwise_equal(a, b) -> bool:
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(leaves_a) == len(leaves_b) and all(
+    np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b, strict=True)
+  )
+
+
+def _abstract(state, sharding=None):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding), state
+  )
+
+
+def checkpoint_round_trip(config: str, batch: int, tiny: bool) -> dict:
+  """Save from the device, restore on the device and on the CPU, continue one step."""
+  with tempfile.TemporaryDirectory() as run_dir:
+    run, state, _ = build(_config(config, batch, ["train.grad_accum_steps=4"], run_dir, tiny))
+    data = _random_batch(run)
+    state, _ = run.step_fn(state, data)  # a state with non-zero moments
+    host, target = jax.device_get(state), _abstract(state)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    with Checkpointer(f"{run_dir}/checkpoints") as ckpt:
+      t0 = time.perf_counter()
+      ckpt.save(1, state)
+      ckpt.wait()
+      save_s = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      restored = ckpt.restore(target).state
+      jax.block_until_ready(restored)
+      restore_s = time.perf_counter() - t0
+      on_cpu = ckpt.restore(_abstract(state, cpu)).state
+    checks = {
+      "restored_on_device_bitwise": _bitwise_equal(restored, host),
+      "restored_on_cpu_bitwise": _bitwise_equal(on_cpu, host),
+      "cpu_copy_platform": jax.tree.leaves(on_cpu)[0].devices().pop().platform,
+    }
+    original = jax.device_put(host, jax.tree.map(lambda x: x.sharding, target))
+    after_original = jax.device_get(run.step_fn(original, data))  # both donate their state
+    checks["next_step_bitwise"] = _bitwise_equal(after_original, run.step_fn(restored, data))
+  return {
+    "state_gib": round(sum(x.nbytes for x in jax.tree.leaves(host)) / GIB, 3),
+    "save_s": round(save_s, 2),
+    "restore_s": round(restore_s, 2),
+    **checks,
+  }
+
+
+CHECKS = ("restored_on_device_bitwise", "next_step_bitwise", "restored_on_cpu_bitwise")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true", help="tiny shapes (any host)")
+  parser.add_argument("--steps", type=int, default=5, help="timed update steps per case")
+  parser.add_argument("--budget-s", type=float, default=390, help="skip cases started later")
+  parser.add_argument("--max-cases", type=int, default=0, help="run only this many (0 = all)")
+  parser.add_argument("--out", help="also write the JSON line to this file")
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  kernels = ["cudnn", "xla"] if jax.default_backend() == "gpu" else ["blocked", "xla"]
+  result = {"platform": jax.default_backend(), "device": jax.devices()[0].device_kind}
+  result["checkpoint"] = checkpoint_round_trip(MODELS[0][1], MODELS[0][2], args.tiny)
+  result["cases"], result["skipped"] = [], []
+  for name, config, batch in MODELS:
+    for attention in kernels:
+      for remat in ("block", "none"):
+        over_time = time.perf_counter() - start > args.budget_s
+        if over_time or len(result["cases"]) == (args.max_cases or -1):
+          result["skipped"].append(f"{name} {attention} remat={remat}")
+          continue
+        case = measure(name, config, batch, attention, remat, args.steps, args.tiny)
+        result["cases"].append(case)
+        print(json.dumps(case), file=sys.stderr, flush=True)
+  result["seconds"] = round(time.perf_counter() - start, 1)
+  line = json.dumps(result)
+  print(line)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(line + "\n")
+  return 0 if all(result["checkpoint"][k] for k in CHECKS) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
