@@ -194,6 +194,11 @@ def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
     make_cfg(tmp_path / "b", "train.max_steps=4", *common, f"model.scan_layers={then}")
   )
   assert layers.layout_of(resumed.state.params) is then
+  # generate and evaluate read a checkpoint of either layout in the run's current one
+  from jaxstep.trainer.saved_run import load_run
+
+  older = load_run(tmp_path / "b" / "run", step=2)
+  assert layers.layout_of(older.params) is then
   losses = [
     [r["loss"] for r in read_records(d / "run" / "metrics.jsonl")]
     for d in (tmp_path / "a", tmp_path / "b")
