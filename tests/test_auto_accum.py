@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from jaxstep import ConfigError
 from jaxstep.trainer import auto_accum
 from jaxstep.trainer.build import (
-  _mesh,
   abstract_batch,
   abstract_state,
   jit_step,
+  mesh_for,
   train_step,
 )
 
@@ -61,7 +61,7 @@ def compiled_tiny(tmp_path_factory):
     "model.vocab_size=264",
     "mesh.data=1",
   )
-  mesh = _mesh(cfg)
+  mesh = mesh_for(cfg)
   apply_fn, state = abstract_state(cfg, mesh, 64)
   shardings = jax.tree.map(lambda x: x.sharding, state)
   cache = {}

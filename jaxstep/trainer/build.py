@@ -108,7 +108,8 @@ def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
   return model_cfg
 
 
-def _mesh(cfg: config_lib.Config) -> Mesh:
+def mesh_for(cfg: config_lib.Config) -> Mesh:
+  """The mesh of ``cfg`` on this host's devices, checked against G and K (K = 1 for auto)."""
   t = cfg.train
   mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
   problem = geometry.split_problem(
@@ -187,9 +188,8 @@ def resolve_grad_accum(cfg, apply_fn, mesh: Mesh, schedule_steps: int, state) ->
   if t.grad_accum_steps != "auto":
     return t.grad_accum_steps, []
   budget = auto_accum.budget_bytes(t.memory_budget_gb)
-  state = _with_shardings(state, jax.tree.map(lambda x: x.sharding, state))
-  batch = abstract_batch(t, mesh)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
+  state, batch = _with_shardings(state, state_sh), abstract_batch(t, mesh)  # shapes only
 
   def compile_k(k):
     step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
@@ -207,7 +207,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   the K chosen.
   """
   t = cfg.train
-  mesh = _mesh(cfg)
+  mesh = mesh_for(cfg)
   dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
   cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
   spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)

@@ -70,16 +70,16 @@ def compiled_memory(cfg) -> dict:
   from jaxstep import models
   from jaxstep.trainer import auto_accum
   from jaxstep.trainer.build import (
-    _mesh,
     abstract_batch,
     abstract_state,
     jit_step,
+    mesh_for,
     resolve_grad_accum,
     train_step,
   )
 
   cfg = _resolved(cfg)
-  mesh, schedule_steps = _mesh(cfg), max(cfg.train.schedule_steps, cfg.train.max_steps, 1)
+  mesh, schedule_steps = mesh_for(cfg), max(cfg.train.schedule_steps, cfg.train.max_steps, 1)
   apply_fn, state = abstract_state(cfg, mesh, schedule_steps)
   k, table = resolve_grad_accum(cfg, apply_fn, mesh, schedule_steps, state)
   step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
