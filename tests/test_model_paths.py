@@ -213,8 +213,9 @@ def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
 
 
 def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
-  """8 virtual devices (data 2 × fsdp 4), scanned blocks with remat, against one device
-  with unrolled blocks: the same losses over 3 updates."""
+  """8 virtual devices (data 2 × fsdp 4): 3 updates with scanned blocks and remat, then a
+  resume with unrolled blocks for a 4th (the sharded restore converts the layout), against
+  4 updates on one device with unrolled blocks: the same losses."""
   import os
   import subprocess
   import sys
@@ -224,13 +225,15 @@ def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
   from jaxstep import trainer
   from jaxstep.trainer.records import read_records
 
-  common = ["model.n_layers=2", "train.log_every=1", "train.eval_every=0", "train.max_steps=3"]
-  trainer.train(make_cfg(tmp_path / "one", *common))
+  common = ["model.n_layers=2", "train.log_every=1", "train.eval_every=0"]
+  trainer.train(make_cfg(tmp_path / "one", *common, "train.max_steps=4"))
+  mesh = [*common, "mesh.data=2", "mesh.fsdp=4"]
+  scanned = [*mesh, "train.max_steps=3", "model.scan_layers=true", "model.remat=block"]
   script = (
     "import pathlib, sys; sys.path.insert(0, 'tests'); from conftest import make_cfg; "
-    "from jaxstep import trainer; "
-    f"trainer.train(make_cfg(pathlib.Path({str(tmp_path / 'mesh')!r}), *{common!r}, 'mesh.data=2', "
-    "'mesh.fsdp=4', 'model.scan_layers=true', 'model.remat=block'))"
+    f"from jaxstep import trainer; root = pathlib.Path({str(tmp_path / 'mesh')!r}); "
+    f"trainer.train(make_cfg(root, *{scanned!r})); "
+    f"trainer.train(make_cfg(root, *{mesh!r}, 'train.max_steps=4'))"
   )
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   proc = subprocess.run(
@@ -241,7 +244,6 @@ def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
     [r["loss"] for r in read_records(tmp_path / d / "run" / "metrics.jsonl")]
     for d in ("one", "mesh")
   ]
-  assert len(losses[0]) == 3
+  assert len(losses[0]) == 4
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
-  config = (tmp_path / "mesh" / "run" / "config.yaml").read_text()
-  assert "scan_layers: true" in config
+  assert "scan_layers: false" in (tmp_path / "mesh" / "run" / "config.yaml").read_text()
