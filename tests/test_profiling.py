@@ -22,8 +22,10 @@ def test_a_run_writes_a_trace_of_the_chosen_steps(tmp_path, caplog):
   cfg = make_cfg(tmp_path, "train.max_steps=4", "train.profile_steps=2:3", "train.eval_every=0")
   with caplog.at_level(logging.INFO, logger="jaxstep"):
     trainer.train(cfg)
-  traces = list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
-  assert len(traces) == 1 and traces[0].stat().st_size > 0
+  profile = tmp_path / "run" / "profile"
+  for pattern in ("*.xplane.pb", "*.trace.json.gz"):  # TensorBoard's and Perfetto's
+    traces = list(profile.rglob(pattern))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
   assert "profile of update steps 2-3 written to" in caplog.text
 
 

@@ -1,5 +1,6 @@
 """``train.profile_steps: "A:B"``: a ``jax.profiler`` trace of update steps A through B
-(inclusive) in ``run_dir/profile/`` (TensorBoard's profile plugin or Perfetto read it).
+(inclusive) in ``run_dir/profile/``: ``*.xplane.pb`` for TensorBoard's profile plugin and
+``*.trace.json.gz`` for Perfetto (ui.perfetto.dev).
 
 The trace starts before update step A is dispatched and stops once update step B's state
 is computed, so it holds whole steps: host work, compilation if A is the first step, and
@@ -47,7 +48,7 @@ class StepProfiler:
   def before(self, step: int) -> None:
     """Called before update step ``step`` is dispatched."""
     if not self.active and self.first <= step <= self.last:
-      jax.profiler.start_trace(str(self.directory))
+      jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
       self.active = True
 
   def after(self, step: int, state) -> None:
