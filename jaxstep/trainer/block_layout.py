@@ -16,10 +16,13 @@ from jaxstep.models import layers
 log = logging.getLogger("jaxstep")
 
 
-def saved_layout(saved_tree) -> bool | None:
-  """True/False: the checkpoint's blocks are stacked/per block (from orbax's metadata
-  tree); None: it holds no ``blocks``."""
-  return layers.layout_of(saved_tree)
+def like_saved(saved_tree, abstract):
+  """``abstract``, or (``model.scan_layers`` changed since the save) it in the block layout
+  of ``saved_tree`` (orbax's metadata of the checkpoint)."""
+  have, want = layers.layout_of(saved_tree), layers.layout_of(abstract)
+  if have is None or want is None or have == want:
+    return abstract
+  return in_layout(abstract, have)
 
 
 def in_layout(abstract, stacked: bool):

@@ -96,15 +96,6 @@ def _shapes_mismatch(saved_tree, target, what: str) -> str | None:
   return None
 
 
-def _in_saved_layout(saved, abstract):
-  """``abstract``, or (``model.scan_layers`` changed since the save) it in the saved
-  checkpoint's block layout."""
-  have, want = block_layout.saved_layout(saved), block_layout.saved_layout(abstract)
-  if have is None or want is None or have == want:
-    return abstract
-  return block_layout.in_layout(abstract, have)
-
-
 def _fields(target) -> dict | None:
   """A dataclass state (``TrainState``) as a dict of its fields; None for other pytrees."""
   if not dataclasses.is_dataclass(target):
@@ -279,7 +270,7 @@ class Checkpointer:
       saved = self.manager.item_metadata(step)[STATE].tree
     except Exception as e:  # noqa: BLE001 - any failure to read means unusable
       return None, f"metadata unreadable ({_first_line(e)})"
-    target, abstract = abstract, _in_saved_layout(saved, abstract)
+    target, abstract = abstract, block_layout.like_saved(saved, abstract)
     item = self._restorable(step, saved, abstract)
     items = {STATE: ocp.args.StandardRestore(item), RUN: ocp.args.JsonRestore()}
     if (path / VERIFY).is_dir():  # checkpoints written before checksums have none

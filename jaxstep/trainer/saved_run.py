@@ -21,9 +21,8 @@ import orbax.checkpoint as ocp
 
 from jaxstep import data, models
 from jaxstep.errors import CheckpointError, JaxstepError, RunDirError
-from jaxstep.models import layers
+from jaxstep.trainer import block_layout, integrity
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import integrity
 from jaxstep.trainer.checkpoint import (
   STATE,
   VERIFY,
@@ -126,7 +125,7 @@ def _restore(path: pathlib.Path, abstract):
     saved = reader.metadata(path / STATE)
     saved = getattr(saved, "item_metadata", saved)
     saved_params = getattr(saved, "tree", saved)["params"]
-    target, abstract = abstract, _in_layout_of(saved_params, abstract)
+    target, abstract = abstract, block_layout.like_saved(saved_params, abstract)
     mismatch = _shapes_mismatch(saved_params, abstract, "parameter")
     if mismatch:
       raise CheckpointError(f"it does not fit the run's config.yaml: {mismatch}")
@@ -144,18 +143,7 @@ def _restore(path: pathlib.Path, abstract):
   )
   if problem:
     raise CheckpointError(problem)
-  return params if abstract is target else layers.convert_layout(params, layers.layout_of(target))
-
-
-def _in_layout_of(saved_params, abstract):
-  """``abstract`` in the checkpoint's block layout (it may predate a ``model.scan_layers``
-  change that a resumed run made), on the same device."""
-  have, want = layers.layout_of(saved_params), layers.layout_of(abstract)
-  if have is None or want is None or have == want:
-    return abstract
-  device = jax.tree.leaves(abstract)[0].sharding
-  converted = jax.eval_shape(lambda t: layers.convert_layout(t, have), abstract)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), converted)
+  return params if abstract is target else block_layout.back_to(params, target)
 
 
 def _params_checksums(path: pathlib.Path) -> dict:
