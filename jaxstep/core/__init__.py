@@ -3,6 +3,7 @@
 ``step`` (``make_train_step``: one update from one global batch), ``accumulate`` (the scan
 over micro-batches and its ``shard_map`` form), ``session`` (micro-batches one at a time),
 ``state`` (``TrainState``), ``losses``, ``optim``, ``loss_scale`` (fp16), ``precision``,
-``geometry`` (how G, K and devices must divide), ``check`` (K micro-steps vs one batch,
+``geometry`` (how G, K and devices must divide), ``layout`` (where arrays lie on a
+``("data", "fsdp")`` mesh), ``check`` (K micro-steps vs one batch,
 stage by stage) and ``trees`` (leaf names).
 """

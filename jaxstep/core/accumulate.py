@@ -20,8 +20,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxstep.core.layout import AXES, tree_specs
 from jaxstep.core.precision import cast_floating
-from jaxstep.parallel.layout import AXES, tree_specs
 
 # (params, micro_batch, rng) -> (loss_sum, aux); with model state:
 # (params, micro_batch, rng, model_state) -> (loss_sum, aux, new_model_state)
@@ -204,7 +204,7 @@ def sharded_accumulate(
   Args:
     batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
     units: global N (float32, ≥ 1), computed on the global batch outside.
-    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.parallel.layout``).
+    param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.core.layout``).
     model_state: the model's non-parameter state, or None.
   """
   devices = mesh.devices.size

@@ -23,12 +23,12 @@ from jax.sharding import Mesh
 
 from jaxstep.core import geometry
 from jaxstep.core.accumulate import LossFn, accumulate, sharded_accumulate, split_micro_batches
+from jaxstep.core.layout import tree_shardings, tree_specs
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.precision import compute_dtype as precision_dtype
 from jaxstep.core.state import TrainState
 from jaxstep.core.trees import path_name
 from jaxstep.errors import BatchError
-from jaxstep.parallel.layout import tree_shardings, tree_specs
 
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
 

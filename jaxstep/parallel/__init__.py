@@ -1,9 +1,9 @@
 """Many devices: the ``("data", "fsdp")`` mesh, where every array lies on it, and the
-multi-process start. ``layout`` holds the rules as pure functions; ``mesh`` builds meshes
-and feeds batches; ``cpu_devices`` splits a CPU-only host into virtual devices."""
+multi-process start. The rules (pure functions) live in ``jaxstep.core.layout``; ``mesh``
+builds meshes and feeds batches; ``cpu_devices`` splits a CPU-only host into virtual devices."""
 
+from jaxstep.core.layout import AXES, batch_sharding, leaf_spec, tree_shardings, tree_specs
 from jaxstep.parallel.distributed import initialize_distributed
-from jaxstep.parallel.layout import AXES, batch_sharding, leaf_spec, tree_shardings, tree_specs
 from jaxstep.parallel.mesh import local_rows, make_mesh, mesh_shape, put_batch
 
 __all__ = [

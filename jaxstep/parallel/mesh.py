@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jaxstep.core.layout import AXES
 from jaxstep.errors import BatchError, ConfigError
-from jaxstep.parallel.layout import AXES
 
 
 def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Sharding rules as pure functions (no I/O): how params, optimizer state and batches lie
-on a ``("data", "fsdp")`` mesh. ``mesh.py`` builds meshes and feeds batches."""
+on a ``("data", "fsdp")`` mesh. ``jaxstep.parallel.mesh`` builds meshes and feeds batches."""
 
 from __future__ import annotations
 
