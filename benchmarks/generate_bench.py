@@ -112,11 +112,11 @@ def samples_cost(spec: dict):
   from jaxstep import parallel, trainer
   from jaxstep.trainer import config as config_lib
   from jaxstep.trainer.loop import next_batch
-  from jaxstep.trainer.samples import TrainingSamples
+  from jaxstep.trainer.text_samples import TextSamples
 
   cfg = config_lib.load("tiny", ["train.progress=false", "run_dir=/tmp/unused"])
   run, state, rs = trainer.build(cfg)
-  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer, run.cfg.train)
+  samples = TextSamples(run.cfg.model, run.dataset.tokenizer, run.cfg.train)
   batch = parallel.put_batch(next_batch(run, rs), run.batch_sharding)
   state, _ = run.step_fn(state, batch)
   samples(1, state.params)

@@ -14,19 +14,24 @@ The package by layer:
   ``memory``, ``checkpoints``, ``plot``, ``prepare``); ``jaxstep/<command>.py`` lets
   ``python -m jaxstep.<command>`` run each one.
 
-This module is the public API: the names below are what docs and examples use.
+This module is the public API: the names below are what docs and examples use. Each one
+is imported on first use, so ``import jaxstep`` alone imports neither JAX nor orbax, Grain,
+tensorboardX or tqdm.
+
+A command's name here is the Python function that does the same work, not the module
+behind ``python -m jaxstep.<command>``: ``jaxstep.prepare`` is ``jaxstep.data.prepare``,
+``jaxstep.train`` is ``jaxstep.trainer.train``, ``jaxstep.evaluate`` evaluates a saved run
+on a dataset, ``jaxstep.checkpoints`` lists a run's checkpoints and ``jaxstep.plot`` writes
+its loss plot; ``check``, ``generate`` and ``memory`` raise ``ImportError`` naming the
+Python way.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from jaxstep import data, errors, generation, models, parallel  # noqa: E402
-from jaxstep.core.check import CheckReport, Stage, check_accumulation  # noqa: E402
-from jaxstep.core.losses import masked_nll, next_token_loss  # noqa: E402
-from jaxstep.core.optim import OptimConfig, make_optimizer, make_schedule  # noqa: E402
-from jaxstep.core.session import Session, StepReport  # noqa: E402
-from jaxstep.core.state import TrainState  # noqa: E402
-from jaxstep.core.step import make_train_step  # noqa: E402
-from jaxstep.errors import (  # noqa: E402
+import importlib
+
+from jaxstep._version import __version__ as __version__
+from jaxstep.errors import (
   AccumulationError,
   BatchError,
   CheckpointError,
@@ -39,10 +44,6 @@ from jaxstep.errors import (  # noqa: E402
   RunDirError,
   RunIOError,
 )
-from jaxstep.generation import Generator, Sample  # noqa: E402
-from jaxstep.trainer import config  # noqa: E402
-from jaxstep.trainer.checkpoint import Checkpointer  # noqa: E402
-from jaxstep.trainer.saved_run import SavedRun, load_run  # noqa: E402
 
 __all__ = [
   "AccumulationError",
@@ -80,3 +81,65 @@ __all__ = [
   "next_token_loss",
   "parallel",
 ]
+
+# name -> (module, attribute; None: the module itself), imported on first use
+_LAZY = {
+  "CheckReport": ("jaxstep.core.check", "CheckReport"),
+  "Stage": ("jaxstep.core.check", "Stage"),
+  "check_accumulation": ("jaxstep.core.check", "check_accumulation"),
+  "masked_nll": ("jaxstep.core.losses", "masked_nll"),
+  "next_token_loss": ("jaxstep.core.losses", "next_token_loss"),
+  "OptimConfig": ("jaxstep.core.optim", "OptimConfig"),
+  "make_optimizer": ("jaxstep.core.optim", "make_optimizer"),
+  "make_schedule": ("jaxstep.core.optim", "make_schedule"),
+  "Session": ("jaxstep.core.session", "Session"),
+  "StepReport": ("jaxstep.core.session", "StepReport"),
+  "TrainState": ("jaxstep.core.state", "TrainState"),
+  "make_train_step": ("jaxstep.core.step", "make_train_step"),
+  "Generator": ("jaxstep.generation", "Generator"),
+  "Sample": ("jaxstep.generation", "Sample"),
+  "Checkpointer": ("jaxstep.trainer.checkpoint", "Checkpointer"),
+  "SavedRun": ("jaxstep.trainer.saved_run", "SavedRun"),
+  "load_run": ("jaxstep.trainer.saved_run", "load_run"),
+  "config": ("jaxstep.trainer.config", None),
+  # the subpackages
+  "cli": ("jaxstep.cli", None),
+  "core": ("jaxstep.core", None),
+  "data": ("jaxstep.data", None),
+  "errors": ("jaxstep.errors", None),
+  "generation": ("jaxstep.generation", None),
+  "models": ("jaxstep.models", None),
+  "parallel": ("jaxstep.parallel", None),
+  "trainer": ("jaxstep.trainer", None),
+  # the commands: the function that does a command's work
+  "prepare": ("jaxstep.data.prepare", "prepare"),
+  "train": ("jaxstep.trainer.loop", "train"),
+  "evaluate": ("jaxstep.trainer.evaluation", "evaluate"),
+  "checkpoints": ("jaxstep.trainer.checkpoint", "list_checkpoints"),
+  "plot": ("jaxstep.cli.plot", "plot_run"),
+}
+
+# the commands without one function: raising ImportError (not AttributeError) keeps
+# ``from jaxstep import generate`` from importing the ``python -m`` entry module instead
+_NO_FUNCTION = {
+  "check": "jaxstep.check_accumulation (your own loss) or the command `jaxstep check`",
+  "generate": "jaxstep.Generator(...).generate or the command `jaxstep generate`",
+  "memory": "jaxstep.trainer.memory or the command `jaxstep memory`",
+}
+
+
+def __getattr__(name: str):
+  if name in _NO_FUNCTION:
+    raise ImportError(f"jaxstep.{name} is a command, not a function: use {_NO_FUNCTION[name]}")
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  module, attribute = _LAZY[name]
+  value = importlib.import_module(module)
+  if attribute is not None:
+    value = getattr(value, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})

@@ -4,7 +4,12 @@
 flags), ``prepare`` (→ shards + manifest), ``shards`` (memory-mapped windows with loss
 masks), ``dataset`` (splits, epoch order, global batches), ``loader`` (global batches read
 ahead by Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
+
+``BatchLoader`` is imported on first use, so that importing this package does not import
+Grain.
 """
+
+import importlib
 
 from jaxstep.data.dataset import (
   DataConfig,
@@ -16,7 +21,6 @@ from jaxstep.data.dataset import (
   prepared_tokenizer,
   steps_per_epoch,
 )
-from jaxstep.data.loader import BatchLoader
 from jaxstep.data.prepare import prepare, read_manifest
 from jaxstep.data.shards import Windows
 from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
@@ -38,3 +42,17 @@ __all__ = [
   "train_bpe",
   "Windows",
 ]
+
+_LAZY = {"BatchLoader": "jaxstep.data.loader"}  # name -> its module, imported on first use
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(_LAZY[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})

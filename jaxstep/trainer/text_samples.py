@@ -1,4 +1,4 @@
-"""Samples during training: every ``train.sample_every`` update steps, a greedy and a
+"""Text samples during training: every ``train.sample_every`` update steps, a greedy and a
 sampled continuation of each of ``train.sample_prompts``, written to ``samples.jsonl``
 (``step``, ``mode``, ``prompt``, ``text``, ``stop_reason``) and TensorBoard text.
 
@@ -14,7 +14,7 @@ from jaxstep.generation import Generator
 TEMPERATURE = 0.8  # the sampled continuation's temperature
 
 
-class TrainingSamples:
+class TextSamples:
   """Generates the samples of one update step from the params of that step."""
 
   def __init__(self, model_cfg, tokenizer, train_cfg):
