@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 from conftest import regression_loss
+from flax import nnx
 
-from jaxstep import check_accumulation
+from jaxstep import check_accumulation, models
 from jaxstep.cli import check
 from jaxstep.core.losses import masked_nll
 from jaxstep.trainer import config as config_lib
@@ -82,3 +84,71 @@ def test_from_python_a_summed_loss_passes_and_a_mean_loss_fails_at_loss():
 
   report = check_accumulation(mean_loss, params, batch, opt, 2)
   assert report.first_divergence == "loss" and "FAIL" in str(report)
+
+
+class DropoutNet(nnx.Module):
+  def __init__(self, rngs, batch_norm=False):
+    self.lin = nnx.Linear(4, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, use_running_average=False, rngs=rngs) if batch_norm else None
+    self.drop = nnx.Dropout(0.0 if batch_norm else 0.5, rngs=rngs)
+    self.out = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.lin(x)
+    return self.out(self.drop(nnx.relu(self.bn(h) if self.bn is not None else h)))
+
+
+def classification_batch(g=8):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(g, 4)).astype(np.float32)
+  return {
+    "x": jnp.asarray(x),
+    "y": jnp.asarray((x[:, 0] > 0).astype(np.int32)),
+    "loss_mask": jnp.asarray([1, 1, 0, 1, 1, 1, 1, 0], jnp.float32),
+  }
+
+
+def nll_sum(logits, batch):
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  return jnp.sum(nll * batch["loss_mask"])
+
+
+def test_a_random_loss_is_reported_as_random_not_as_a_loss_bug():
+  model = models.from_nnx(DropoutNet(nnx.Rngs(0)))
+
+  def loss_fn(train):
+    def loss(params, batch, rng):  # a correct summed loss
+      return nll_sum(model.apply_fn(params, batch["x"], rng=rng, train=train)[0], batch), {}
+
+    return loss
+
+  batch, opt = classification_batch(), optax.sgd(0.1)
+  report = check_accumulation(loss_fn(True), model.params, batch, opt, 2)
+  assert report.random_loss and not report.passed
+  assert report.first_divergence is None  # not a divergence the split made
+  assert "random" in str(report) and "train=False" in str(report)
+  assert "first divergence at 'loss'" not in str(report)
+  deterministic = check_accumulation(loss_fn(False), model.params, batch, opt, 2)
+  assert deterministic.passed and not deterministic.random_loss
+
+
+def test_a_model_state_loss_is_checked_and_batch_statistics_are_explained():
+  model = models.from_nnx(DropoutNet(nnx.Rngs(0), batch_norm=True))
+  assert set(model.model_state["bn"]) == {"mean", "var"}
+
+  def loss_fn(train):
+    def loss(params, batch, rng, model_state):
+      logits, model_state = model.apply_fn(
+        params, batch["x"], rng=rng, train=train, model_state=model_state
+      )
+      return nll_sum(logits, batch), {}, model_state
+
+    return loss
+
+  batch, opt = classification_batch(), optax.sgd(0.1)
+  args = (model.params, batch, opt, 2)
+  evaluation = check_accumulation(loss_fn(False), *args, model_state=model.model_state)
+  assert evaluation.passed  # running statistics: K micro-batches are one batch exactly
+  training = check_accumulation(loss_fn(True), *args, model_state=model.model_state)
+  assert training.first_divergence == "loss"  # each micro-batch has its own statistics
+  assert "batch statistics" in str(training) and "train=False" in str(training)

@@ -7,10 +7,12 @@ import optax
 import pytest
 from conftest import make_cfg, regression_loss
 
-from jaxstep import TrainState, make_train_step, models, trainer
+from jaxstep import NonFiniteError, TrainState, make_train_step, models, trainer
 from jaxstep.core.accumulate import accumulate, split_micro_batches
 from jaxstep.core.loss_scale import DynamicLossScale, fixed_state
 from jaxstep.core.losses import next_token_loss
+from jaxstep.trainer.guards import NonFiniteGuard
+from jaxstep.trainer.metrics import LateMetrics, NullSink
 
 
 def test_scale_halves_on_overflow_and_doubles_after_the_interval():
@@ -117,3 +119,78 @@ def test_fp16_cli_config_trains(tmp_path):
   )
   assert result.run_state.step == 10 and np.isfinite(result.last_metrics["loss"])
   assert result.last_metrics["loss_scale"] >= 1.0
+
+
+def step_metrics(*, loss, spike, updated, skipped_total, grad_norm=1.0):
+  return {
+    "loss": jnp.float32(loss),
+    "tokens": jnp.int32(8),
+    "grad_norm": jnp.float32(grad_norm),
+    "lr": jnp.float32(0.1),
+    "updated": jnp.bool_(updated),
+    "extra_loss": jnp.float32(0.0),
+    "skipped_total": jnp.int32(skipped_total),
+    "spike": jnp.bool_(spike),
+    "loss_scale": jnp.float32(1.0),
+  }
+
+
+def late_metrics():
+  return LateMetrics(
+    NullSink(), log_every=1, total_steps=10, tokens_per_step=8, flops_per_token=1.0, peak_flops=0
+  )
+
+
+def test_a_loss_spike_skip_never_halts_and_is_not_counted_as_non_finite(tmp_path, caplog):
+  late, guard = late_metrics(), NonFiniteGuard("halt", tmp_path)
+  batch, where = {"x": np.zeros(2)}, {"epoch": 0, "step_in_epoch": 0}
+  steps = [
+    step_metrics(loss=1.0, spike=False, updated=True, skipped_total=0),
+    step_metrics(loss=50.0, spike=True, updated=False, skipped_total=1),  # a finite spike
+    step_metrics(loss=1.0, spike=False, updated=True, skipped_total=1),
+  ]
+  records = []
+  for step, metrics in enumerate(steps, start=1):
+    reported = late.submit(step, metrics, batch, where)
+    if reported is not None:
+      guard.after_step(reported.step, reported.record, reported.batch, reported.position)
+      records.append(reported.record)
+  reported = late.flush()
+  guard.after_step(reported.step, reported.record, reported.batch, reported.position)
+  records.append(reported.record)
+  assert [r["skipped"] for r in records] == [False, True, False]
+  assert [r["nonfinite_total"] for r in records] == [0, 0, 0]
+  assert [r["spikes_total"] for r in records] == [0, 1, 1]
+  assert "loss spike" in caplog.text and "non-finite" not in caplog.text
+  assert (tmp_path / "bad_batches" / "step_00000002.npz").exists()  # kept for debugging
+
+
+def test_a_non_finite_update_still_halts_and_counts(tmp_path):
+  late, guard = late_metrics(), NonFiniteGuard("halt", tmp_path)
+  where = {"epoch": 0, "step_in_epoch": 0}
+  # a spike flag on an update whose gradient overflowed: non-finite, not a spike
+  late.submit(
+    1,
+    step_metrics(loss=50.0, spike=True, updated=False, skipped_total=1, grad_norm=float("inf")),
+    {"x": np.zeros(2)},
+    where,
+  )
+  reported = late.flush()
+  assert reported.record["nonfinite_total"] == 1 and reported.record["spikes_total"] == 0
+  with pytest.raises(NonFiniteError, match="non-finite"):
+    guard.after_step(reported.step, reported.record, reported.batch, reported.position)
+
+
+def test_consecutive_spike_skips_still_stop_at_max_consecutive_skips(tmp_path):
+  guard = NonFiniteGuard("halt", None, max_consecutive=2)
+  record = {
+    "tokens": 8,
+    "skipped": True,
+    "spike": True,
+    "loss": 9.0,
+    "grad_norm": 1.0,
+    "extra_loss": 0.0,
+  }
+  guard.after_step(1, record, {}, {})
+  with pytest.raises(NonFiniteError, match="2 updates in a row"):
+    guard.after_step(2, record, {}, {})

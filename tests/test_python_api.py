@@ -11,7 +11,7 @@ import pytest
 from conftest import regression_loss
 from flax import nnx
 
-from jaxstep import Checkpointer, Session, make_train_step, models
+from jaxstep import Checkpointer, ConfigError, Session, make_train_step, models
 from jaxstep.core.accumulate import split_micro_batches
 from jaxstep.core.loss_scale import DynamicLossScale
 
@@ -216,3 +216,86 @@ def test_a_checkpoint_of_another_model_state_is_a_clear_error(tmp_path):
   other = {"bn": {"mean": jnp.zeros(8), "var": jnp.ones(8)}}
   with pytest.raises(CheckpointError, match="model state bn/mean has shape"):
     Checkpointer(tmp_path / "ckpt").restore(state.replace(model_state=other))
+
+
+def test_a_typed_key_a_raw_key_and_an_int_seed_give_the_same_run():
+  model = models.from_nnx(Net(nnx.Rngs(0)))
+  train_step = make_train_step(
+    classification_loss(model.apply_fn), optax.sgd(0.1), grad_accum_steps=K
+  )
+  step = jax.jit(train_step)
+  typed = jax.random.key(3)
+  results = []
+  for rng in (typed, jax.random.key_data(typed), 3):
+    state = train_step.init(model.params, rng, model_state=model.model_state)
+    assert state.rng.dtype == jnp.uint32 and state.rng.shape == (2,)  # one stored form
+    for seed in range(2):
+      state, metrics = step(state, data(seed=seed))
+    results.append((state.params, state.model_state, metrics["loss"]))
+  chex.assert_trees_all_equal(results[0], results[1])
+  chex.assert_trees_all_equal(results[0], results[2])
+  # the adapter's apply_fn takes either form directly
+  x = data()["x"]
+  by_typed, _ = model.apply_fn(
+    model.params, x, rng=typed, train=True, model_state=model.model_state
+  )
+  by_raw, _ = model.apply_fn(
+    model.params, x, rng=jax.random.key_data(typed), train=True, model_state=model.model_state
+  )
+  np.testing.assert_array_equal(by_typed, by_raw)
+
+
+def test_session_takes_a_typed_key():
+  typed = jax.random.key(5)
+  a = Session(
+    regression_loss, optax.sgd(0.1), {"w": jnp.float32(1.0)}, grad_accum_steps=1, rng=typed
+  )
+  b = Session(
+    regression_loss,
+    optax.sgd(0.1),
+    {"w": jnp.float32(1.0)},
+    grad_accum_steps=1,
+    rng=jax.random.key_data(typed),
+  )
+  np.testing.assert_array_equal(a.state.rng, b.state.rng)
+  assert a.state.rng.dtype == jnp.uint32
+
+
+class LinenMLP(nn.Module):
+  """A linen module without any collection besides ``params``."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
+
+
+def test_a_stateless_linen_module_trains_with_the_documented_init_and_a_3_argument_loss():
+  model = models.from_linen(LinenMLP(), data()["x"], rng=0)
+  assert model.model_state == {}
+
+  def loss_fn(params, batch, rng):
+    logits, _ = model.apply_fn(params, batch["x"], rng=rng, train=True)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jnp.sum(nll * batch["loss_mask"]), {}
+
+  train_step = make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=K)
+  state = train_step.init(model.params, 0, model_state=model.model_state)  # as the docs show
+  assert state.model_state is None
+  state, metrics = jax.jit(train_step)(state, data())
+  assert bool(metrics["updated"])
+  # the same update as a plain gradient of Σ loss / N over the whole batch
+  batch = data()
+  loss_sum, _ = loss_fn(model.params, batch, None)
+  grads = jax.grad(lambda p: loss_fn(p, batch, None)[0] / batch["loss_mask"].sum())(model.params)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, model.params, grads)
+  chex.assert_trees_all_close(state.params, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["loss"], loss_sum / batch["loss_mask"].sum(), rtol=1e-6)
+
+
+def test_a_stateless_model_with_a_4_argument_loss_is_a_clear_error_at_init():
+  model = models.from_linen(LinenMLP(), data()["x"], rng=0)
+  train_step = make_train_step(
+    classification_loss(model.apply_fn), optax.sgd(0.1), grad_accum_steps=K
+  )
+  with pytest.raises(ConfigError, match="no model state"):
+    train_step.init(model.params, 0, model_state=model.model_state)

@@ -8,10 +8,18 @@ import optax
 import pytest
 from conftest import lm_batch, regression_loss, tiny_lm_apply, tiny_lm_params
 
-from jaxstep import AccumulationError, EmptyBatchError, Session, TrainState, make_train_step
+from jaxstep import (
+  AccumulationError,
+  ConfigError,
+  EmptyBatchError,
+  Session,
+  TrainState,
+  make_train_step,
+)
 from jaxstep.core.accumulate import split_micro_batches
 from jaxstep.core.losses import next_token_loss
 from jaxstep.core.optim import OptimConfig, make_optimizer
+from jaxstep.core.step import apply_update
 
 
 def micro(xs, ys, mask=None):
@@ -130,3 +138,31 @@ def test_lr_override_equals_an_optimizer_built_with_that_lr():
     s.train_step(micro([3.0], [6.0]), normalization_units=1, lr=lr)
   assert float(a.state.params["w"]) == pytest.approx(float(b.state.params["w"]), rel=1e-6)
   assert float(a.state.params["w"]) != 1.0
+
+
+def test_lr_override_without_an_injected_lr_is_a_config_error_before_anything_changes():
+  s = session()  # plain optax.sgd(0.1): its lr is a constant, not in the optimizer state
+  with pytest.raises(ConfigError, match="inject_hyperparams"):
+    s.train_step(micro([1.0], [2.0]), normalization_units=1, lr=0.05)
+  assert s.valid and s.microsteps_accumulated == 0 and s.optimizer_step == 0
+  s.train_step(micro([1.0], [2.0]), normalization_units=1)  # still usable, no reset needed
+  report = s.train_step(micro([3.0], [6.0]), normalization_units=1)
+  assert report.parameters_updated and float(s.params["w"]) == pytest.approx(1.5)
+
+
+def test_apply_update_with_an_lr_needs_an_injected_lr():
+  params = {"w": jnp.float32(1.0)}
+  state = TrainState.create(params=params, optimizer=optax.sgd(0.1), rng=0)
+  grads = {"w": jnp.float32(1.0)}
+  with pytest.raises(ConfigError, match="inject_hyperparams"):
+    apply_update(optax.sgd(0.1), state, grads, jnp.bool_(True), lr=0.05)
+
+
+def test_lr_override_when_the_schedule_is_at_zero_skips_instead_of_nan():
+  # warmup from 0: the first update's scheduled lr is exactly 0, so no rescaling of its
+  # (zero) update can reach another lr; the update is skipped, never applied as NaN
+  opt = make_optimizer(OptimConfig(lr=0.1, warmup_steps=5, clip_grad_norm=0.0), 10)
+  s = session(k=1, optimizer=opt)
+  report = s.train_step(micro([1.0], [2.0]), normalization_units=1, lr=0.05)
+  assert not report.parameters_updated and int(s.state.skipped) == 1
+  assert float(s.params["w"]) == 1.0

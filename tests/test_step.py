@@ -312,3 +312,34 @@ def test_temp_memory_does_not_grow_with_the_global_batch():
     temp[k] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
   one_leaf = 4 * 64 * 64 * 4  # bytes of one [G, S] int32 leaf at K = 64
   assert temp[64] - temp[4] < one_leaf, temp
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16)])
+def test_low_precision_casts_float_inputs_so_the_model_computes_in_that_dtype(precision, dtype):
+  seen = {}
+
+  def loss_fn(params, batch, rng):
+    h = batch["x"] @ params["w"]  # the user's own model: float inputs, no cast of its own
+    seen.update(x=batch["x"].dtype, h=h.dtype, ids=batch["ids"].dtype)
+    nll = jnp.sum(h.astype(jnp.float32) ** 2, axis=-1) + batch["ids"]
+    return jnp.sum(batch["loss_mask"] * nll), {}
+
+  rng = np.random.default_rng(0)
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+    "ids": jnp.arange(4, dtype=jnp.int32),
+    "loss_mask": jnp.ones(4, jnp.int32),
+  }
+  w = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+  train_step = make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=2, precision=precision)
+  _, metrics = jax.jit(train_step)(train_step.init({"w": w}, 0), batch)
+  assert seen == {"x": dtype, "h": dtype, "ids": jnp.int32}  # integer leaves untouched
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def by_hand(x, w, dtype):  # row-wise, so the micro-batch split does not matter
+    h = (x.astype(dtype) @ w.astype(dtype)).astype(jnp.float32)
+    return (jnp.sum(h**2) + jnp.sum(batch["ids"])) / 4
+
+  expected, in_fp32 = by_hand(batch["x"], w, dtype), by_hand(batch["x"], w, jnp.float32)
+  np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-6)
+  assert abs(float(metrics["loss"]) - float(in_fp32)) > 1e-4  # not the fp32 result

@@ -67,8 +67,10 @@ def micro_gradients(
     units: N for the whole global batch (float32 scalar, already clamped to ≥ 1).
     rng: this micro-step's PRNG key.
     grad_accum_steps: K.
-    compute_dtype: if set (bf16/fp16), floating params are cast to it at the model
-      boundary; gradients still flow back to (and come out as) fp32.
+    compute_dtype: if set (bf16/fp16), floating params AND the floating leaves of the
+      micro-batch are cast to it at the model boundary, so a model fed fp32 features
+      computes in that dtype instead of promoting back to fp32; integer leaves (token
+      ids, int masks) are untouched. Gradients still flow back to (and come out as) fp32.
     loss_scale: the objective is multiplied by it before differentiation (fp16), so the
       returned grads are scaled; the reported loss is not.
     model_state: the model's non-parameter state, or None for a model without any.
@@ -77,6 +79,8 @@ def micro_gradients(
     ``(grads, (loss_sum, extra_loss, aux, model_state))`` with fp32 grads shaped like params
     and the model state after this micro-step (None stays None).
   """
+
+  micro_batch = cast_floating(micro_batch, compute_dtype)  # data, not differentiated
 
   def objective(p):
     p = cast_floating(p, compute_dtype)

@@ -3,6 +3,11 @@ K = 1 on the same global batch, through the library's own ``split_micro_batches`
 ``accumulate`` and optimizer, compared stage by stage: logits → loss → gradients → clipped
 update → new params. The first stage whose relative error exceeds the precision's
 tolerance is where the two diverge.
+
+Two things make K and K = 1 differ without any accumulation bug, and the report names them
+instead of a stage: a *random* loss (dropout: the K micro-steps draw other masks than the
+one big batch, by design), found by running K = 1 under two keys; and a model state used in
+training mode (BatchNorm: each micro-batch is normalized by its own batch statistics).
 """
 
 from __future__ import annotations
@@ -17,10 +22,24 @@ import optax
 from jaxstep.core import geometry
 from jaxstep.core.accumulate import accumulate, split_micro_batches
 from jaxstep.core.precision import cast_floating, compute_dtype
-from jaxstep.core.step import default_units_fn, global_batch_size
+from jaxstep.core.state import empty_to_none
+from jaxstep.core.step import check_loss_arity, default_units_fn, global_batch_size
 from jaxstep.errors import EmptyBatchError
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 3e-2}  # max |a - b| / max |b| per stage
+
+RANDOM_LOSS = (
+  "INCONCLUSIVE: the loss is random — K = 1 alone gives another loss or gradient under "
+  "another rng (dropout?), so K micro-steps, which draw other masks, cannot match it. "
+  "Check with randomness off: a loss_fn whose model runs with train=False (or dropout 0)"
+)
+BATCH_STATISTICS = (
+  "note: the loss takes a model state. In training mode BatchNorm normalizes each "
+  "micro-batch by its own batch statistics, so K micro-batches of G/K samples are not one "
+  "batch of G and a divergence from 'logits'/'loss' on is expected, not an accumulation "
+  "bug. To check the accumulation itself, use a loss_fn with train=False (running "
+  "statistics)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +52,28 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
-  """Where K micro-steps and one big batch agree, stage by stage; ``str()`` is the table."""
+  """Where K micro-steps and one big batch agree, stage by stage; ``str()`` is the table
+  and a verdict: PASS, FAIL at the first divergent stage, or INCONCLUSIVE for a random
+  loss, followed by a note on batch statistics when a model state was involved."""
 
   stages: tuple[Stage, ...]
   grad_accum_steps: int
   precision: str
+  random_loss: bool = False  # K = 1 under two rngs disagrees: the comparison says nothing
+  model_state: bool = False  # the loss took a model state (batch statistics may differ)
 
   @property
   def passed(self) -> bool:
-    return all(s.passed for s in self.stages)
+    """Every stage within tolerance, and the loss deterministic (a random loss never
+    passes: its stages cannot show that accumulation is exact)."""
+    return not self.random_loss and all(s.passed for s in self.stages)
 
   @property
   def first_divergence(self) -> str | None:
-    """The first stage over the tolerance (e.g. ``"loss"``), or None if all pass."""
+    """The first stage over the tolerance (e.g. ``"loss"``); None if all pass or the loss
+    is random (then no stage is to blame; see ``random_loss``)."""
+    if self.random_loss:
+      return None
     return next((s.name for s in self.stages if not s.passed), None)
 
   def __str__(self) -> str:
@@ -58,9 +86,14 @@ class CheckReport:
       verdict = "PASS" if s.passed else "FAIL"
       lines.append(f"  {s.name:<16} {s.max_abs:>12.3e} {s.max_rel:>12.3e}  {verdict}")
     failed = self.first_divergence
-    lines.append(
-      "PASS: accumulation is exact" if failed is None else f"FAIL: first divergence at '{failed}'"
-    )
+    if self.random_loss:
+      lines.append(RANDOM_LOSS)
+    elif failed is None:
+      lines.append("PASS: accumulation is exact")
+    else:
+      lines.append(f"FAIL: first divergence at '{failed}'")
+    if self.model_state and not self.passed:
+      lines.append(BATCH_STATISTICS)
     return "\n".join(lines)
 
 
@@ -81,22 +114,32 @@ def check_accumulation(
   apply_fn=None,
   units_fn=None,
   precision: str = "fp32",
+  model_state=None,
 ) -> CheckReport:
   """One update of ``params`` on ``batch`` with K = ``grad_accum_steps`` micro-steps and
   with K = 1, compared stage by stage: [logits →] loss → gradients → update → new params.
 
   Args:
-    loss_fn: the step's ``(params, micro_batch, rng) -> (loss_sum, aux)``. A loss that
-      returns a mean instead of a sum fails at ``loss``: with K micro-steps it is divided
-      by N on top of its own mean.
+    loss_fn: the step's ``(params, micro_batch, rng) -> (loss_sum, aux)``, or with
+      ``model_state`` its 4-argument form. A loss that returns a mean instead of a sum
+      fails at ``loss``: with K micro-steps it is divided by N on top of its own mean. The
+      loss must be deterministic: K = 1 is also run under a second rng, and if that
+      changes the loss or gradients (dropout on) the report says ``random_loss`` instead
+      of naming a stage; check with dropout off (``train=False``).
     params, batch, optimizer: as for ``make_train_step`` (batch leaves ``[G, ...]``).
     grad_accum_steps: K; G must divide by it.
     apply_fn: ``(params, inputs) -> logits``, to compare the logits first (optional).
     units_fn: N of the global batch; default ``batch["loss_mask"].sum()``.
     precision: the compute precision; sets the tolerance (``TOLERANCE``).
+    model_state: the model's non-parameter state (``train_step.init``'s), threaded through
+      the micro-steps in order as the step does; empty means none. In training mode
+      BatchNorm's batch statistics differ with the micro-batch size, so K and K = 1
+      legitimately differ from the logits on; the report says so. With ``train=False``
+      (running statistics) accumulation must be exact.
 
   Returns:
-    A ``CheckReport``: ``passed``, ``first_divergence`` and the table as ``str()``.
+    A ``CheckReport``: ``passed``, ``first_divergence``, ``random_loss`` and the table
+    with its verdict as ``str()``.
   """
   k = geometry.grad_accum_steps(grad_accum_steps)
   global_batch_size(batch, k)
@@ -107,26 +150,40 @@ def check_accumulation(
       "the batch has no normalization units (no loss-masked tokens): both runs would be "
       "zero and the comparison says nothing; check a batch with tokens"
     )
-  rng = jax.random.PRNGKey(0)
+  model_state = empty_to_none(model_state)
+  check_loss_arity(loss_fn, model_state)
   opt_state = optimizer.init(params)
 
-  def run(k):
+  def run(k, rng):
     micro = split_micro_batches(batch, k)  # [K, G/K, ...]
-    grads, loss, _, _, _ = accumulate(loss_fn, params, micro, units, rng, compute_dtype=dtype)
+    grads, loss, _, _, _ = accumulate(
+      loss_fn, params, micro, units, rng, compute_dtype=dtype, model_state=model_state
+    )
     updates, _ = optimizer.update(grads, opt_state, params)
     stages = (loss, grads, updates, optax.apply_updates(params, updates))
     if apply_fn is None:
       return stages
-    logits = jax.vmap(lambda mb: apply_fn(cast_floating(params, dtype), mb["inputs"]))(micro)
+    logits = jax.vmap(
+      lambda mb: apply_fn(cast_floating(params, dtype), cast_floating(mb["inputs"], dtype))
+    )(micro)
     return (jnp.swapaxes(logits, 0, 1).reshape(-1, *logits.shape[2:]), *stages)  # row order
 
   names = ("loss", "gradients", "update", "new params")
   names = names if apply_fn is None else ("logits", *names)
   run = jax.jit(run, static_argnums=0)
-  ours, reference = run(k), run(1)
+  rng = jax.random.PRNGKey(0)
+  ours, reference = run(k, rng), run(1, rng)
   tol = TOLERANCE[precision or "fp32"]
+  # The same K = 1 update under another key: a deterministic loss gives it again (to the
+  # tolerance); a random one (dropout) does not, and then no K can be expected to match.
+  redrawn = run(1, jax.random.PRNGKey(1))
+  loss_and_grads = slice(0, 2) if apply_fn is None else slice(1, 3)  # not the logits
+  random_loss = any(
+    _errors(a, b)[1] > tol
+    for a, b in zip(redrawn[loss_and_grads], reference[loss_and_grads], strict=True)
+  )
   stages = []
   for name, a, b in zip(names, ours, reference, strict=True):
     max_abs, max_rel = _errors(a, b)
     stages.append(Stage(name, max_abs, max_rel, max_rel <= tol))
-  return CheckReport(tuple(stages), k, precision or "fp32")
+  return CheckReport(tuple(stages), k, precision or "fp32", random_loss, model_state is not None)

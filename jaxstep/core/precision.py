@@ -1,8 +1,11 @@
 """Compute precisions: the one table of names and what each means for the step.
 
 Parameters, gradients and the gradient accumulator stay fp32 under every precision; only
-the forward and backward compute runs in the named dtype (params are cast at the model
-boundary, inside the differentiated function, so gradients flow back to fp32).
+the forward and backward compute runs in the named dtype. At the model boundary the params
+are cast (inside the differentiated function, so gradients flow back to fp32) and so are
+the floating leaves of each micro-batch: a bf16 weight times an fp32 input would promote
+the matmul back to fp32. Integer leaves (token ids, int masks) are left as they are, and
+the step counts the normalization units N on the uncast global batch.
 """
 
 from __future__ import annotations

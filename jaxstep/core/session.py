@@ -22,7 +22,7 @@ from jaxstep.core import geometry
 from jaxstep.core.accumulate import LossFn, micro_gradients
 from jaxstep.core.precision import compute_dtype as precision_dtype
 from jaxstep.core.state import TrainState
-from jaxstep.core.step import apply_update, current_lr
+from jaxstep.core.step import NO_INJECTED_LR, apply_update, current_lr, injected_lr
 from jaxstep.errors import AccumulationError, ConfigError, EmptyBatchError
 
 
@@ -74,6 +74,8 @@ class Session:
     # A copy: updates donate the state's buffers, and the caller's arrays must outlive them.
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     self.state = TrainState.create(params=params, optimizer=optimizer, rng=rng)
+    # lr= rescales by the injected lr; known once, so a bad override fails before any work
+    self._injects_lr = injected_lr(self.state.opt_state) is not None
 
     def micro(params, grads_acc, loss_acc, micro_batch, rng):
       grads, (loss_sum, _, _, _) = micro_gradients(
@@ -90,7 +92,8 @@ class Session:
     def update(state, grads_acc, loss_acc, units, lr):
       grads = optax.tree.scale(1.0 / units, grads_acc)
       ok = jnp.isfinite(loss_acc) & jnp.isfinite(optax.tree.norm(grads))
-      return apply_update(optimizer, state, grads, ok, lr=lr), ok
+      new_state = apply_update(optimizer, state, grads, ok, lr=lr)
+      return new_state, new_state.skipped == state.skipped  # apply_update may skip too
 
     self._micro = jax.jit(micro, donate_argnums=(1,))
     self._update = jax.jit(update, donate_argnums=0)
@@ -148,15 +151,22 @@ class Session:
       normalization_units: the units of THIS micro-batch (e.g. its loss-masked tokens);
         the update divides by their sum over the accumulation.
       force_update: update now, with fewer than K micro-steps (a short tail).
-      lr: learning rate for this update instead of the optimizer's own.
+      lr: learning rate for this update instead of the optimizer's own (its updates are
+        rescaled by ``lr / scheduled lr``). Needs an optimizer that injects its lr
+        (``optax.inject_hyperparams`` or ``jaxstep.make_optimizer``); an update whose
+        scheduled lr is 0 (a warmup's first) cannot be rescaled and is skipped.
       before_update: called at the boundary with the report; returning True aborts: no
         update, and the accumulation becomes invalid.
       after_update: called with the report after the update.
 
     Raises:
+      ConfigError: ``lr`` given but the optimizer does not inject its lr; raised before
+        anything is added, so the session trains on as if the call had not happened.
       AccumulationError: the accumulation was invalidated (abort or exception); ``reset()``.
       EmptyBatchError: zero units at the boundary; nothing is updated.
     """
+    if lr is not None and not self._injects_lr:
+      raise ConfigError(NO_INJECTED_LR)
     if not self.valid:
       raise AccumulationError(
         "this Session's accumulation was aborted or failed; call "

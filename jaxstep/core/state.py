@@ -6,10 +6,40 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
 from jaxstep.core.loss_scale import LossScaleState, fixed_state
+from jaxstep.errors import ConfigError
+
+
+def raw_key(rng) -> jax.Array:
+  """``rng`` as the one form the state stores: a raw threefry key, ``uint32[2]``.
+
+  Accepts an int seed (``PRNGKey(seed)``), a new-style typed key (``jax.random.key``; its
+  ``key_data``) or a raw key. One stored form keeps checkpoints and resume the same
+  whichever the caller passed, and a typed key and its ``key_data`` draw the same numbers.
+  """
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.PRNGKey(int(rng))
+  if jax.dtypes.issubdtype(getattr(rng, "dtype", None), jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  rng = jnp.asarray(rng)
+  if rng.shape != (2,) or not jnp.issubdtype(rng.dtype, jnp.integer):
+    raise ConfigError(
+      f"rng must be an int seed, a jax.random.key or a raw uint32[2] key (PRNGKey); got "
+      f"{rng.dtype}{list(rng.shape)}"
+    )
+  return rng.astype(jnp.uint32)
+
+
+def empty_to_none(model_state: Any) -> Any:
+  """``None`` for a model state without any array (``{}``, an empty pytree): such a model
+  keeps no state, and its loss takes no ``model_state`` argument."""
+  if model_state is None or not jax.tree.leaves(model_state):
+    return None
+  return model_state
 
 
 @struct.dataclass
@@ -65,23 +95,23 @@ class TrainState:
     Args:
       params: parameter pytree (any JAX model's parameters).
       optimizer: the optax transformation the step will apply; used to init opt_state.
-      rng: a raw PRNG key or an int seed.
+      rng: an int seed, a typed key (``jax.random.key``) or a raw ``uint32[2]`` key;
+        stored raw (``raw_key``).
       loss_scale: initial loss scale or scaler state (only meaningful for fp16).
       loss_window: length of ``recent_losses`` (the spike guard's running window).
-      model_state: the model's non-parameter state, or None.
+      model_state: the model's non-parameter state, or None; an empty one (``{}``, as
+        ``from_linen`` returns for a stateless module) is None.
 
     Returns:
       A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
     """
-    if isinstance(rng, int):
-      rng = jax.random.PRNGKey(rng)
     return cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
       opt_state=optimizer.init(params),
-      rng=rng,
+      rng=raw_key(rng),
       skipped=jnp.zeros((), jnp.int32),
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),
       recent_losses=jnp.full((loss_window,), jnp.inf, jnp.float32),
-      model_state=model_state,
+      model_state=empty_to_none(model_state),
     )

@@ -13,6 +13,7 @@ This module is pure JAX: no I/O, no logging, no config objects.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,9 +27,9 @@ from jaxstep.core.accumulate import LossFn, accumulate, sharded_accumulate, spli
 from jaxstep.core.layout import tree_shardings, tree_specs
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.precision import compute_dtype as precision_dtype
-from jaxstep.core.state import TrainState
+from jaxstep.core.state import TrainState, empty_to_none
 from jaxstep.core.trees import path_name
-from jaxstep.errors import BatchError
+from jaxstep.errors import BatchError, ConfigError
 
 UnitsFn = Callable[[Mapping[str, jax.Array]], jax.Array]
 
@@ -69,17 +70,31 @@ def global_batch_size(batch: Mapping[str, Any], grad_accum_steps: int, devices: 
   return g
 
 
+def injected_lr(opt_state) -> jax.Array | None:
+  """The ``learning_rate`` an ``optax.inject_hyperparams`` optimizer keeps in its state, or
+  None when the optimizer holds its lr as a Python constant (plain ``optax.sgd(0.1)``).
+
+  Whether it is there is a property of the state's structure, not of its values, so this
+  answers on the host and at trace time alike."""
+  return optax.tree_utils.tree_get(
+    opt_state,
+    "learning_rate",
+    default=None,
+    filtering=lambda _, value: isinstance(value, jax.Array),
+  )
+
+
 def current_lr(opt_state) -> jax.Array:
   """The learning rate of the last update, if the optimizer injects it (else NaN)."""
-  return jnp.asarray(
-    optax.tree_utils.tree_get(
-      opt_state,
-      "learning_rate",
-      default=jnp.nan,
-      filtering=lambda _, value: isinstance(value, jax.Array),
-    ),
-    jnp.float32,
-  )
+  lr = injected_lr(opt_state)
+  return jnp.asarray(jnp.nan if lr is None else lr, jnp.float32)
+
+
+NO_INJECTED_LR = (
+  "an lr= override needs the optimizer to keep its learning rate in its state: build it "
+  "with optax.inject_hyperparams (e.g. optax.inject_hyperparams(optax.sgd)(learning_rate="
+  "0.1)) or jaxstep.make_optimizer; this optimizer's lr is a constant inside it"
+)
 
 
 def apply_update(
@@ -89,13 +104,26 @@ def apply_update(
 
   When ``ok`` is False, params and opt_state are returned unchanged (selected on device,
   no host round-trip) and ``skipped`` increments. ``step`` always advances: it counts
-  update steps of the run, applied or not. ``lr`` overrides the optimizer's own learning
-  rate for this update by rescaling its updates (exact for optax's SGD/Adam/AdamW, whose
-  update is linear in the lr); the optimizer must inject its lr (``make_optimizer`` does).
+  update steps of the run, applied or not.
+
+  ``lr`` overrides the optimizer's own learning rate for this update by rescaling its
+  updates by ``lr / lr_sched``, where ``lr_sched`` is the injected lr this update used
+  (exact for optax's SGD/Adam/AdamW, whose update is linear in the lr). So the optimizer
+  must inject its lr (``optax.inject_hyperparams``; ``make_optimizer`` does), else
+  ``ConfigError`` at trace time. An update whose ``lr_sched`` is 0 (the first step of a
+  warmup from 0) is all zeros and no rescaling reaches another lr: it is skipped (counted
+  in ``skipped``), never applied as NaN.
   """
   updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
   if lr is not None:
-    updates = optax.tree.scale(lr / current_lr(new_opt_state), updates)
+    scheduled = injected_lr(new_opt_state)
+    if scheduled is None:
+      raise ConfigError(NO_INJECTED_LR)
+    scheduled = jnp.asarray(scheduled, jnp.float32)
+    rescalable = jnp.isfinite(scheduled) & (scheduled != 0)
+    ratio = jnp.where(rescalable, lr / jnp.where(rescalable, scheduled, 1.0), 0.0)
+    updates = optax.tree.scale(ratio, updates)
+    ok = ok & rescalable
   new_params = optax.apply_updates(state.params, updates)
   return state.replace(
     step=state.step + 1,
@@ -112,6 +140,36 @@ def _loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax
   filled = jnp.isfinite(recent_losses)
   median = jnp.nanmedian(jnp.where(filled, recent_losses, jnp.nan))
   return (jnp.sum(filled) * 2 >= recent_losses.shape[0]) & (loss > factor * median)
+
+
+def _binds(fn, n: int) -> bool | None:
+  """Can ``fn`` take ``n`` positional arguments? None if its signature is unknown."""
+  try:
+    inspect.signature(fn).bind(*range(n))
+  except TypeError:
+    return False
+  except ValueError:  # a builtin or C callable without a signature
+    return None
+  return True
+
+
+def check_loss_arity(loss_fn, model_state) -> None:
+  """Fails at ``init``, on the host, when the loss's signature cannot take the form the
+  step will call: 3 arguments without model state, 4 with it (a TypeError deep inside the
+  traced step otherwise)."""
+  takes3, takes4 = _binds(loss_fn, 3), _binds(loss_fn, 4)
+  if model_state is None and takes3 is False and takes4:
+    raise ConfigError(
+      "the state holds no model state (model_state is None or empty: the model keeps "
+      "none), so the step calls loss_fn(params, micro_batch, rng) -> (loss_sum, aux); "
+      "drop the loss's model_state argument and return value"
+    )
+  if model_state is not None and takes4 is False and takes3:
+    raise ConfigError(
+      "the state holds a model state, so the step calls loss_fn(params, micro_batch, rng, "
+      "model_state) -> (loss_sum, aux, model_state); give the loss that argument, or build "
+      "the state without model_state="
+    )
 
 
 def make_train_step(
@@ -234,8 +292,14 @@ def make_train_step(
   def init(params, rng: jax.Array | int, *, model_state=None) -> TrainState:
     """The state at update step 0 that this step needs: optimizer state, the loss scale's
     initial value (fp16), the spike window, the model state; laid out on ``mesh`` if set.
+
+    ``rng`` is an int seed, a typed key (``jax.random.key``) or a raw ``uint32[2]`` key;
+    the state stores it raw. An empty ``model_state`` (``{}``, what the adapters return
+    for a model that keeps none) means none: the loss is then called with 3 arguments.
     Params and model state are copied, so donating the state never deletes the caller's
     arrays."""
+    model_state = empty_to_none(model_state)
+    check_loss_arity(loss_fn, model_state)
     copy = functools.partial(jax.tree.map, lambda x: jnp.array(x, copy=True))
     state = TrainState.create(
       params=copy(params),

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstep.core.state import raw_key
+
 # What an NNX module keeps besides its parameters and random streams.
 _NNX_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
 
@@ -41,10 +43,12 @@ def _accepts(fn) -> set[str]:
 
 def _fresh_streams(rng_state: dict, rng) -> dict:
   """Every random stream's key replaced by ``fold_in(rng, i)`` and its count reset, so the
-  streams depend on the step's key only (``rng=None``: left as they are)."""
+  streams depend on the step's key only (``rng=None``: left as they are). ``rng`` may be a
+  typed key, a raw ``uint32[2]`` key or an int seed; a typed key and its ``key_data`` draw
+  the same streams."""
   if rng is None:
     return rng_state
-  base = jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
+  base = jax.random.wrap_key_data(raw_key(rng))
   leaves, treedef = jax.tree.flatten(rng_state)
   fresh = [
     jax.random.fold_in(base, i)
@@ -64,7 +68,9 @@ def from_nnx(module: nnx.Module) -> Model:
 
   ``train`` is passed to ``__call__`` if it takes it; otherwise the module is switched
   with ``.train()`` / ``.eval()`` (dropout on/off, BatchNorm batch/running statistics).
-  ``rng`` is passed on if ``__call__`` takes it.
+  ``rng`` is passed on if ``__call__`` takes it. A module without other variables has
+  ``model_state == {}``, which ``train_step.init`` takes as no model state (3-argument
+  loss).
   """
   graphdef, params, rng_state, model_state = nnx.split(module, nnx.Param, nnx.RngState, ...)
   rng_state = nnx.to_pure_dict(rng_state)
@@ -94,10 +100,12 @@ def from_linen(module, sample_inputs, rng: jax.Array | int = 0) -> Model:
   becomes ``params`` and every other collection (``batch_stats``, …) ``model_state``.
 
   ``train`` is passed to ``__call__`` if it takes it; with ``train=True`` every
-  non-parameter collection is mutable and comes back updated. ``rng`` feeds the
-  ``dropout`` stream.
+  non-parameter collection is mutable and comes back updated. ``rng`` (an int seed, a
+  typed or a raw key, here and in ``apply_fn``) feeds the ``dropout`` stream. A module
+  without other collections has ``model_state == {}``: ``train_step.init`` takes that as
+  no model state, and the loss takes 3 arguments.
   """
-  key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+  key = raw_key(rng)
   accepts = _accepts(module.__call__)
   flags = (lambda train: {"train": train}) if "train" in accepts else (lambda train: {})
   variables = dict(module.init({"params": key, "dropout": key}, sample_inputs, **flags(False)))
@@ -105,7 +113,7 @@ def from_linen(module, sample_inputs, rng: jax.Array | int = 0) -> Model:
 
   def apply_fn(params, inputs, *, rng=None, train=False, model_state=None):
     model_state = dict(model_state or {})
-    rngs = {"dropout": rng} if rng is not None else None
+    rngs = {"dropout": raw_key(rng)} if rng is not None else None
     variables = {"params": params, **model_state}
     if not (train and model_state):
       return module.apply(variables, inputs, rngs=rngs, **flags(train)), model_state

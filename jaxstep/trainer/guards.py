@@ -3,12 +3,15 @@
 The jitted step never applies a non-finite update (or, with the spike guard on, a loss
 spike): it leaves params and optimizer state as they were and reports ``updated = False``.
 A program on the device cannot raise, so the host decides what happens next, here: the
-global batch is saved for debugging, and under ``halt`` the run stops.
+global batch is saved for debugging, and under ``halt`` a non-finite update stops the run.
+A loss spike is a finite loss the step's spike guard judged an outlier: it is skipped and
+logged as a spike, never halts, and only counts towards ``max_consecutive``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 
 import numpy as np
@@ -27,18 +30,31 @@ def _save_bad_batch(run_dir: pathlib.Path, step: int, batch: dict, position: dic
   folder.mkdir(exist_ok=True)
   path = folder / f"step_{step:08d}.npz"
   np.savez(path, **batch)
-  path.with_suffix(".json").write_text(records.dumps({"step": step, **position}) + "\n")
+  records.write_atomic(path.with_suffix(".json"), records.dumps({"step": step, **position}) + "\n")
   return path
+
+
+def is_spike_skip(record: dict) -> bool:
+  """Was this skipped update a loss spike, not a non-finite one? True when the step flagged
+  a spike and its loss, extra loss and gradient norm are all finite (a spike flag on an
+  update that also overflowed is non-finite)."""
+  return (
+    bool(record["skipped"])
+    and bool(record.get("spike", False))
+    and all(math.isfinite(record.get(k, 0.0)) for k in ("loss", "extra_loss", "grad_norm"))
+  )
 
 
 class NonFiniteGuard:
   """Acts on skipped updates by ``policy`` (one of ``NONFINITE_POLICIES``).
 
   Args:
-    policy: ``skip`` logs and saves the batch; ``halt`` then raises ``NonFiniteError``.
+    policy: ``skip`` logs and saves the batch; ``halt`` then raises ``NonFiniteError`` for a
+      non-finite update (a loss spike is skipped under either policy).
     run_dir: where bad batches go; None on processes that write nothing (all but 0).
-    max_consecutive: under ``skip``, this many skipped updates in a row raise
-      ``NonFiniteError`` (a run whose every update is skipped is not training; 0 = never).
+    max_consecutive: this many skipped updates in a row raise ``NonFiniteError`` (a run
+      whose every update is skipped is not training; 0 = never): under ``skip`` any skips,
+      under ``halt`` loss spikes (a non-finite update has halted already).
   """
 
   def __init__(self, policy: str, run_dir: pathlib.Path | None, max_consecutive: int = 0):
@@ -69,17 +85,26 @@ class NonFiniteGuard:
     saved = None
     if self.run_dir is not None:
       saved = _save_bad_batch(self.run_dir, step, batch, {**position, "loss": record["loss"]})
-    log.warning(
-      "update step %d was non-finite (loss %s): skipped; batch saved to %s",
-      step,
-      record["loss"],
-      saved,
-    )
-    if self.policy == "halt":
-      raise NonFiniteError(
-        f"update step {step} was non-finite (loss {record['loss']}); train.nonfinite=halt "
-        f"stops here with the last good parameters checkpointed and the batch in {saved}"
+    if is_spike_skip(record):
+      log.warning(
+        "update step %d was a loss spike (loss %s above train.spike_factor × the recent "
+        "median): skipped; batch saved to %s",
+        step,
+        record["loss"],
+        saved,
       )
+    else:
+      log.warning(
+        "update step %d was non-finite (loss %s): skipped; batch saved to %s",
+        step,
+        record["loss"],
+        saved,
+      )
+      if self.policy == "halt":
+        raise NonFiniteError(
+          f"update step {step} was non-finite (loss {record['loss']}); train.nonfinite=halt "
+          f"stops here with the last good parameters checkpointed and the batch in {saved}"
+        )
     if self.max_consecutive and self.consecutive >= self.max_consecutive:
       raise NonFiniteError(
         f"{self.consecutive} updates in a row were skipped (the last at update step {step}, "

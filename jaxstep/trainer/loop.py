@@ -32,9 +32,9 @@ from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, Reported
 from jaxstep.trainer.perf import peak_flops_per_device
 from jaxstep.trainer.run_state import RunState
-from jaxstep.trainer.samples import TrainingSamples
 from jaxstep.trainer.saved_run import save_tokenizer
 from jaxstep.trainer.signals import stop_on_signals
+from jaxstep.trainer.text_samples import TextSamples
 
 log = logging.getLogger("jaxstep")
 
@@ -168,6 +168,7 @@ def loop(
     tokens_per_step=t.global_batch_size * t.seq_len,
     flops_per_token=run.flops_per_token,
     peak_flops=peak_flops_per_device(t.peak_tflops),
+    spikes_total=_spikes_so_far(run_dir) if writer else 0,
   )
 
   def after(reported: Reported | None) -> None:
@@ -183,7 +184,7 @@ def loop(
       cb.on_evaluate(rs.step, record, control)
     return record
 
-  samples = TrainingSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
+  samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
   g = t.global_batch_size
   rows = parallel.local_rows(run.batch_sharding, g)  # None: this process reads every row
   batches = data.BatchLoader(
@@ -191,7 +192,7 @@ def loop(
   ).start(rs.epoch, rs.step_in_epoch)
 
   def position() -> dict:  # what a checkpoint records besides the state
-    return {**rs.to_json(), "loader": batches.state()}
+    return rs.to_json()  # (epoch, step_in_epoch) is the loader's position: start() reads it
 
   steps = profiling.parse_steps(t.profile_steps)
   profiler = profiling.StepProfiler(steps, run_dir) if steps else None
@@ -256,6 +257,14 @@ def loop(
   reason = control.reason or f"reached {rs.step} update steps"
   log.info("done: %s; run_dir %s", reason, run_dir)
   return TrainResult(state, rs, late.last_record, last_eval, reason)
+
+
+def _spikes_so_far(run_dir: pathlib.Path) -> int:
+  """Loss-spike skips of the run before this start: the count in its last logged record
+  (the sink has already dropped the records past the step it resumes from); 0 when new.
+  The state counts every skip; this splits spikes from non-finite updates in the records."""
+  last = (records.read_records(run_dir / "metrics.jsonl") or [{}])[-1]
+  return int(last.get("spikes_total", 0))
 
 
 def _io_failure(error: OSError, run_dir: pathlib.Path) -> RunIOError:

@@ -18,6 +18,7 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 from jaxstep.trainer import records
+from jaxstep.trainer.guards import is_spike_skip
 from jaxstep.trainer.perf import mfu
 
 log = logging.getLogger("jaxstep")
@@ -160,6 +161,8 @@ class LateMetrics:
     tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``.
     flops_per_token: model FLOPs per token, for ``mfu``.
     peak_flops: per-device peak FLOP/s, for ``mfu``.
+    spikes_total: loss-spike skips before ``start``: a resumed run continues the count of
+      its last logged record. ``nonfinite_total`` is the state's skip count less spikes.
   """
 
   def __init__(
@@ -171,7 +174,9 @@ class LateMetrics:
     tokens_per_step: int,
     flops_per_token: float,
     peak_flops: float,
+    spikes_total: int = 0,
   ):
+    self.spikes_total = spikes_total
     self.sink, self.log_every, self.total_steps = sink, log_every, total_steps
     self.tokens_per_step, self.flops_per_token, self.peak = (
       tokens_per_step,
@@ -199,6 +204,7 @@ class LateMetrics:
   def _report(self, step: int, metrics: dict, batch: dict, position: dict) -> Reported:
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
     skipped_total = values.pop("skipped_total", 0.0)
+    self.spikes_total += is_spike_skip({**values, "skipped": not values["updated"]})
     now = time.perf_counter()
     step_time, self.clock = now - self.clock, now
     tokens_per_sec = self.tokens_per_step / step_time
@@ -209,8 +215,9 @@ class LateMetrics:
       "updated": bool(values["updated"]),
       "skipped": not values["updated"],
       "spike": bool(values.get("spike", 0.0)),
-      # every skip of the run: the driver never dispatches N = 0, so non-finite or spike
-      "nonfinite_total": int(skipped_total),
+      "spikes_total": self.spikes_total,  # skipped as loss spikes (finite)
+      # every other skip is non-finite: the driver never dispatches N = 0
+      "nonfinite_total": int(skipped_total) - self.spikes_total,
       "tokens": int(values["tokens"]),
       "tokens_per_sec": tokens_per_sec,
       "mfu": mfu(self.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),
