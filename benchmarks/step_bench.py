@@ -46,8 +46,8 @@ def _jax_parts(spec):
 
 def jaxstep_contender(spec):
   """``make_train_step`` exactly as ``python -m jaxstep.train`` builds it (CPU defaults)."""
-  from jaxstep.parallel.cpu_devices import configure_cpu_defaults
   from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.plan import configure_devices
 
   m = spec["model"]
   overrides = [f"model.{k}={v}" for k, v in m.items()] + [
@@ -60,7 +60,7 @@ def jaxstep_contender(spec):
   ]
   cfg = config_lib.load("tiny", overrides)
   if spec.get("cpu_defaults", True):
-    configure_cpu_defaults(cfg)
+    configure_devices(cfg)
   import jax
 
   from jaxstep import parallel, trainer

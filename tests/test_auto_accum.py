@@ -11,13 +11,8 @@ from hypothesis import strategies as st
 
 from jaxstep import ConfigError
 from jaxstep.trainer import auto_accum
-from jaxstep.trainer.build import (
-  abstract_batch,
-  abstract_state,
-  jit_step,
-  mesh_for,
-  train_step,
-)
+from jaxstep.trainer.plan import mesh_for
+from jaxstep.trainer.steps import abstract_batch, abstract_state, jit_step, train_step
 
 
 def test_candidates_split_g_over_the_devices():

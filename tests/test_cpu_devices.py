@@ -2,8 +2,9 @@
 
 import pytest
 
-from jaxstep.parallel.cpu_devices import configure_cpu_defaults, cpu_device_count, extra_xla_flags
+from jaxstep.parallel.cpu_devices import cpu_device_count, extra_xla_flags
 from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.plan import configure_devices, split_k
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,19 @@ from jaxstep.trainer import config as config_lib
   ],
 )
 def test_device_count_fits_the_batch(overrides, cores, expected):
-  assert cpu_device_count(config_lib.load(None, overrides), cores) == expected
+  cfg = config_lib.load(None, overrides)
+  m = cfg.mesh
+  g, k = cfg.train.global_batch_size, split_k(cfg.train)
+  assert cpu_device_count(g, k, cores, data=m.data, fsdp=m.fsdp, cpu_devices=m.cpu_devices) == (
+    expected
+  )
+
+
+def test_auto_splits_as_if_k_were_one():
+  # any K the search may choose must divide G over the devices, so the split assumes K = 1
+  cfg = config_lib.load(None, ["train.grad_accum_steps=auto", "train.global_batch_size=6"])
+  assert split_k(cfg.train) == 1
+  assert cpu_device_count(6, split_k(cfg.train), 4) == 3
 
 
 def test_nothing_changes_once_the_backend_runs(monkeypatch):
@@ -25,7 +38,7 @@ def test_nothing_changes_once_the_backend_runs(monkeypatch):
 
   jax.devices()  # the backend is up in this process
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  configure_cpu_defaults(config_lib.load())
+  configure_devices(config_lib.load())
   import os
 
   assert "XLA_FLAGS" not in os.environ

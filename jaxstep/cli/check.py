@@ -1,11 +1,11 @@
 """``jaxstep check [--config FILE] [key=value …]``: is accumulation exact here?
 
 Runs one update of the config's model, optimizer and first global batch twice — with the
-config's K micro-steps (2 if K is 1 or auto) and with K = 1 — and compares stage by stage: logits →
-loss → gradients → clipped update → new params. Prints max abs / rel error per stage with
-PASS/FAIL against the precision's tolerance and names the first stage that diverges. Exit 0
-only if all pass. Dropout is switched off for the comparison (its masks depend on the
-micro-batch split).
+config's K micro-steps (``auto`` resolved as ``train`` resolves it; 2 if K is 1) and with K
+= 1 — and compares stage by stage: logits → loss → gradients → clipped update → new params.
+Prints max abs / rel error per stage with PASS/FAIL against the precision's tolerance and
+names the first stage that diverges. Exit 0 only if all pass. Dropout is switched off for
+the comparison (its masks depend on the micro-batch split).
 """
 
 from __future__ import annotations
@@ -19,36 +19,34 @@ from jaxstep.cli._common import config_command
 from jaxstep.core.check import CheckReport, check_accumulation
 
 
-def _compared_k(cfg) -> int:
-  """The K checked against K = 1: the config's, or 2 when the config has none (1, or
-  ``auto``: then the smallest K > 1 that divides G)."""
-  k, g = cfg.train.grad_accum_steps, cfg.train.global_batch_size
-  if k == "auto":
-    return next((c for c in range(2, g + 1) if g % c == 0), 2)
-  return max(k, 2)
+def _compared_k(k: int, global_batch_size: int) -> int:
+  """The K checked against K = 1: the plan's, or when that is 1 the smallest K > 1 that
+  divides G (K = 1 against itself would say nothing)."""
+  if k > 1:
+    return k
+  return next((c for c in range(2, global_batch_size + 1) if global_batch_size % c == 0), 2)
 
 
 def check_config(cfg, loss_fn=None) -> CheckReport:
   """``check_accumulation`` on ``cfg``'s model, optimizer and first global batch (dropout
-  off)."""
+  off), resolved by the same plan ``train`` uses."""
   from jaxstep import data, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
-  from jaxstep.trainer.build import resolve_vocab
+  from jaxstep.trainer.plan import make_plan
 
-  t = cfg.train
-  dataset = data.load_dataset(cfg.data, t.seq_len)
-  model_cfg = dataclasses.replace(resolve_vocab(cfg.model, dataset.vocab_size), dropout=0.0)
+  plan = make_plan(cfg, read_data=True)
+  cfg, dataset, t = plan.cfg, plan.dataset, plan.cfg.train
+  model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
   apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
-  spe = data.steps_per_epoch(len(dataset.train), t.global_batch_size)
-  optimizer = make_optimizer(cfg.optim, max(t.max_steps, spe))
+  optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
   batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
   return check_accumulation(
     loss_fn or next_token_loss(apply_fn),
     params,
     jax.tree.map(jnp.asarray, batch),
     optimizer,
-    _compared_k(cfg),
+    _compared_k(t.grad_accum_steps, t.global_batch_size),
     apply_fn=apply_fn,
     precision=t.precision,
   )

@@ -64,9 +64,9 @@ def report(cfg) -> str:
 
 def main(argv=None) -> int:
   def action(cfg) -> int:
-    from jaxstep.parallel.cpu_devices import configure_cpu_defaults
+    from jaxstep.trainer.plan import configure_devices
 
-    configure_cpu_defaults(cfg)  # the devices train would use for this config
+    configure_devices(cfg)  # the devices train would use for this config
     print(report(cfg))
     return 0
 

@@ -47,10 +47,10 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     # heavy imports only after the config is valid
     from jaxstep.parallel import initialize_distributed
-    from jaxstep.parallel.cpu_devices import configure_cpu_defaults
     from jaxstep.trainer.loop import train
+    from jaxstep.trainer.plan import configure_devices
 
-    configure_cpu_defaults(cfg)
+    configure_devices(cfg)
     m = cfg.mesh
     initialize_distributed(m.coordinator, m.num_processes, m.process_id)
     result = train(cfg, resume=not args.no_resume, resume_from=args.resume_from)

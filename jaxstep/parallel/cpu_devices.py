@@ -35,21 +35,27 @@ def _cpu_only() -> bool:
   return not any(importlib.util.find_spec(p) for p in ACCELERATOR_PLUGINS)
 
 
-def cpu_device_count(cfg, cores: int) -> int:
-  """Devices to split one CPU into: the mesh's explicit size, else the most (≤ cores) that
-  divide the global batch into equal micro-batch shards (G % (devices × K) == 0; K = 1
-  for ``auto``)."""
-  m, t = cfg.mesh, cfg.train
-  if m.cpu_devices:
-    return m.cpu_devices
-  if m.data > 0 and m.fsdp > 0:
-    return m.data * m.fsdp
-  fixed = max(m.data, m.fsdp, 1)
-  k = 1 if t.grad_accum_steps == "auto" else t.grad_accum_steps  # auto: K is chosen later
+def cpu_device_count(
+  global_batch_size: int,
+  grad_accum_steps: int,
+  cores: int,
+  *,
+  data: int = 0,
+  fsdp: int = 0,
+  cpu_devices: int = 0,
+) -> int:
+  """Devices to split one CPU into: ``cpu_devices`` if set, else ``data × fsdp`` if both
+  are set, else the most (≤ ``cores``, a multiple of the one mesh size set) that divide G
+  into equal micro-batch shards (G % (devices × K) == 0)."""
+  if cpu_devices:
+    return cpu_devices
+  if data > 0 and fsdp > 0:
+    return data * fsdp
+  fixed = max(data, fsdp, 1)
   fits = [
     d
     for d in range(1, max(cores, 1) + 1)
-    if d % fixed == 0 and geometry.divides(t.global_batch_size, k, d)
+    if d % fixed == 0 and geometry.divides(global_batch_size, grad_accum_steps, d)
   ]
   return max(fits) if fits else 1
 
@@ -65,15 +71,30 @@ def extra_xla_flags(devices: int, flags: str, jaxlib_version: str) -> str:
   return ""
 
 
-def configure_cpu_defaults(cfg) -> None:
-  """Sets the CPU device count and XLA flags for ``cfg``; a no-op on accelerators, when the
-  user already chose (``XLA_FLAGS`` device count), or once the backend has started."""
+def configure_cpu_defaults(
+  global_batch_size: int,
+  grad_accum_steps: int,
+  *,
+  data: int = 0,
+  fsdp: int = 0,
+  cpu_devices: int = 0,
+) -> None:
+  """Sets the CPU device count (``cpu_device_count``) and XLA flags; a no-op on
+  accelerators, when the user already chose (``XLA_FLAGS`` device count), or once the
+  backend has started."""
   if not _cpu_only() or xla_bridge.backends_are_initialized():
     return
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" in flags:
     return
-  n = cpu_device_count(cfg, os.cpu_count() or 1)
+  n = cpu_device_count(
+    global_batch_size,
+    grad_accum_steps,
+    os.cpu_count() or 1,
+    data=data,
+    fsdp=fsdp,
+    cpu_devices=cpu_devices,
+  )
   extra = extra_xla_flags(n, flags, jaxlib.__version__)
   if extra:
     os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()

@@ -19,7 +19,6 @@ every run of the command.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from jaxstep.core.precision import PRECISIONS
@@ -50,17 +49,6 @@ def jaxstep_layout(num_params: int, *, precision: str = "fp32", fsdp: int = 1) -
   return rows
 
 
-def _resolved(cfg):
-  """``cfg`` with its vocabulary known: the config's own, else the data's tokenizer's."""
-  if cfg.model.vocab_size:
-    return cfg
-  from jaxstep import data
-  from jaxstep.trainer.build import resolve_vocab
-
-  dataset = data.load_dataset(cfg.data, cfg.train.seq_len, progress=False)
-  return dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
-
-
 def compiled_memory(cfg) -> dict:
   """Compiles the train step of ``cfg`` on abstract inputs (nothing allocated, nothing run)
   for this host's devices: bytes per device, the parameter count, and for
@@ -68,23 +56,16 @@ def compiled_memory(cfg) -> dict:
   import jax
 
   from jaxstep import models
-  from jaxstep.trainer import auto_accum
-  from jaxstep.trainer.build import (
-    abstract_batch,
-    abstract_state,
-    jit_step,
-    mesh_for,
-    resolve_grad_accum,
-    train_step,
-  )
+  from jaxstep.trainer import auto_accum, steps
+  from jaxstep.trainer.plan import make_plan
 
-  cfg = _resolved(cfg)
-  mesh, schedule_steps = mesh_for(cfg), max(cfg.train.schedule_steps, cfg.train.max_steps, 1)
-  apply_fn, state = abstract_state(cfg, mesh, schedule_steps)
-  k, table = resolve_grad_accum(cfg, apply_fn, mesh, schedule_steps, state)
-  step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
+  plan = make_plan(cfg)
+  cfg, mesh, k, table = plan.cfg, plan.mesh, plan.grad_accum_steps, list(plan.accum_table)
+  apply_fn, state = steps.abstract_state(cfg, mesh, plan.schedule_steps)
+  step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, k)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
-  compiled = jit_step(step, state_sh, mesh).lower(state, abstract_batch(cfg.train, mesh)).compile()
+  batch = steps.abstract_batch(cfg.train, mesh)
+  compiled = steps.jit_step(step, state_sh, mesh).lower(state, batch).compile()
   mem = compiled.memory_analysis()
   return {
     "num_params": models.num_params(state.params),

@@ -1,0 +1,168 @@
+"""A config resolved once: every value the config leaves to be derived (``0`` or ``auto``)
+becomes a number here, and everything downstream — ``build``, ``memory``, ``check`` and the
+CPU device split — reads the plan instead of deriving it again.
+
+Derived values, in the order they depend on each other:
+
+- the devices: a CPU-only host is split into virtual devices before JAX starts
+  (``configure_devices``; K counts as 1 while ``auto`` is unresolved, since any K the search
+  may choose also has to divide G over those devices);
+- the mesh on those devices, checked against G and K;
+- ``model.vocab_size`` 0 → the tokenizer's size, padded (``resolve_vocab``);
+- steps per epoch (full global batches in the train split), the run's total update steps
+  ``min(max_steps, epochs × steps_per_epoch)`` and the schedule's length
+  (``train.schedule_steps``, 0 = the total);
+- ``train.grad_accum_steps: auto`` → the smallest K whose compiled step fits the budget
+  (``auto_accum``, compiled on abstract inputs: nothing is allocated or run).
+
+The data is read only when a value needs it (a vocabulary of 0, or ``train.epochs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import jax
+from jax.sharding import Mesh
+
+from jaxstep import data, parallel
+from jaxstep.core import geometry
+from jaxstep.errors import ConfigError, DataError
+from jaxstep.models import GPTConfig
+from jaxstep.trainer import auto_accum, steps
+from jaxstep.trainer import config as config_lib
+
+log = logging.getLogger("jaxstep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """``cfg`` with ``model.vocab_size`` and ``train.grad_accum_steps`` concrete, the mesh, and
+  the run's length in update steps."""
+
+  cfg: config_lib.Config
+  mesh: Mesh
+  total_steps: int  # update steps the run takes in all (max_steps / epochs)
+  schedule_steps: int  # update steps the lr schedule spans
+  steps_per_epoch: int | None  # full global batches per epoch (None: the data was not read)
+  accum_table: tuple = ()  # grad_accum_steps=auto: the (K, bytes per device) compiled
+  dataset: data.Dataset | None = None  # the data, when a derived value needed it
+
+  @property
+  def grad_accum_steps(self) -> int:
+    return self.cfg.train.grad_accum_steps
+
+  @property
+  def devices(self) -> int:
+    return self.mesh.devices.size
+
+
+def split_k(train_cfg: config_lib.TrainConfig) -> int:
+  """The K that G must divide by before ``auto`` is resolved: the config's, or 1."""
+  k = train_cfg.grad_accum_steps
+  return 1 if k == "auto" else k
+
+
+def configure_devices(cfg: config_lib.Config) -> None:
+  """The CPU device split for ``cfg`` (a no-op on accelerators or once JAX has started)."""
+  from jaxstep.parallel.cpu_devices import configure_cpu_defaults
+
+  m = cfg.mesh
+  configure_cpu_defaults(
+    cfg.train.global_batch_size,
+    split_k(cfg.train),
+    data=m.data,
+    fsdp=m.fsdp,
+    cpu_devices=m.cpu_devices,
+  )
+
+
+def mesh_for(cfg: config_lib.Config) -> Mesh:
+  """The mesh of ``cfg`` on this host's devices, checked against G and K (1 for auto)."""
+  t = cfg.train
+  mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+  problem = geometry.split_problem(
+    t.global_batch_size, split_k(t), mesh.devices.size, names=config_lib.CONFIG_NAMES_OF_G_AND_K
+  )
+  if problem:
+    raise ConfigError(problem)
+  return mesh
+
+
+def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
+  """``model.vocab_size`` 0 becomes the tokenizer's size rounded up to a multiple of 64
+  (matmul-friendly; 8 below 1024 ids, where 64 would add a large share of dead rows to a
+  small vocabulary: bytes' 259 → 264, not 320); an explicit size must hold every id."""
+  if model_cfg.vocab_size == 0:
+    multiple = 64 if tokenizer_size >= 1024 else 8
+    padded = -(-tokenizer_size // multiple) * multiple
+    return dataclasses.replace(model_cfg, vocab_size=padded)
+  if model_cfg.vocab_size < tokenizer_size:
+    raise DataError(
+      f"the tokenizer has {tokenizer_size} ids but model.vocab_size is "
+      f"{model_cfg.vocab_size}; set model.vocab_size >= {tokenizer_size} (or 0 to follow the "
+      f"tokenizer)"
+    )
+  return model_cfg
+
+
+def total_update_steps(train_cfg: config_lib.TrainConfig, steps_per_epoch: int | None) -> int:
+  """``min(max_steps, epochs × steps_per_epoch)``, where 0 means "no limit"."""
+  limits = [train_cfg.max_steps] if train_cfg.max_steps else []
+  if train_cfg.epochs:
+    limits.append(train_cfg.epochs * steps_per_epoch)
+  return min(limits)
+
+
+def _warn_all_warmup(warmup_steps: int, schedule_steps: int, shape: str) -> None:
+  """One line when the warmup fills the whole schedule: the lr would only ever rise, and a
+  later, longer run would drop from the peak straight to the decayed value."""
+  if warmup_steps and warmup_steps >= schedule_steps:
+    log.warning(
+      "optim.warmup_steps %d ≥ the schedule's %d update steps: the lr only warms up (no %s "
+      "phase); lower optim.warmup_steps or lengthen the schedule (train.schedule_steps)",
+      warmup_steps,
+      schedule_steps,
+      shape,
+    )
+
+
+def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[int, list]:
+  """``auto``: the K ``auto_accum`` chooses by compiling the step on the abstract state for
+  the candidates it tries, and the ``(K, bytes)`` table compiled."""
+  t = cfg.train
+  budget = auto_accum.budget_bytes(t.memory_budget_gb)
+  apply_fn, state = steps.abstract_state(cfg, mesh, schedule_steps)
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  batch = steps.abstract_batch(t, mesh)
+
+  def compile_k(k):
+    step = steps.train_step(cfg, apply_fn, mesh, schedule_steps, k)
+    return steps.jit_step(step, state_sh, mesh).lower(state, batch).compile()
+
+  return auto_accum.choose(t.global_batch_size, mesh.devices.size, compile_k, budget)
+
+
+def make_plan(
+  cfg: config_lib.Config, dataset: data.Dataset | None = None, *, read_data: bool = False
+) -> Plan:
+  """Resolves ``cfg`` on this host's devices and ``dataset``'s tokenizer and size. Without a
+  ``dataset`` the data of ``cfg.data`` is read here when ``read_data`` is set or a derived
+  value needs it (after the mesh is checked, so a config error comes first)."""
+  t = cfg.train
+  mesh = mesh_for(cfg)
+  if dataset is None and (read_data or cfg.model.vocab_size == 0 or t.epochs):
+    dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
+  if dataset is not None:
+    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
+  spe = None if dataset is None else data.steps_per_epoch(len(dataset.train), t.global_batch_size)
+  total = total_update_steps(t, spe)
+  schedule_steps = t.schedule_steps or total
+  _warn_all_warmup(cfg.optim.warmup_steps, schedule_steps, cfg.optim.schedule)
+  table = []
+  if t.grad_accum_steps == "auto":
+    k, table = _choose_k(cfg, mesh, schedule_steps)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum_steps=k))
+  return Plan(cfg, mesh, total, schedule_steps, spe, tuple(table), dataset)

@@ -1,0 +1,91 @@
+"""The plan: every derived value of a config (vocabulary, K, run and schedule length, mesh)
+resolved once, and build, memory and check all reading the same plan."""
+
+import dataclasses
+
+import pytest
+from conftest import make_cfg
+
+from jaxstep import ConfigError, trainer
+from jaxstep.data import load_dataset, steps_per_epoch
+from jaxstep.trainer.plan import make_plan, resolve_vocab, split_k, total_update_steps
+
+
+def test_derived_values_come_from_the_data(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=0", "train.epochs=3", "train.schedule_steps=0")
+  plan = make_plan(cfg)
+  dataset = load_dataset(cfg.data, cfg.train.seq_len)
+  spe = steps_per_epoch(len(dataset.train), cfg.train.global_batch_size)
+  assert plan.steps_per_epoch == spe > 0
+  assert plan.total_steps == 3 * spe == plan.schedule_steps  # schedule 0: the run's length
+  assert plan.cfg.model.vocab_size == resolve_vocab(cfg.model, dataset.vocab_size).vocab_size
+  assert plan.cfg.model.vocab_size == 264  # bytes: 259 ids padded to a multiple of 8
+  assert plan.grad_accum_steps == cfg.train.grad_accum_steps and plan.devices == 1
+
+
+def test_the_shorter_limit_ends_the_run(tmp_path):
+  t = make_cfg(tmp_path, "train.max_steps=5", "train.epochs=2").train
+  assert total_update_steps(t, 10) == 5
+  assert total_update_steps(dataclasses.replace(t, max_steps=0), 10) == 20
+  assert total_update_steps(dataclasses.replace(t, epochs=0), None) == 5
+
+
+def test_no_data_is_read_when_no_value_needs_it(tmp_path):
+  cfg = make_cfg(tmp_path, "model.vocab_size=264", "train.max_steps=7", "train.schedule_steps=0")
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path / "none")))
+  plan = make_plan(cfg)
+  assert plan.dataset is None and plan.steps_per_epoch is None
+  assert plan.total_steps == plan.schedule_steps == 7
+
+
+def test_the_mesh_is_checked_before_the_data_is_read(tmp_path):
+  cfg = make_cfg(tmp_path, "mesh.data=3")  # this process has one device
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path / "none")))
+  with pytest.raises(ConfigError, match="mesh"):
+    make_plan(cfg)
+
+
+def test_auto_counts_as_one_until_chosen(tmp_path):
+  cfg = make_cfg(tmp_path, "train.grad_accum_steps=auto")
+  assert split_k(cfg.train) == 1
+  with pytest.raises(ConfigError, match="auto on cpu needs train.memory_budget_gb"):
+    make_plan(cfg)
+
+
+def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
+  import importlib
+
+  from jaxstep.cli import check
+  from jaxstep.trainer import memory, plan
+
+  build = importlib.import_module("jaxstep.trainer.build")  # the package exports build()
+
+  cfg = make_cfg(tmp_path, "train.max_steps=3", "train.schedule_steps=0")
+  seen = []
+  real = plan.make_plan
+
+  def spy(*args, **kwargs):
+    seen.append(real(*args, **kwargs))
+    return seen[-1]
+
+  monkeypatch.setattr(plan, "make_plan", spy)  # memory and check import it when called
+  monkeypatch.setattr(build, "make_plan", spy)
+  run = trainer.build(cfg)[0]
+  mem = memory.compiled_memory(cfg)
+  check.check_config(cfg)
+  assert len(seen) == 3
+  assert run.cfg == mem["cfg"] == seen[2].cfg
+  assert run.schedule_steps == run.total_steps == 3 == seen[1].schedule_steps
+
+
+def test_a_schedule_that_is_all_warmup_is_named(tmp_path, caplog):
+  import logging
+
+  cfg = make_cfg(tmp_path, "train.max_steps=20", "train.schedule_steps=0", "optim.warmup_steps=20")
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    make_plan(cfg)
+  assert "optim.warmup_steps 20 ≥ the schedule's 20 update steps" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxstep"):
+    make_plan(make_cfg(tmp_path, "train.max_steps=20", "optim.warmup_steps=20"))  # schedule 64
+  assert "warmup" not in caplog.text
