@@ -1,6 +1,7 @@
 """Config: defaults, YAML, dotted overrides, type errors, typo suggestions, base.yaml sync."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -125,3 +126,35 @@ def test_a_partial_section_keeps_the_schemas_defaults():
   cfg = config_lib.load(None, ["model.d_model=64"])
   assert cfg.model.vocab_size == 0  # the schema's default (follow the tokenizer), not GPTConfig's
   assert cfg.model.n_layers == config_lib.Config().model.n_layers
+
+
+@pytest.mark.parametrize(
+  "override, message",
+  [
+    ("train.seed=-1", "train.seed must be in [0, 2**63), got -1"),
+    (f"train.seed={2**63}", "train.seed must be in [0, 2**63)"),
+    ("mesh.cpu_devices=100000", "mesh.cpu_devices must be at most 1024"),
+    ("run_dir=runs/$JAXSTEP_UNSET_VARIABLE/x", "names the environment variable $JAXSTEP_UNSET"),
+    ("data.path=${JAXSTEP_UNSET_VARIABLE}", "data.path '${JAXSTEP_UNSET_VARIABLE}' names"),
+  ],
+)
+def test_values_out_of_reach_are_named(override, message, monkeypatch):
+  monkeypatch.delenv("JAXSTEP_UNSET_VARIABLE", raising=False)
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    config_lib.load(None, [override])
+
+
+def test_an_error_line_quoting_a_huge_value_is_capped(tmp_path, capsys):
+  from jaxstep.cli import train as train_cli
+
+  path = tmp_path / "bomb.yaml"
+  levels = ["&a [x, x, x, x, x, x, x, x, x, x]"] + [
+    f"&{c} [{', '.join([f'*{p}'] * 10)}]" for p, c in zip("abcde", "bcdef", strict=True)
+  ]
+  path.write_text(f"train:\n  seed: [{', '.join(levels)}]\n")  # a million x's once expanded
+  with pytest.raises(ConfigError, match="train.seed': expected int") as raised:
+    config_lib.load(path)
+  assert len(str(raised.value)) < 300  # the value is quoted, not expanded
+  assert train_cli.main(["--config", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 1200, len(err)

@@ -5,9 +5,12 @@ must end in one ``error:`` line, a documented exit code, no hang, and nothing lo
 import pathlib
 
 import pytest
-from conftest import SMALL_MODEL, make_cfg
+from conftest import SMALL_MODEL, can_mount, make_cfg
 
 from jaxstep.cli import train as train_cli
+
+# The fault suite trains, kills and mounts: all of it is in the slow tier (CI runs it).
+pytestmark = pytest.mark.slow
 
 SMALL = [*SMALL_MODEL, "train.sample_every=0"]
 
@@ -435,40 +438,6 @@ def test_runaway_skips_halt_with_the_last_good_state(tmp_path, capsys):
   assert records[-1]["step"] < 12 and [r["updated"] for r in records[-3:]] == [False] * 3
 
 
-def can_mount() -> bool:
-  import os
-  import shutil
-
-  return os.geteuid() == 0 and shutil.which("mount") is not None
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-  """A small tmpfs of its own (root only), unmounted after the test."""
-  import subprocess
-
-  mounts = []
-
-  def mount(size: str, read_only: bool = False) -> pathlib.Path:
-    point = tmp_path / f"mnt{len(mounts)}"
-    point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)])
-    if proc.returncode:
-      pytest.skip("cannot mount a tmpfs here")
-    mounts.append(point)
-    return point
-
-  def remount_read_only(point: pathlib.Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
-
-  if not can_mount():
-    pytest.skip("mounting a tmpfs needs root")
-  mount.read_only = remount_read_only
-  yield mount
-  for point in mounts:
-    subprocess.run(["umount", "-l", str(point)])
-
-
 def test_resume_from_a_read_only_source_with_a_corrupt_newest_step(
   four_steps, tmp_path, tmpfs, caplog
 ):
@@ -611,7 +580,6 @@ def test_the_checkpoints_command_reports_bytes_changed_in_place(four_steps, tmp_
   assert "INVALID" in rows["4"] and "checksum mismatch" in rows["4"]
 
 
-@pytest.mark.slow
 def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
   """Two processes on 127.0.0.1; only process 1 gets SIGTERM. JAX's preemption sync point
   picks one update step: both save it and exit 143 (a host stopping alone would leave the

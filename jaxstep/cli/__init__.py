@@ -26,10 +26,19 @@ def usage() -> str:
   return "usage: jaxstep <command> [args …]   (jaxstep <command> --help)\n\n" + "\n".join(lines)
 
 
+SIGINT_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
+
+
 def run(command: str, argv=None) -> int:
-  """Runs one command's ``main`` with ``argv`` (default: the process's arguments)."""
-  module = importlib.import_module(COMMANDS[command][0])
-  return module.main(sys.argv[1:] if argv is None else argv)
+  """Runs one command's ``main`` with ``argv`` (default: the process's arguments). Ctrl-C
+  before the command installs its own handling (imports, reading data, compiling) ends it
+  with one line and exit 130, not a traceback; the update loop saves a checkpoint first."""
+  try:
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(sys.argv[1:] if argv is None else argv)
+  except KeyboardInterrupt:
+    print(f"error: jaxstep {command} interrupted (SIGINT)", file=sys.stderr)
+    return SIGINT_EXIT
 
 
 def main(argv=None) -> int:

@@ -34,9 +34,20 @@ def exit_code(error: JaxstepError) -> int:
   return 2 if isinstance(error, BAD_INPUT) else 1
 
 
+MAX_MESSAGE = 1000  # characters of an error line: a value quoted in it may be huge
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+  """``message`` on one line, cut to ``limit`` characters (saying how much was cut)."""
+  message = " ".join(line.strip() for line in message.splitlines())
+  if len(message) <= limit:
+    return message
+  return f"{message[:limit]} … ({len(message) - limit:,} more characters)"
+
+
 def report(error: JaxstepError) -> int:
-  """Prints ``error: <message>`` on stderr and returns the exit code."""
-  print(f"error: {error}", file=sys.stderr)
+  """Prints ``error: <message>`` (one line, capped) on stderr and returns the exit code."""
+  print(f"error: {one_line(str(error))}", file=sys.stderr)
   return exit_code(error)
 
 

@@ -11,26 +11,48 @@ import pathlib
 import matplotlib
 
 from jaxstep.cli._common import report
-from jaxstep.errors import RunDirError
+from jaxstep.errors import RunDirError, RunIOError
 from jaxstep.trainer.records import read_records
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+FIELDS = ("step", "loss", "lr", "grad_norm")  # what every training metrics line holds
+
+
+def _usable(records: list[dict], fields: tuple[str, ...]) -> list[dict]:
+  """The records that hold every field as a number (a hand-edited or foreign line is
+  passed over, as a cut one is)."""
+
+  def number(value) -> bool:
+    try:
+      float(value)
+    except (TypeError, ValueError):
+      return False
+    return not isinstance(value, bool)
+
+  return [r for r in records if all(number(r.get(f)) for f in fields)]
+
 
 def plot_run(run_dir: str | pathlib.Path) -> pathlib.Path:
-  """Writes and returns ``run_dir/loss.png``; raises ``RunDirError`` without metrics."""
+  """Writes and returns ``run_dir/loss.png``; raises ``RunDirError`` without usable metrics
+  and ``RunIOError`` when the picture cannot be written."""
   run_dir = pathlib.Path(run_dir)
-  train = read_records(run_dir / "metrics.jsonl")
+  train = _usable(read_records(run_dir / "metrics.jsonl"), FIELDS)
   if not train:
-    raise RunDirError(f"{run_dir / 'metrics.jsonl'} is missing or empty")
-  evals = read_records(run_dir / "eval.jsonl")
-  steps = [r["step"] for r in train]
+    raise RunDirError(
+      f"{run_dir / 'metrics.jsonl'} is missing or has no line with {', '.join(FIELDS)}"
+    )
+  evals = _usable(read_records(run_dir / "eval.jsonl"), ("step", "eval_loss"))
+  steps = [float(r["step"]) for r in train]
   fig, (ax_loss, ax_lr, ax_norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
   ax_loss.plot(steps, [float(r["loss"]) for r in train], label="train loss")
   if evals:
     ax_loss.plot(
-      [r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss"
+      [float(r["step"]) for r in evals],
+      [float(r["eval_loss"]) for r in evals],
+      "o-",
+      label="eval loss",
     )
   ax_loss.set_ylabel("loss (nats / token)")
   ax_loss.legend()
@@ -42,8 +64,14 @@ def plot_run(run_dir: str | pathlib.Path) -> pathlib.Path:
   fig.suptitle(str(run_dir))
   fig.tight_layout()
   out = run_dir / "loss.png"
-  fig.savefig(out, dpi=100)
-  plt.close(fig)
+  try:
+    fig.savefig(out, dpi=100)
+  except OSError as e:
+    raise RunIOError(
+      f"cannot write {out} ({e.strerror}); plot a run dir you can write to"
+    ) from None
+  finally:
+    plt.close(fig)
   return out
 
 
@@ -53,6 +81,6 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   try:
     print(plot_run(args.run_dir))
-  except RunDirError as e:
+  except (RunDirError, RunIOError) as e:
     return report(e)
   return 0

@@ -12,6 +12,8 @@ import difflib
 import math
 import os
 import pathlib
+import re
+import reprlib
 import types
 import typing
 from typing import Any
@@ -32,6 +34,7 @@ DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
 # How the CLI's user spells G and K in messages about batch geometry.
+MAX_CPU_DEVICES = 1024  # XLA's host platform crashes natively long before 100,000 devices
 CONFIG_NAMES_OF_G_AND_K = ("train.global_batch_size", "train.grad_accum_steps")
 
 
@@ -109,6 +112,8 @@ class TrainConfig:
       raise ConfigError(problem)
     if self.max_steps == 0 and self.epochs == 0:
       raise ConfigError("set train.max_steps or train.epochs (both are 0: the run never ends)")
+    if not 0 <= self.seed < 2**63:
+      raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
     if self.sample_every and not all(self.sample_prompts):
       raise ConfigError("train.sample_prompts must be a list of non-empty prompts")
     if self.precision not in PRECISIONS:
@@ -171,6 +176,11 @@ class MeshConfig:
     for name in ("num_processes", "cpu_devices"):
       if getattr(self, name) < 0:
         raise ConfigError(f"mesh.{name} must be >= 0, got {getattr(self, name)}")
+    if self.cpu_devices > MAX_CPU_DEVICES:
+      raise ConfigError(
+        f"mesh.cpu_devices must be at most {MAX_CPU_DEVICES} (virtual devices of one host), "
+        f"got {self.cpu_devices}"
+      )
     if self.process_id < -1:
       raise ConfigError(f"mesh.process_id must be >= 0 or -1 (auto), got {self.process_id}")
 
@@ -236,6 +246,16 @@ def _unknown(key: str) -> ConfigError:
   return ConfigError(f"unknown config key {key!r}{hint}")
 
 
+def _quoted(value: Any, limit: int = 200) -> str:
+  """``repr(value)`` cut to ``limit`` characters: a YAML alias can expand to gigabytes."""
+  text = reprlib.Repr()
+  text.maxstring = text.maxother = limit
+  text.maxlist = text.maxdict = 8
+  text.maxlevel = 3
+  shown = text.repr(value)
+  return shown if len(shown) <= limit else shown[:limit] + "…"
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
   """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
   allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
@@ -277,7 +297,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
       return str(value)
   names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
-  raise ConfigError(f"config key {key!r}: expected {names}, got {value!r}")
+  raise ConfigError(f"config key {key!r}: expected {names}, got {_quoted(value)}")
 
 
 def _build(default, values: dict[str, Any], prefix: str = ""):
@@ -294,7 +314,9 @@ def _build(default, values: dict[str, Any], prefix: str = ""):
     name = names[config_key]
     if dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
-        raise ConfigError(f"config key {key!r} is a section; give it a mapping, got {value!r}")
+        raise ConfigError(
+          f"config key {key!r} is a section; give it a mapping, got {_quoted(value)}"
+        )
       kwargs[name] = _build(getattr(default, name), value, f"{key}.")
     else:
       kwargs[name] = _coerce(key, value, hints[name])
@@ -362,17 +384,30 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
   return _expand_paths(cfg)
 
 
-def _expand(path: str) -> str:
-  """``~`` and ``$VAR`` in a path, as a shell would expand them (``bundled:…`` unchanged)."""
-  return os.path.expanduser(os.path.expandvars(path))
+_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
+
+
+def _expand(key: str, path: str) -> str:
+  """``~`` and ``$VAR`` in a path, as a shell would expand them (``bundled:…`` unchanged);
+  a variable that is not set is an error, not a folder literally named ``$VAR``."""
+  expanded = os.path.expandvars(path)
+  unset = _VARIABLE.search(expanded)
+  if unset:
+    raise ConfigError(
+      f"{key} {path!r} names the environment variable {unset.group(0)}, which is not set; "
+      f"set it or write the path out"
+    )
+  return os.path.expanduser(expanded)
 
 
 def _expand_paths(cfg: Config) -> Config:
   """The config with ``~`` and environment variables expanded in every path key."""
   data = dataclasses.replace(
-    cfg.data, path=_expand(cfg.data.path), tokenizer=_expand(cfg.data.tokenizer)
+    cfg.data,
+    path=_expand("data.path", cfg.data.path),
+    tokenizer=_expand("data.tokenizer", cfg.data.tokenizer),
   )
-  return dataclasses.replace(cfg, run_dir=_expand(cfg.run_dir), data=data)
+  return dataclasses.replace(cfg, run_dir=_expand("run_dir", cfg.run_dir), data=data)
 
 
 def dump(cfg: Config) -> str:

@@ -1,12 +1,15 @@
-"""JSON lines as every jaxstep output writes and reads them: strict JSON (a non-finite float
-is written as the string ``"nan"``/``"inf"``, which ``float()`` still parses), and readers
-that survive the cut last line a killed process leaves."""
+"""The files a run keeps, as every jaxstep output writes and reads them: JSON lines in strict
+JSON (a non-finite float is written as the string ``"nan"``/``"inf"``, which ``float()``
+still parses), readers that survive the cut last line a killed process leaves, and
+rewrites that a kill cannot cut (``write_atomic``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import tempfile
 
 
 def _clean(value):
@@ -46,9 +49,32 @@ def read_records(path: pathlib.Path) -> list[dict]:
   return records
 
 
+def write_atomic(path: pathlib.Path, text: str) -> None:
+  """Replaces ``path`` by ``text`` so that a kill at any moment leaves the old file or the new
+  one, never a cut one: written to a temporary file beside it, flushed to disk, renamed over
+  it (atomic on POSIX), and the folder flushed so the rename itself survives a crash. A
+  failed write removes the temporary file and leaves ``path`` as it was."""
+  path = pathlib.Path(path)
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise
+  folder = os.open(path.parent, os.O_RDONLY)
+  try:
+    os.fsync(folder)
+  finally:
+    os.close(folder)
+
+
 def truncate_records(path: pathlib.Path, last_step: int) -> None:
   """Keeps the records with ``step <= last_step`` (a resumed run rewrites the rest, so no
-  step appears twice)."""
+  step appears twice); the rewrite is atomic, so a kill during it loses no history."""
   if path.exists():
     keep = [r for r in read_records(path) if r.get("step", 0) <= last_step]
-    path.write_text("".join(dumps(r) + "\n" for r in keep))
+    write_atomic(path, "".join(dumps(r) + "\n" for r in keep))

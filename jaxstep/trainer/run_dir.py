@@ -16,6 +16,7 @@ import time
 import jax
 
 from jaxstep.errors import RunDirError
+from jaxstep.trainer import records
 
 log = logging.getLogger("jaxstep")
 LOCK = ".lock"  # holds the pid of the run that owns the directory
@@ -77,9 +78,10 @@ def locked(run_dir: str | pathlib.Path):
 
 
 def write_config(run_dir: pathlib.Path, config_yaml: str) -> None:
-  """(Process 0) writes the resolved config to ``run_dir/config.yaml``."""
+  """(Process 0) writes the resolved config to ``run_dir/config.yaml`` (atomically: a resume
+  that is killed while rewriting it leaves the previous one)."""
   if jax.process_index() == 0:
-    (run_dir / "config.yaml").write_text(config_yaml)
+    records.write_atomic(run_dir / "config.yaml", config_yaml)
 
 
 def archive_previous(run_dir: pathlib.Path) -> None:
