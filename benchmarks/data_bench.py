@@ -74,7 +74,7 @@ def _documents(path: str) -> list[str]:
 
 def tokenizer_contender(spec: dict):
   """The tokenizer alone: ``encode_batch`` over the corpus in prepare's batch size."""
-  from jaxstep.data.prepare import DOCS_PER_BATCH
+  from jaxstep.data.preparation import DOCS_PER_BATCH
   from jaxstep.data.tokenizer import load_tokenizer
 
   tok, docs = load_tokenizer(spec["tokenizer"]), _documents(spec["text"])
@@ -92,7 +92,7 @@ def tokenizer_contender(spec: dict):
 
 def prepare_contender(spec: dict):
   """``prepare`` end to end (read, tokenize, write shards, hash) with one worker."""
-  from jaxstep.data.prepare import prepare
+  from jaxstep.data.preparation import prepare
 
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-prepare-"))
   counter = iter(range(10**9))

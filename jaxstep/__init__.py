@@ -112,7 +112,7 @@ _LAZY = {
   "parallel": ("jaxstep.parallel", None),
   "trainer": ("jaxstep.trainer", None),
   # the commands: the function that does a command's work
-  "prepare": ("jaxstep.data.prepare", "prepare"),
+  "prepare": ("jaxstep.data.preparation", "prepare"),
   "train": ("jaxstep.trainer.loop", "train"),
   "evaluate": ("jaxstep.trainer.evaluation", "evaluate"),
   "checkpoints": ("jaxstep.trainer.checkpoint", "list_checkpoints"),

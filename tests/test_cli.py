@@ -284,3 +284,42 @@ def test_progress_bar_shows_on_a_terminal(tmp_path):
   assert proc.wait(timeout=300) == 0
   screen = b"".join(chunks).decode(errors="replace")
   assert "\r" in screen and "12/12" in screen and "loss=" in screen and "tok_s=" in screen
+
+
+def test_evaluate_reads_raw_text_the_way_the_runs_data_was_prepared(tmp_path, capsys):
+  from conftest import make_cfg
+
+  from jaxstep import trainer
+  from jaxstep.cli import run as run_command
+  from jaxstep.data import prepare
+
+  corpus = tmp_path / "code"
+  corpus.mkdir()
+  for i in range(12):  # blank lines inside each file: txt and file cut it differently
+    (corpus / f"m{i}.py").write_text(f"def f{i}():\n\n  return {i} + {i}\n\n\nx = f{i}()\n")
+  prepare([str(corpus)], tmp_path / "prepared", fmt="file", progress=False)
+  overrides = ["train.max_steps=1", "train.global_batch_size=4", "train.grad_accum_steps=1"]
+  trainer.train(make_cfg(tmp_path, f"data.path={tmp_path / 'prepared'}", *overrides))
+  run_dir = tmp_path / "run"
+
+  def evaluate(*args):
+    code = run_command("evaluate", [str(run_dir), "--data", str(corpus), "--json", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+  default, as_file, as_txt = evaluate(), evaluate("--format", "file"), evaluate("--format", "txt")
+  assert default["format"] == "file" and as_txt["format"] == "txt"
+  assert default["loss"] == as_file["loss"] != as_txt["loss"]
+  assert default["windows"] == as_file["windows"]
+
+
+def test_every_evaluate_option_is_documented_in_cli_md():
+  from jaxstep.cli.evaluate import parser
+
+  text = (ROOT / "docs" / "cli.md").read_text()
+  section = text[text.index("## `jaxstep evaluate") :]
+  flags = [o for a in parser()._actions for o in a.option_strings if o.startswith("--")]
+  assert {"--data", "--format", "--batch-size", "--step", "--split", "--json"} <= set(flags)
+  missing = [f for f in flags if f != "--help" and f"`{f}" not in section]
+  assert not missing, missing

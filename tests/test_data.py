@@ -241,7 +241,7 @@ def test_chat_record_without_valid_roles_is_rejected(tmp_path):
   [
     (lambda p: p / "missing.txt", "does not exist"),
     (lambda p: (p / "empty.txt").write_text("\n\n") and p / "empty.txt", "no documents"),
-    (lambda p: p, "matches no .txt or .jsonl files"),
+    (lambda p: p, "holds no readable files"),
   ],
 )
 def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, match):
@@ -266,8 +266,52 @@ def test_bundled_corpus_splits_documents_and_has_a_stable_fingerprint():
 
 
 def test_a_prepared_folder_is_read_in_place(tmp_path):
-  from jaxstep.data.prepare import prepare
+  from jaxstep.data.preparation import prepare
 
   prepare(["bundled:chat"], tmp_path / "p", progress=False)
   ds = load_dataset(DataConfig(path=str(tmp_path / "p"), pack=False), seq_len=96)
   assert ds.folder == tmp_path / "p" and ds.kind == "chat"
+
+
+def docs_folder(root):
+  """A documentation tree: Markdown, reST, an extensionless README, plain text, a binary
+  file with NUL bytes, a Latin-1 file and a hidden folder."""
+  (root / "guide").mkdir(parents=True)
+  (root / "index.md").write_text("# Title\n\nmarkdown body\n")
+  (root / "guide" / "usage.rst").write_text("Usage\n=====\n\nrest body\n")
+  (root / "README").write_text("readme body\n")
+  (root / "notes.txt").write_text("plain notes\n")
+  (root / "logo.bin").write_bytes(b"\x89PNG\x00\x00\x01binary")
+  (root / "old.txt").write_bytes("caf\xe9 latin-1".encode("latin-1"))
+  (root / ".git").mkdir()
+  (root / ".git" / "config").write_text("[core]\n")
+  return root
+
+
+def test_a_directory_reads_every_utf8_text_file_and_says_what_it_skipped(tmp_path, caplog):
+  import logging
+
+  from jaxstep.data.readers import list_files, scan
+
+  root = docs_folder(tmp_path / "docs")
+  docs, kind = read_documents(str(root))
+  assert kind == "text" and sorted(docs) == sorted(
+    ["# Title", "markdown body", "Usage\n=====", "rest body", "readme body", "plain notes"]
+  )
+  listing = scan(str(root))
+  assert [f.name for f in listing.files] == ["README", "usage.rst", "index.md", "notes.txt"]
+  assert {reason: len(names) for reason, names in listing.skipped.items()} == {
+    "binary (NUL bytes)": 1,
+    "not UTF-8": 1,
+    "hidden": 1,
+  }
+  with caplog.at_level(logging.INFO, logger="jaxstep"):
+    ds = load_dataset(DataConfig(path=str(root), eval_fraction=0.0), seq_len=8)
+  assert len(ds.manifest["sources"]) == 4
+  said = " ".join(r.getMessage() for r in caplog.records)
+  assert "skipped 3 of 7" in said and "1 binary (NUL bytes): logo.bin" in said
+  assert "1 not UTF-8: old.txt" in said and "1 hidden: .git" in said
+  jsonl = scan(str(root), "jsonl")
+  assert jsonl.files == [] and len(jsonl.skipped["not .jsonl"]) == 6
+  with pytest.raises(DataError, match="holds no readable files.*6 not .jsonl"):
+    list_files(str(root), "jsonl")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxstep import DataError
-from jaxstep.data.prepare import MANIFEST, prepare, read_manifest
+from jaxstep.data.manifest import MANIFEST, read_manifest
+from jaxstep.data.preparation import prepare
 from jaxstep.data.readers import read_documents
 from jaxstep.data.samples import encode_chat, encode_text
 from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -121,7 +122,7 @@ def test_a_failing_prepare_keeps_the_old_output_and_no_temporary_folder(tmp_path
   old = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
   (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{oops\n')
   with pytest.raises(DataError, match="bad.jsonl:2: malformed JSON"):
-    prepare([str(tmp_path / "bad.jsonl")], tmp_path / "p", progress=False)
+    prepare([str(tmp_path / "bad.jsonl")], tmp_path / "p", progress=False, force=True)
   assert read_manifest(tmp_path / "p") == old
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".p.lock"]
 
@@ -190,3 +191,178 @@ def test_a_prepare_of_a_folder_waits_for_one_already_running_then_finds_it_done(
     fcntl.flock(lock, fcntl.LOCK_UN)
   waiting.join(timeout=120)
   assert not waiting.is_alive() and read_manifest(tmp_path / "p")
+
+
+def test_an_out_folder_holding_other_files_is_refused_and_left_alone(tmp_path):
+  mine = tmp_path / "mine"
+  (mine / "sub").mkdir(parents=True)
+  (mine / "notes.txt").write_text("my notes\n")
+  (mine / "sub" / "model.bin").write_bytes(b"\x00weights")
+  with pytest.raises(DataError, match=r"--out .*mine holds files that are not a prepared"):
+    prepare(["bundled:text"], mine, progress=False)
+  assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == [
+    "notes.txt",
+    "sub",
+    "sub/model.bin",
+  ]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no lock, no temporary
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_an_out_folder_equal_to_or_inside_an_input_directory_is_refused(tmp_path, where):
+  texts = tmp_path / "texts"
+  texts.mkdir()
+  write_corpus(texts / "a.txt")
+  out = texts if where == "same" else texts / "prepared"
+  with pytest.raises(DataError, match="inside the input"):
+    prepare([str(texts)], out, progress=False)
+  assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+
+
+def test_an_empty_out_folder_and_a_prepared_one_may_be_replaced(tmp_path):
+  write_corpus(tmp_path / "c.txt")
+  (tmp_path / "p").mkdir()
+  prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  write_corpus(tmp_path / "c.txt", seed=1)  # the input changed: --force replaces it
+  new = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False, force=True)
+  assert read_manifest(tmp_path / "p") == new
+
+
+@pytest.mark.parametrize(
+  "change, match",
+  [
+    ({"fmt": "file"}, "format auto → file"),
+    ({"eval_fraction": 0.2}, "eval_fraction 0.05 → 0.2"),
+    ({"train_bpe_vocab": 300}, "tokenizer byte → train-bpe:300"),
+    ({"inputs": ["other"]}, "inputs"),
+  ],
+)
+def test_preparing_other_settings_over_a_prepared_folder_needs_force(tmp_path, change, match):
+  write_corpus(tmp_path / "c.txt")
+  write_corpus(tmp_path / "other.txt", seed=2)
+  old = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  inputs = [str(tmp_path / n) for n in change.pop("inputs", ["c.txt"])]
+  inputs = [i + ".txt" if i.endswith("other") else i for i in inputs]
+  with pytest.raises(DataError, match=f"{match}.*--force"):
+    prepare(inputs, tmp_path / "p", progress=False, **change)
+  assert read_manifest(tmp_path / "p") == old
+  new = prepare(inputs, tmp_path / "p", progress=False, force=True, **change)
+  assert read_manifest(tmp_path / "p") == new != old
+
+
+def test_the_command_refuses_a_non_prepared_out_with_exit_2_and_one_line(
+  tmp_path, capsys, monkeypatch
+):
+  from jaxstep.cli import prepare as cli
+
+  monkeypatch.setattr(cli, "setup_logging", lambda: None)  # keep the root logger as it is
+  main = cli.main
+
+  write_corpus(tmp_path / "c.txt")
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep me\n")
+  args = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "mine"), "--no-progress"]
+  assert main([*args, "--workers", "1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error:") and "notes.txt" in err[0]
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me\n"
+  assert main([str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--no-progress"]) == 0
+  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", "--no-progress"]) == 2
+  assert "--force" in capsys.readouterr().err
+  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", "--force"]) == 0
+
+
+def test_start_up_hashes_no_shard_whose_size_and_time_are_as_written(tmp_path, monkeypatch):
+  import importlib
+
+  prepare_lib = importlib.import_module("jaxstep.data.manifest")
+
+  write_corpus(tmp_path / "c.txt", n=400)
+  manifest = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False, shard_tokens=999)
+  files = [e["file"] for s in manifest["splits"].values() for e in [*s["shards"], s["docs"]]]
+  hashed = []
+  real = prepare_lib.sha256
+  monkeypatch.setattr(prepare_lib, "sha256", lambda p: hashed.append(p.name) or real(p))
+  assert read_manifest(tmp_path / "p") == manifest and hashed == []  # sizes and times only
+  shard = tmp_path / "p" / "train-00001.bin"
+  os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+  read_manifest(tmp_path / "p")
+  assert hashed == ["train-00001.bin"]  # a moved time: that file is hashed, and it matches
+  hashed.clear()
+  read_manifest(tmp_path / "p", verify=True)  # on demand: every file
+  assert sorted(hashed) == sorted(files) and len(files) > 3
+
+
+def test_zero_shard_tokens_is_a_domain_error_naming_the_option(tmp_path, capsys, monkeypatch):
+  from jaxstep.cli import prepare as cli
+
+  monkeypatch.setattr(cli, "setup_logging", lambda: None)
+  write_corpus(tmp_path / "c.txt")
+  args = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--no-progress"]
+  assert cli.main([*args, "--shard-tokens", "0"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "--shard-tokens must be >= 1" in err[0]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+def test_a_symlink_loop_in_a_walked_folder_reads_each_file_once(tmp_path):
+  from jaxstep.data.readers import scan
+
+  root = tmp_path / "texts"
+  (root / "sub").mkdir(parents=True)
+  write_corpus(root / "sub" / "a.txt", n=5)
+  (root / "sub" / "back").symlink_to(root, target_is_directory=True)  # a loop
+  (root / "again.txt").symlink_to(root / "sub" / "a.txt")  # the same file twice
+  listing = scan(str(root))
+  assert [f.name for f in listing.files] == ["again.txt"]
+  assert sorted(listing.skipped["symlink loop or repeat"]) == ["sub/a.txt", "sub/back"]
+  manifest = prepare([str(root)], tmp_path / "p", progress=False)
+  assert len(manifest["sources"]) == 1
+  walked = scan(str(root / "**" / "*.txt"))  # glob's ** follows the loop many levels deep
+  assert len(walked.files) == 1 and walked.skipped["symlink loop or repeat"]
+
+
+@pytest.mark.parametrize(
+  "damage, match",
+  [
+    (lambda m: [], "not a manifest object"),
+    (lambda m: {k: v for k, v in m.items() if k != "splits"}, "lacks 'splits'"),
+    (
+      lambda m: {**m, "dtype": "uint32"},
+      r"train-00000.bin has .* bytes, not .* tokens × 4 \(uint32\)",
+    ),
+    (lambda m: {**m, "dtype": "float7"}, "dtype 'float7'"),
+    (
+      lambda m: {**m, "tokenizer": {**m["tokenizer"], "vocab_size": 70000}},
+      "vocabulary of 70000 ids does not fit its dtype uint16",
+    ),
+  ],
+)
+def test_a_manifest_that_disagrees_with_itself_or_its_shards_is_one_data_error(
+  tmp_path, damage, match
+):
+  write_corpus(tmp_path / "c.txt")
+  manifest = prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False)
+  (tmp_path / "p" / MANIFEST).write_text(json.dumps(damage(manifest)))
+  with pytest.raises(DataError, match=match) as e:
+    read_manifest(tmp_path / "p")
+  assert "\n" not in str(e.value) and "prepare the data again" in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_command_leaves_a_users_folder_alone_and_exits_2(tmp_path):
+  mine = tmp_path / "mine"
+  (mine / "sub").mkdir(parents=True)
+  (mine / "notes.txt").write_text("my notes\n")
+  (mine / "sub" / "model.bin").write_bytes(b"\x00weights")
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep.prepare", "bundled:text", "--out", str(mine)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert proc.returncode == 2 and len(errors) == 1 and "notes.txt" in errors[0], proc.stderr
+  assert (mine / "notes.txt").read_text() == "my notes\n"
+  assert (mine / "sub" / "model.bin").read_bytes() == b"\x00weights"

@@ -130,3 +130,46 @@ def test_nonfinite_skip_keeps_going_and_counts(tmp_path):
   result = trainer.train(cfg)
   assert result.run_state.step == 6 and int(result.state.skipped) >= 1
   assert not all(r["updated"] for r in read_lines(tmp_path / "run" / "metrics.jsonl"))
+
+
+def test_a_resume_on_data_with_another_tokenizer_names_the_data_not_the_model():
+  import dataclasses
+
+  from jaxstep import CheckpointError
+  from jaxstep.trainer.resume import reconcile
+  from jaxstep.trainer.run_state import RunState
+
+  model = {"vocab_size": 264, "d_model": 32, "n_layers": 1}
+  saved = RunState(
+    step=3, step_in_epoch=3, dataset_fingerprint="aaaa", global_batch_size=8, model=model
+  ).to_json()
+  current = RunState(
+    dataset_fingerprint="bbbb", global_batch_size=8, model={**model, "vocab_size": 400}
+  )
+  for allow in (False, True):  # a new vocabulary cannot resume even with allow_data_change
+    with pytest.raises(CheckpointError) as e:
+      reconcile(saved, current, state_step=3, steps_per_epoch=10, allow_data_change=allow)
+    message = str(e.value)
+    assert "tokenizer" in message and "264 → 400" in message, message
+    assert "the model changed" not in message
+  same_vocab = dataclasses.replace(current, model=model)
+  with pytest.raises(CheckpointError, match="the dataset changed.*allow_data_change=true"):
+    reconcile(saved, same_vocab, state_step=3, steps_per_epoch=10, allow_data_change=False)
+  bigger = dataclasses.replace(current, dataset_fingerprint="aaaa")  # same data, own change
+  with pytest.raises(CheckpointError, match="the model changed.*model.vocab_size 264 → 400"):
+    reconcile(saved, bigger, state_step=3, steps_per_epoch=10, allow_data_change=False)
+
+
+def test_resuming_a_run_on_data_with_another_tokenizer_blames_the_data(tmp_path):
+  from jaxstep import CheckpointError
+  from jaxstep.data import prepare
+
+  prepare(["bundled:text"], tmp_path / "bpe", train_bpe_vocab=300, progress=False)
+  trainer.train(make_cfg(tmp_path, "train.max_steps=1", "train.global_batch_size=4"))
+  with pytest.raises(CheckpointError) as e:
+    trainer.train(
+      make_cfg(
+        tmp_path, "train.max_steps=2", "train.global_batch_size=4", f"data.path={tmp_path / 'bpe'}"
+      )
+    )
+  assert "tokenizer changed" in str(e.value) and "the model changed" not in str(e.value)

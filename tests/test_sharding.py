@@ -204,6 +204,46 @@ def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_tim
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = proc.stdout.strip().splitlines()
   assert len(lines) == 2 and all(x.startswith("BatchError:") for x in lines), proc.stdout
-  assert "a global batch of 6 samples does not split evenly over 4 devices" in lines[0]
+  assert "a global batch of 6 does not split evenly over 4 devices" in lines[0]
+  assert "multiple of devices × grad_accum_steps = 4 × K" in lines[0]
   assert "8 is not divisible by devices × grad_accum_steps = 4 × 4 = 16" in lines[1]
   assert "train." not in proc.stdout  # a library error names numbers, not CLI keys
+
+
+def test_the_batch_split_rule_is_complete_when_k_is_not_known_yet():
+  """``put_batch`` sees G and the devices but not K: it states the whole rule (a multiple
+  of devices × K), not a multiple of the devices that the step would then refuse."""
+  problem = split_problem(6, None, 4, names=("a global batch of", "grad_accum_steps"))
+  assert "6 does not split evenly over 4 devices" in problem
+  assert "multiple of devices × grad_accum_steps = 4 × K" in problem
+  assert "pick a multiple of 4;" not in problem and not problem.endswith("multiple of 4")
+  assert split_problem(8, None, 4) is None  # K decides the rest, and the step checks it
+
+
+PUT_BATCH_CHECK = """
+import jax.numpy as jnp
+from jaxstep import BatchError, parallel
+
+mesh = parallel.make_mesh()
+for g, k in ((6, None), (12, 2)):
+  try:
+    batch = {"x": jnp.ones(g)}
+    parallel.put_batch(batch, parallel.batch_sharding(mesh), grad_accum_steps=k)
+  except BatchError as e:
+    print("BatchError:", e)
+"""
+
+
+def test_put_batch_states_the_devices_times_k_rule():
+  proc = subprocess.run(
+    [sys.executable, "-c", PUT_BATCH_CHECK],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=devices_env(4),
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.strip().splitlines()
+  assert len(lines) == 2, proc.stdout
+  assert "4 × K" in lines[0] and "use a multiple of 4" not in lines[0]
+  assert "12 is not divisible by devices × grad_accum_steps = 4 × 2 = 8" in lines[1]

@@ -1,6 +1,7 @@
 """``jaxstep evaluate RUN_DIR --data PATH``: a trained run's loss, perplexity and bits per
 byte on any data — text, JSONL or chat files, a directory, a glob, ``bundled:…`` or a
-prepared folder — with the run's tokenizer, window length and loss masks.
+prepared folder — with the run's tokenizer, window length, packing and loss masks, and raw
+input read in the run's data format unless ``--format`` says otherwise.
 
 Bits per byte = the nats of all targets ÷ (ln 2 × the UTF-8 bytes they stand for); it does
 not depend on the tokenizer, so runs with different vocabularies compare on one text.
@@ -20,7 +21,12 @@ def parser() -> argparse.ArgumentParser:
 
   p = run_dir_parser("jaxstep evaluate", __doc__)
   p.add_argument("--data", required=True, help="files, a directory, a glob, or a prepared folder")
-  p.add_argument("--format", default="auto", choices=FORMATS, help="raw input's format")
+  p.add_argument(
+    "--format",
+    default=None,
+    choices=FORMATS,
+    help="how raw input becomes documents (default: the format the run's data was read in)",
+  )
   p.add_argument("--split", default="all", choices=SPLITS, help="a prepared folder's split")
   p.add_argument("--batch-size", type=int, default=0, help="windows per batch (0: the run's G)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -36,17 +42,21 @@ def evaluate(args) -> int:
   from jaxstep.trainer.saved_run import load_run
 
   saved = load_run(args.run_dir, args.step)
-  dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, args.format)
+  fmt = args.format or evaluation.run_data_format(saved.cfg)
+  dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, fmt)
+  prepared = (pathlib.Path(args.data) / "manifest.json").is_file()
+  fmt = dataset.manifest["settings"]["format"] if prepared else fmt
   result = {
     "step": saved.step,
     "data": args.data,
+    "format": fmt,
     **evaluation.evaluate(saved, dataset, split=args.split, batch_size=args.batch_size),
   }
   if args.json:
     print(records.dumps(result))
   else:
     print(
-      f"update step {result['step']} on {args.data}: loss {result['loss']:.4f}  ppl "
+      f"update step {result['step']} on {args.data} (format {fmt}): loss {result['loss']:.4f}  ppl "
       f"{result['ppl']:.3f}  bits/byte {result['bpb']:.4f}  ({result['tokens']} tokens, "
       f"{result['bytes']} bytes, {result['windows']} windows)"
     )

@@ -1,6 +1,7 @@
 """``jaxstep prepare INPUT… --out DIR``: tokenize a corpus once into shards + a manifest.
 
-INPUT is a file, a directory (every .txt/.jsonl under it) or a glob; several may be given.
+INPUT is a file, a directory or a glob; several may be given. A directory is walked for the
+files the format reads (text: any UTF-8 file; jsonl/chat: .jsonl); skipped files are reported.
 Training then reads the shards through memory maps (``data.path=DIR``).
 """
 
@@ -17,7 +18,11 @@ from jaxstep.errors import JaxstepError
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxstep prepare", description=__doc__)
   p.add_argument("inputs", nargs="+", metavar="INPUT")
-  p.add_argument("--out", required=True, help="the prepared folder (created or replaced)")
+  p.add_argument(
+    "--out",
+    required=True,
+    help="the prepared folder: new, empty, or a prepared folder (replaced); never inside an input",
+  )
   p.add_argument(
     "--tokenizer",
     default="byte",
@@ -39,13 +44,20 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--eval-fraction", type=float, default=0.05, help="documents held out")
   p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
-  p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file")
+  p.add_argument(
+    "--shard-tokens", type=int, default=None, help="tokens per shard file (default 2^26)"
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument(
+    "--force",
+    action="store_true",
+    help="replace a prepared --out made from other inputs or settings",
+  )
   return p
 
 
 def main(argv=None) -> int:
-  from jaxstep.data.prepare import SHARD_TOKENS, prepare
+  from jaxstep.data.preparation import SHARD_TOKENS, prepare
 
   args = parser().parse_args(argv)
   setup_logging()
@@ -58,8 +70,9 @@ def main(argv=None) -> int:
       fmt=args.format,
       eval_fraction=args.eval_fraction,
       workers=args.workers,
-      shard_tokens=args.shard_tokens or SHARD_TOKENS,
+      shard_tokens=SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
       progress=not args.no_progress,
+      force=args.force,
     )
   except JaxstepError as e:
     return report(e)

@@ -34,18 +34,31 @@ def divides(global_batch_size: int, grad_accum_steps: int, devices: int = 1) -> 
 
 def split_problem(
   global_batch_size: int,
-  grad_accum_steps: int,
+  grad_accum_steps: int | None,
   devices: int = 1,
   *,
   names: tuple[str, str] = ("the global batch size", "grad_accum_steps"),
 ) -> str | None:
   """Why G cannot be split (the numbers and what to change), or None if it can.
 
+  The rule: G must be a multiple of devices × K (K equal micro-batches, each split evenly
+  over the devices). ``grad_accum_steps`` None means K is not known yet (a batch placed
+  on the devices before the step sees it): then only the devices are checked, and the
+  message still states the whole rule, since any G the devices divide may yet fail for K.
   ``names`` says how the caller's user spells G and K (config keys for the CLI).
   """
+  g_name, k_name = names
+  if grad_accum_steps is None:
+    if global_batch_size % devices == 0:
+      return None
+    return (
+      f"{g_name} {global_batch_size} does not split evenly over {devices} devices; each of "
+      f"the K micro-batches must, so G (samples per update) must be a multiple of devices × "
+      f"{k_name} = "
+      f"{devices} × K ({', '.join(str(devices * k) for k in (1, 2, 4))}, … for K = 1, 2, 4, …)"
+    )
   if divides(global_batch_size, grad_accum_steps, devices):
     return None
-  g_name, k_name = names
   n = devices * grad_accum_steps
   if devices == 1:
     return (

@@ -1,9 +1,11 @@
 """Local data → fixed-shape samples with loss masks → global batches.
 
 ``readers`` (files → documents), ``tokenizer``, ``samples`` (documents → tokens with target
-flags), ``prepare`` (→ shards + manifest), ``shards`` (memory-mapped windows with loss
-masks), ``dataset`` (splits, epoch order, global batches), ``loader`` (global batches read
-ahead by Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
+flags), ``preparation`` (``prepare``: → shards), ``manifest`` (what a prepared folder
+records, read back checked), ``out_folder`` (which ``--out`` may be replaced), ``shards``
+(memory-mapped windows with loss masks), ``dataset`` (splits, epoch order, global batches),
+``loader`` (global batches read ahead by Grain) and ``corpus`` (regenerates the bundled
+corpus in ``corpus/``).
 
 ``BatchLoader`` is imported on first use, so that importing this package does not import
 Grain.
@@ -21,7 +23,8 @@ from jaxstep.data.dataset import (
   prepared_tokenizer,
   steps_per_epoch,
 )
-from jaxstep.data.prepare import prepare, read_manifest
+from jaxstep.data.manifest import read_manifest
+from jaxstep.data.preparation import prepare
 from jaxstep.data.shards import Windows
 from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 

@@ -4,7 +4,7 @@ Units: a *sample* is one window of ``seq_len`` targets; a *global batch* is G sa
 update step). ``steps_per_epoch = ceil(num_samples / G)``; the last batch of an epoch is
 padded to G with loss_mask-0 rows (static shapes, no recompile) and still makes an update.
 
-There is one way samples are produced: from a prepared folder (``prepare.py``) through
+There is one way samples are produced: from a prepared folder (``preparation.py``) through
 memory-mapped windows (``shards.py``). A raw ``data.path`` (files, a directory, a glob,
 ``bundled:…``) is prepared on first use into a cache folder (``$JAXSTEP_CACHE``, default
 ``~/.cache/jaxstep``) keyed by the inputs and settings, and read from there.
@@ -21,7 +21,8 @@ import pathlib
 
 import numpy as np
 
-from jaxstep.data import prepare as prepare_lib
+from jaxstep.data import preparation as prepare_lib
+from jaxstep.data.manifest import MANIFEST, read_manifest
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.data.shards import TokenStream, Windows
 from jaxstep.data.tokenizer import load_tokenizer
@@ -123,7 +124,7 @@ def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Pat
   """``data.path`` if it is a prepared folder; else the cache folder it is prepared into
   (prepared now if missing or stale)."""
   path = pathlib.Path(data_cfg.path)
-  if data_cfg.path not in BUNDLED_PATHS and (path / prepare_lib.MANIFEST).is_file():
+  if data_cfg.path not in BUNDLED_PATHS and (path / MANIFEST).is_file():
     return path
   source = data_cfg.path if data_cfg.path in BUNDLED_PATHS else str(path.resolve())
   key = hashlib.sha256(
@@ -137,6 +138,7 @@ def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Pat
     fmt=data_cfg.format,
     eval_fraction=data_cfg.eval_fraction,
     progress=progress,
+    force=True,  # the cache folder is jaxstep's own: stale inputs are prepared again
   )
   return folder
 
@@ -151,7 +153,7 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
   from jaxstep.errors import DataError
 
   folder = prepared_folder(data_cfg, progress)
-  manifest = prepare_lib.read_manifest(folder)
+  manifest = read_manifest(folder)
   tok = manifest["tokenizer"]
 
   def windows(split: str) -> Windows | None:

@@ -3,8 +3,9 @@
 Batch ``b`` of a run is batch ``step`` of ``epoch`` with ``(epoch, step) = divmod(b,
 steps_per_epoch)``: ``dataset.global_batch``, a pure function of (seed, epoch, step). The
 pipeline is a ``grain.MapDataset`` from ``b`` to that batch, read ahead in a background
-thread, so its position is one integer: a resumed run starts it at its next batch with
-nothing replayed, and ``state()`` is what a checkpoint records.
+thread. Its position follows from the run state's ``(epoch, step_in_epoch)``, which every
+checkpoint records: a resumed run starts it there with nothing replayed, so the loader
+keeps no state of its own that could disagree with the run's.
 """
 
 from __future__ import annotations
@@ -60,5 +61,6 @@ class BatchLoader:
     return next(self._it)
 
   def state(self) -> dict:
-    """The position of the next batch (JSON-able)."""
+    """The position of the next batch (JSON-able): ``epoch × steps_per_epoch +
+    step_in_epoch``, for inspection; resume restarts from the run state instead."""
     return dict(self._it.get_state())

@@ -1,5 +1,10 @@
-"""Reading documents from disk: ``.txt`` (blank-line separated), whole files (``file``:
-e.g. source code), ``.jsonl`` ``{"text"}``, chat ``.jsonl``.
+"""Reading documents from disk: text (blank-line separated), whole files (``file``: e.g.
+source code), ``.jsonl`` ``{"text"}``, chat ``.jsonl``.
+
+A directory or glob is walked for the files the format can read: for text formats any file
+that decodes as UTF-8 (``.md``, ``.rst``, a ``README``: the extension does not matter), for
+JSONL formats ``.jsonl`` files; binary files, other encodings and hidden files and folders
+are left out and reported by reason, never dropped silently.
 
 A *document* is either a string (text) or a list of ``{"role", "content"}`` messages (chat).
 Every problem is a ``DataError`` that names the file (and line, for JSONL).
@@ -7,6 +12,8 @@ Every problem is a ``DataError`` that names the file (and line, for JSONL).
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import glob
 import json
 import pathlib
@@ -22,24 +29,123 @@ ROLES = ("system", "user", "assistant")
 FORMATS = ("auto", "txt", "file", "jsonl", "chat")
 
 
-def list_files(path: str) -> list[pathlib.Path]:
-  """A file, every ``.txt``/``.jsonl`` file under a directory, or a glob; sorted."""
+SNIFF_BYTES = 1 << 13  # how much of a file decides whether it is text (8 KiB)
+EXAMPLES = 3  # skipped files named per reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+  """The files an input names, and those a directory or glob walk left out (by reason)."""
+
+  files: list[pathlib.Path]
+  skipped: dict[str, list[str]]
+
+  def skip_summary(self) -> str:
+    """``3 binary (NUL bytes): a.png, b.png, c.png, …; 1 hidden: .git``, or ``""``."""
+    parts = []
+    for reason, names in self.skipped.items():
+      shown = ", ".join(names[:EXAMPLES]) + (", …" if len(names) > EXAMPLES else "")
+      parts.append(f"{len(names)} {reason}: {shown}")
+    return "; ".join(parts)
+
+
+def walk_root(path: str) -> pathlib.Path | None:
+  """The directory an input walks (resolved), or None for a file, a glob or bundled data.
+  Everything under it is read, so an output folder must not lie there. (A glob's matches
+  are checked file by file instead: an output it would read is an input inside it.)"""
+  if path in BUNDLED_PATHS or not pathlib.Path(path).is_dir():
+    return None
+  return pathlib.Path(path).resolve()
+
+
+def _skip_reason(file: pathlib.Path, fmt: str, walked: bool) -> str | None:
+  """Why a file a directory walk (``walked``) or a glob found is not read in format ``fmt``
+  (None: it is read). Text formats read any file whose first 8 KiB decode as UTF-8 and hold
+  no NUL byte; JSONL formats read a walk's ``.jsonl`` files, and whatever a glob names."""
+  if fmt in ("jsonl", "chat"):
+    return None if file.suffix == ".jsonl" or not walked else "not .jsonl"
+  try:
+    with file.open("rb") as f:
+      head = f.read(SNIFF_BYTES)
+  except OSError as e:
+    return f"unreadable ({e.strerror})"
+  if b"\0" in head:
+    return "binary (NUL bytes)"
+  try:
+    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut character is fine
+  except UnicodeDecodeError:
+    return "not UTF-8"
+  return None
+
+
+def _walk(
+  root: pathlib.Path, top: pathlib.Path, skipped: dict[str, list[str]], seen: set
+) -> Iterator[pathlib.Path]:
+  """Every regular file under ``root``, each real file once: hidden files and folders
+  (``.git``) are left out, and a folder a symlink leads back into is not walked again."""
+  try:
+    entries = sorted(root.iterdir())
+  except OSError as e:
+    skipped.setdefault(f"unreadable ({e.strerror})", []).append(str(root.relative_to(top)))
+    return
+  for entry in entries:
+    name = str(entry.relative_to(top))
+    if entry.name.startswith("."):
+      skipped.setdefault("hidden", []).append(name)
+    elif entry.is_dir():
+      real = entry.resolve()
+      if real in seen:
+        skipped.setdefault("symlink loop or repeat", []).append(name)
+        continue
+      seen.add(real)
+      yield from _walk(entry, top, skipped, seen)
+    elif entry.is_file():
+      yield entry
+
+
+def scan(path: str, fmt: str = "auto") -> Listing:
+  """The files of one input, sorted: a file as given; a directory's or a glob's files that
+  format ``fmt`` can read, with the others in ``skipped`` by reason.
+
+  Raises:
+    DataError: the path does not exist.
+  """
   if path in BUNDLED_PATHS:
-    return [BUNDLED_PATHS[path]]
+    return Listing([BUNDLED_PATHS[path]], {})
   p = pathlib.Path(path)
+  skipped: dict[str, list[str]] = {}
+  if p.is_file():
+    return Listing([p], {})
   if p.is_dir():
-    files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file())
-  elif p.is_file():
-    files = [p]
+    candidates = sorted(_walk(p, p, skipped, {p.resolve()}))
   else:
-    files = sorted(
+    candidates = sorted(
       pathlib.Path(f) for f in glob.glob(path, recursive=True) if pathlib.Path(f).is_file()
     )
-    if not files and not glob.has_magic(path):
+    if not candidates and not glob.has_magic(path):
       raise DataError(f"data.path {path!r} does not exist")
-  if not files:
-    raise DataError(f"data.path {path!r} matches no .txt or .jsonl files")
-  return files
+  files, real = [], set()
+  for f in candidates:
+    reason = "symlink loop or repeat" if f.resolve() in real else _skip_reason(f, fmt, p.is_dir())
+    real.add(f.resolve())
+    if reason is None:
+      files.append(f)
+    else:
+      skipped.setdefault(reason, []).append(str(f.relative_to(p)) if p.is_dir() else str(f))
+  return Listing(files, skipped)
+
+
+def list_files(path: str, fmt: str = "auto") -> list[pathlib.Path]:
+  """``scan(path, fmt).files``; an error when there are none.
+
+  Raises:
+    DataError: the path does not exist or holds no file the format can read.
+  """
+  listing = scan(path, fmt)
+  if not listing.files:
+    why = f" (skipped {listing.skip_summary()})" if listing.skipped else ""
+    raise DataError(f"data.path {path!r} holds no readable files for format {fmt}{why}")
+  return listing.files
 
 
 def _detect_format(file: pathlib.Path) -> str:
@@ -110,15 +216,18 @@ def _chat_record(record, file, number) -> list[dict]:
   return messages
 
 
-def iter_documents(path: str, fmt: str = "auto") -> Iterator[tuple[pathlib.Path, str, Any]]:
+def iter_documents(
+  path: str, fmt: str = "auto", files: list[pathlib.Path] | None = None
+) -> Iterator[tuple[pathlib.Path, str, Any]]:
   """Every document under ``path`` as ``(file, kind, document)``, streamed file by file
-  and line by line; kind is ``text`` or ``chat``.
+  and line by line; kind is ``text`` or ``chat``. ``files``: ``path``'s files when already
+  listed (a walk is listed once).
 
   Raises:
     DataError: missing path, malformed records, or text and chat files mixed.
   """
   kinds = set()
-  for file in list_files(path):
+  for file in list_files(path, fmt) if files is None else files:
     f = _detect_format(file) if fmt == "auto" else fmt
     kind = "chat" if f == "chat" else "text"
     kinds.add(kind)

@@ -27,7 +27,7 @@ class TokenStream:
     self.tokens = [np.memmap(folder / s["file"], dtype, mode="r") for s in entry["shards"]]
     self.flags = (
       [np.memmap(folder / s["file"], np.uint8, mode="r") for s in entry["flags"]]
-      if entry["flags"]
+      if entry.get("flags")
       else None
     )
     self.bounds = np.cumsum([0, *(len(t) for t in self.tokens)])  # shard i: [b_i, b_i+1)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jaxstep.core import geometry
 from jaxstep.core.layout import AXES
 from jaxstep.errors import BatchError, ConfigError
 
@@ -60,24 +61,30 @@ def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray | 
 
 
 def put_batch(
-  batch: dict[str, np.ndarray], sharding: NamedSharding, global_batch_size: int | None = None
+  batch: dict[str, np.ndarray],
+  sharding: NamedSharding,
+  global_batch_size: int | None = None,
+  *,
+  grad_accum_steps: int | None = None,
 ) -> dict[str, jax.Array]:
   """A host batch → global arrays of ``global_batch_size`` rows (default: the batch's own).
 
   ``batch`` holds either all G rows or only this process's ``local_rows``; either way this
-  process contributes only its devices' rows.
+  process contributes only its devices' rows. ``grad_accum_steps`` (K), when given, is
+  checked too: the step needs G to be a multiple of devices × K.
 
   Raises:
-    BatchError: the rows (G) do not split evenly over the mesh's devices.
+    BatchError: the rows (G) do not split evenly over the devices (× K); the message states
+      the whole rule (``geometry.split_problem``).
   """
   rows = next(iter(batch.values())).shape[0]
   g = global_batch_size or rows
   devices = sharding.mesh.devices.size
-  if g % devices:
-    raise BatchError(
-      f"a global batch of {g} samples does not split evenly over {devices} devices; "
-      f"use a multiple of {devices}"
-    )
+  problem = geometry.split_problem(
+    g, grad_accum_steps, devices, names=("a global batch of", "grad_accum_steps")
+  )
+  if problem:
+    raise BatchError(problem)
   if sharding.is_fully_addressable:
     return jax.device_put(batch, sharding)
   local = local_rows(sharding, g)

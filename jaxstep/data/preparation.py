@@ -14,10 +14,13 @@ the current shard of its split; memory holds one batch of documents, never the c
 - ``<split>.docs.bin``: uint64 offsets where each document starts in the stream.
 
 and ``manifest.json``: the format version, the tokenizer (kind, file, size, special ids),
-the token dtype, the settings, the source files (names, sizes), and per split its token and
-document counts and each file's size and sha256. Everything is written into a temporary
-directory renamed to ``out`` at the end, so a killed prepare leaves no manifest (and the
-next one starts clean); preparing the same inputs again is a no-op.
+the token dtype, the settings, the source files (names, sizes), per split its token and
+document counts and each file's size and sha256, and each file's modification time (ns) as
+written, so that reading the folder hashes only a file whose time moved. Everything is
+written into a temporary directory renamed to ``out`` at the end, so a killed prepare
+leaves no manifest (and the next one starts clean); preparing the same inputs again is a
+no-op. ``out`` is replaced as a whole, so only a new or empty folder or a prepared one (from
+the same settings, or any with ``force``) is accepted.
 
 Documents go to eval by a hash of their index (``eval_fraction`` of them on average), so the
 split never needs the whole corpus in memory.
@@ -25,10 +28,9 @@ split never needs the whole corpus in memory.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -37,17 +39,17 @@ import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
-import tqdm
 
-from jaxstep.data import readers, samples
+from jaxstep.data import out_folder, readers, samples
+from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, read_manifest, sha256
 from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxstep.errors import ConfigError, DataError
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 SHARD_TOKENS = 1 << 26  # tokens per shard file: 128 MiB of uint16
 DOCS_PER_BATCH = 512  # documents tokenized together (one worker task)
 SPLIT_SEED = 1234  # fixed: the held-out documents do not move when train.seed changes
+
+log = logging.getLogger("jaxstep")
 
 
 def eval_mask(first: int, count: int, eval_fraction: float) -> np.ndarray:
@@ -124,16 +126,8 @@ class _ShardWriter:
       "documents": len(starts),
       "shards": self.shards,
       "flags": self.flag_shards if self.chat else None,
-      "docs": {"file": docs, "sha256": _sha256(self.folder / docs)},
+      "docs": {"file": docs, "sha256": sha256(self.folder / docs)},
     }
-
-
-def _sha256(path: pathlib.Path) -> str:
-  h = hashlib.sha256()
-  with path.open("rb") as f:
-    for chunk in iter(lambda: f.read(1 << 22), b""):
-      h.update(chunk)
-  return h.hexdigest()
 
 
 # Worker processes keep their tokenizer in a global: it is loaded once per process.
@@ -167,12 +161,12 @@ def _encode(task: tuple[str, list]) -> tuple[str, np.ndarray, np.ndarray, np.nda
   return kind, tokens, flags, lengths
 
 
-def _batches(inputs: list[str], fmt: str, bar) -> Iterator[tuple[str, list]]:
+def _batches(listings: dict[str, list], fmt: str, bar) -> Iterator[tuple[str, list]]:
   """``(kind, documents)`` in batches of ``DOCS_PER_BATCH``, streamed; ``bar`` advances by
   each input file's size once that file has been read."""
   batch, kind, current = [], None, None
-  for path in inputs:
-    for file, kind, doc in readers.iter_documents(path, fmt):
+  for path, files in listings.items():
+    for file, kind, doc in readers.iter_documents(path, fmt, files):
       if file is not current:
         if current is not None:
           bar.update(current.stat().st_size)
@@ -187,16 +181,39 @@ def _batches(inputs: list[str], fmt: str, bar) -> Iterator[tuple[str, list]]:
     bar.update(current.stat().st_size)
 
 
-def _sources(inputs: list[str]) -> list[dict]:
-  files = [f for path in inputs for f in readers.list_files(path)]
+def _list_inputs(inputs: list[str], fmt: str) -> dict[str, list[pathlib.Path]]:
+  """Each input's files, listed once; what a walk left out is logged (counts by reason and
+  a few names), so a skipped file is never a silent loss."""
+  listings = {}
+  for path in inputs:
+    listing = readers.scan(path, fmt)
+    if listing.skipped:
+      total = len(listing.files) + sum(len(v) for v in listing.skipped.values())
+      log.warning(
+        "%s: skipped %d of %d entries (format %s): %s",
+        path,
+        total - len(listing.files),
+        total,
+        fmt,
+        listing.skip_summary(),
+      )
+    if not listing.files:
+      readers.list_files(path, fmt)  # raises, naming what was skipped
+    listings[path] = listing.files
+  return listings
+
+
+def _sources(listings: dict[str, list[pathlib.Path]]) -> list[dict]:
   return [
-    {"name": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files
+    {"name": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+    for files in listings.values()
+    for f in files
   ]
 
 
-def _texts_for_bpe(inputs: list[str], fmt: str) -> Iterable[str]:
-  for path in inputs:
-    for _, kind, doc in readers.iter_documents(path, fmt):
+def _texts_for_bpe(listings: dict[str, list], fmt: str) -> Iterable[str]:
+  for path, files in listings.items():
+    for _, kind, doc in readers.iter_documents(path, fmt, files):
       yield doc if kind == "text" else "\n".join(m["content"] for m in doc)
 
 
@@ -208,7 +225,7 @@ def _tokenizer_source(tokenizer: str, train_bpe_vocab: int) -> str:
   """What decides the tokens: a BPE size to train, ``byte``, or a file's content."""
   if train_bpe_vocab:
     return f"train-bpe:{train_bpe_vocab}"
-  return "byte" if tokenizer == "byte" else f"file:{_sha256(pathlib.Path(tokenizer))}"
+  return "byte" if tokenizer == "byte" else f"file:{sha256(pathlib.Path(tokenizer))}"
 
 
 def prepare(
@@ -222,48 +239,67 @@ def prepare(
   workers: int = 1,
   shard_tokens: int = SHARD_TOKENS,
   progress: bool = True,
+  force: bool = False,
 ) -> dict:
   """Prepares ``inputs`` (files, directories, globs) into ``out``; returns the manifest.
+
+  ``out`` must be new, empty, or a prepared folder: it is replaced as a whole, so a folder
+  holding anything else is refused (never emptied), and so is an ``out`` inside a
+  directory being read. A prepared ``out`` from the same inputs and settings is returned
+  as it is; from other ones it is replaced only with ``force``, since a run trained on it
+  would no longer resume.
 
   Args:
     tokenizer: ``byte``, a ``tokenizer.json`` or a SentencePiece ``.model``; a file is
       copied into ``out`` so the prepared set is self-contained.
     train_bpe_vocab: if > 0, first train a byte-level BPE of this size on the inputs
       (``out/tokenizer.json``); ``tokenizer`` is then ignored.
-    fmt: ``auto``, ``txt``, ``jsonl`` or ``chat`` (as ``data.format``).
+    fmt: ``auto``, ``txt``, ``file``, ``jsonl`` or ``chat`` (as ``data.format``).
     eval_fraction: share of documents held out for eval, in [0, 1).
     workers: tokenizer processes (1: tokenize in this process).
     shard_tokens: tokens per shard file.
+    force: replace a prepared ``out`` made from other inputs or settings.
 
   Raises:
-    DataError / ConfigError: bad inputs or settings; ``out`` is left as it was.
+    DataError / ConfigError: bad inputs, settings or ``out``; ``out`` is left as it was.
   """
   if not 0 <= eval_fraction < 1:
     raise ConfigError(f"eval fraction must be in [0, 1), got {eval_fraction}")
-  if workers < 1 or shard_tokens < 1:
-    raise ConfigError(f"workers and shard tokens must be >= 1, got {workers}, {shard_tokens}")
+  if workers < 1:
+    raise ConfigError(f"--workers must be >= 1, got {workers}")
+  if shard_tokens < 1:
+    raise ConfigError(f"--shard-tokens must be >= 1 (tokens per shard file), got {shard_tokens}")
   if train_bpe_vocab == 0 and tokenizer != "byte":
     load_tokenizer(tokenizer)  # a bad tokenizer fails before any work
   out = pathlib.Path(out)
-  sources = _sources(inputs)
+  out_folder.refuse_unsafe_out(out, inputs)
+  listings = _list_inputs(inputs, fmt)
+  sources = _sources(listings)
+  out_folder.refuse_input_inside_out(out, sources)
   settings = {"format": fmt, "eval_fraction": eval_fraction, "shard_tokens": shard_tokens}
-  inputs_digest = _digest(
-    sources=sources, settings=settings, tokenizer=_tokenizer_source(tokenizer, train_bpe_vocab)
-  )
+  tokenizer_source = _tokenizer_source(tokenizer, train_bpe_vocab)
+  inputs_digest = _digest(sources=sources, settings=settings, tokenizer=tokenizer_source)
+  current = {"settings": settings, "tokenizer_source": tokenizer_source, "sources": sources}
+  if not force:
+    out_folder.refuse_other_settings(out, inputs_digest, current)  # before anything is written
   out.parent.mkdir(parents=True, exist_ok=True)
-  with _exclusive(out):  # one prepare of ``out`` at a time: the others wait, then find it done
+  # one prepare of ``out`` at a time: the others wait, then find it done
+  with out_folder.exclusive(out):
     done = _up_to_date(out, inputs_digest)
     if done is not None:
       return done
+    if not force:
+      # another prepare may have got there first
+      out_folder.refuse_other_settings(out, inputs_digest, current)
     for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed prepare's leftovers
       shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-      tok, spec = _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab)
+      tok, spec = _tokenizer_into(tmp, listings, fmt, tokenizer, train_bpe_vocab)
       total = sum(s["bytes"] for s in sources)
       kind, splits = _tokenize(
-        inputs, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
+        listings, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
       )
       manifest = {
         "format_version": FORMAT_VERSION,
@@ -275,25 +311,17 @@ def prepare(
         "dtype": _dtype(tok),
         "splits": splits,
         "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
+        "source_times": [s["mtime_ns"] for s in sources],
         "settings": settings,
+        "tokenizer_source": tokenizer_source,
         "inputs_digest": inputs_digest,
+        "file_times": file_times(tmp, splits),
       }
       (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-      _replace(out, tmp)
+      out_folder.replace(out, tmp)
       return manifest
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive(out: pathlib.Path):
-  """An exclusive lock on ``out``'s lock file for the block (concurrent runs wait)."""
-  with open(out.parent / f".{out.name}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _up_to_date(out: pathlib.Path, inputs_digest: str) -> dict | None:
@@ -306,24 +334,14 @@ def _up_to_date(out: pathlib.Path, inputs_digest: str) -> dict | None:
   return None
 
 
-def _replace(out: pathlib.Path, tmp: pathlib.Path) -> None:
-  """``tmp`` becomes ``out``; an older ``out`` is moved aside first and then removed (a
-  reader that still has its files open keeps reading them)."""
-  old = out.parent / f".{out.name}.old-{os.getpid()}"
-  if out.exists():
-    out.rename(old)
-  tmp.rename(out)
-  shutil.rmtree(old, ignore_errors=True)
-
-
 def _dtype(tok) -> str:
   return "uint16" if tok.vocab_size <= 2**16 else "uint32"
 
 
-def _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab) -> tuple[Tokenizer, str]:
+def _tokenizer_into(tmp, listings, fmt, tokenizer, train_bpe_vocab) -> tuple[Tokenizer, str]:
   """The tokenizer, saved or copied into ``tmp``; and how a worker loads it."""
   if train_bpe_vocab:
-    tok = train_bpe(_texts_for_bpe(inputs, fmt), train_bpe_vocab, tmp / "tokenizer.json")
+    tok = train_bpe(_texts_for_bpe(listings, fmt), train_bpe_vocab, tmp / "tokenizer.json")
     return tok, str(tmp / "tokenizer.json")
   if tokenizer == "byte":
     return ByteTokenizer(), "byte"
@@ -333,9 +351,11 @@ def _tokenizer_into(tmp, inputs, fmt, tokenizer, train_bpe_vocab) -> tuple[Token
 
 
 def _tokenize(
-  inputs, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
+  listings, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
 ) -> tuple[str, dict]:
   """Streams every document through the tokenizer into the split writers."""
+  import tqdm  # the progress bar: only when preparing
+
   bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="prepare")
   pool = None
   if workers > 1:
@@ -345,7 +365,7 @@ def _tokenize(
   writers: dict[str, _ShardWriter] = {}
   kind, index, start = "text", 0, time.perf_counter()
   try:
-    tasks = _batches(inputs, fmt, bar)
+    tasks = _batches(listings, fmt, bar)
     for kind, tokens, flags, lengths in pool.imap(_encode, tasks) if pool else map(_encode, tasks):
       held_out = eval_mask(index, len(lengths), eval_fraction)
       in_eval = np.repeat(held_out, lengths)
@@ -362,44 +382,5 @@ def _tokenize(
     if pool is not None:
       pool.terminate()
   if "train" not in writers:
-    raise DataError(f"{' '.join(inputs)}: no documents to train on")
+    raise DataError(f"{' '.join(listings)}: no documents to train on")
   return kind, {split: w.finish() for split, w in writers.items()}
-
-
-def read_manifest(folder: str | pathlib.Path, *, verify: bool = True) -> dict:
-  """The manifest of a prepared folder, checked: a known format version, and every file
-  present with its recorded size (and, with ``verify``, its sha256).
-
-  Raises:
-    DataError: naming the file that is missing, truncated, changed or of a newer format.
-  """
-  folder = pathlib.Path(folder)
-  path = folder / MANIFEST
-  try:
-    manifest = json.loads(path.read_text())
-  except FileNotFoundError:
-    raise DataError(f"{folder} holds no {MANIFEST}: prepare it with jaxstep prepare") from None
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path}: not valid JSON ({e.msg})") from None
-  version = manifest.get("format_version")
-  if not isinstance(version, int) or version > FORMAT_VERSION:
-    raise DataError(
-      f"{path}: format version {version!r} is newer than this jaxstep reads "
-      f"({FORMAT_VERSION}); upgrade jaxstep or prepare the data again"
-    )
-  for split in manifest["splits"].values():
-    for entry in [*split["shards"], *(split["flags"] or []), split["docs"]]:
-      _check_file(folder / entry["file"], entry, verify)
-  return manifest
-
-
-def _check_file(path: pathlib.Path, entry: dict, verify: bool) -> None:
-  if not path.is_file():
-    raise DataError(f"{path} is missing (listed in {MANIFEST}); prepare the data again")
-  if "bytes" in entry and path.stat().st_size != entry["bytes"]:
-    raise DataError(
-      f"{path} has {path.stat().st_size} bytes, {MANIFEST} says {entry['bytes']}: truncated "
-      f"or changed; prepare the data again"
-    )
-  if verify and _sha256(path) != entry["sha256"]:
-    raise DataError(f"{path} does not match its checksum in {MANIFEST}; prepare the data again")
