@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -90,17 +91,46 @@ def read_lines(path):
 
 
 def restore_state_arrays(run_dir, step=None):
-  """``(step, state tree)`` of a run's checkpoint onto this process's first device, whatever
-  device layout wrote it (the CLI splits a CPU into several devices)."""
-  import orbax.checkpoint as ocp
+  """``(step, state tree)`` of a run's checkpoint (the newest by default) onto this process's
+  first device, whatever device layout wrote it (the CLI splits a CPU into several devices);
+  read and verified as a resume reads it, so a test fails on a checkpoint that does not."""
+  from jaxstep.trainer.checkpoint_read import read_step, step_dirs
 
-  from jaxstep.trainer.checkpoint import Checkpointer
+  steps = dict(step_dirs(run_dir / "checkpoints"))
+  read = read_step(steps[step or max(steps)])
+  assert read.problem is None, read.problem
+  return read.step, read.state
 
-  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
-  step = step or ckpt.manager.latest_step()
-  meta = ckpt.manager.item_metadata(step)["state"].tree
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
-  out = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-  ckpt.close()
-  return step, out.state
+
+def can_mount() -> bool:
+  import os
+  import shutil
+
+  return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+  """A small tmpfs of its own (root only), unmounted after the test."""
+  import subprocess
+
+  mounts = []
+
+  def mount(size: str, read_only: bool = False) -> pathlib.Path:
+    point = tmp_path / f"mnt{len(mounts)}"
+    point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)])
+    if proc.returncode:
+      pytest.skip("cannot mount a tmpfs here")
+    mounts.append(point)
+    return point
+
+  def remount_read_only(point: pathlib.Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+  if not can_mount():
+    pytest.skip("mounting a tmpfs needs root")
+  mount.read_only = remount_read_only
+  yield mount
+  for point in mounts:
+    subprocess.run(["umount", "-l", str(point)])

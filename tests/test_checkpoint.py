@@ -1,5 +1,7 @@
-"""Checkpoints: round trip, bitwise resume, corruption fallback, compatibility, legacy."""
+"""Checkpoints: round trip, bitwise resume, corruption fallback, compatibility, verification
+of every item, the listing."""
 
+import json
 import logging
 import shutil
 
@@ -8,22 +10,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import make_cfg, read_lines
+from conftest import make_cfg, read_lines, restore_state_arrays
 
 from jaxstep import CheckpointError, trainer
+from jaxstep.cli.checkpoints import table
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints
-from jaxstep.trainer.resume import reconcile
 from jaxstep.trainer.run_state import RunState
-
-
-def saved_state(run_dir, step=None):
-  """Raw (target-free) restore of a run's state item, newest step by default."""
-  ckpt = Checkpointer(run_dir / "checkpoints", read_only=True)
-  step = step or ckpt.manager.latest_step()
-  state = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  ckpt.close()
-  return state.state
 
 
 def test_round_trip_of_every_state_field(tmp_path):
@@ -162,47 +155,66 @@ def test_changing_k_with_the_same_g_resumes(tmp_path):
   assert result.run_state.step == 3
 
 
-def test_legacy_run_state_is_converted_to_global_semantics(caplog):
-  current = RunState(global_batch_size=8, grad_accum_steps=4, dataset_fingerprint="f")
-  legacy = {
-    "epoch": 1,
-    "step_in_epoch": 10,
-    "batch_size": 2,
-    "grad_accum_steps": 4,
-    "dataset_fingerprint": "f",
-  }
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+  """A run of 4 update steps with checkpoints at 2 and 4, for tests that damage a copy."""
+  shared = tmp_path_factory.mktemp("four_steps")
+  trainer.train(make_cfg(shared, "train.max_steps=4", "checkpoint.every=2", "train.log_every=1"))
+  return shared
+
+
+def copy_of(shared, tmp_path):
+  shutil.copytree(shared / "run", tmp_path / "run")
+  shutil.copyfile(shared / "corpus.txt", tmp_path / "corpus.txt")
+  return tmp_path / "run" / "checkpoints"
+
+
+def resume_from_damaged_newest(tmp_path, caplog):
+  """Resumes the damaged copy to step 6: the update steps it trained."""
+  counter = StepCounter()
   with caplog.at_level(logging.WARNING, logger="jaxstep"):
-    rs = reconcile(legacy, current, state_step=7, steps_per_epoch=5, allow_data_change=False)
-  assert (rs.step, rs.epoch, rs.step_in_epoch, rs.sample_cursor) == (7, 1, 3, 24)
-  assert rs.batch_size_semantics == "global"
-  assert "global_batch_size 8" in caplog.text
-  with pytest.raises(CheckpointError, match="global_batch_size 12"):
-    reconcile(
-      {**legacy, "batch_size": 3}, current, state_step=7, steps_per_epoch=5, allow_data_change=False
+    trainer.train(
+      make_cfg(tmp_path, "train.max_steps=6", "checkpoint.every=2"), callbacks=[counter]
     )
+  return counter.steps
 
 
-def test_legacy_checkpoint_resumes_at_the_next_update_boundary(tmp_path):
-  cfg = make_cfg(
-    tmp_path, "train.max_steps=4", "train.global_batch_size=8", "train.grad_accum_steps=4"
-  )
-  r, state, rs = trainer.build(cfg)
-  ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
-  legacy = {
-    "epoch": 0,
-    "step_in_epoch": 9,
-    "batch_size": 2,
-    "grad_accum_steps": 4,
-    "dataset_fingerprint": rs.dataset_fingerprint,
-  }
-  state = state.replace(step=state.step + 2)
-  ckpt.manager.save(
-    2, args=ocp.args.Composite(state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(legacy))
-  )
-  ckpt.wait()
-  ckpt.close()
-  result = trainer.train(cfg)
-  assert result.run_state.step == 4 and result.run_state.step_in_epoch == 3 + 2
+def test_an_edited_run_state_is_not_trusted(four_steps, tmp_path, caplog):
+  ckpt_dir = copy_of(four_steps, tmp_path)
+  record = ckpt_dir / "4" / "run" / "metadata"
+  run = json.loads(record.read_text())
+  record.write_text(json.dumps({**run, "step_in_epoch": run["step_in_epoch"] - 1}))
+  rows = {row.split()[0]: row for row in table(tmp_path / "run")[1:]}
+  assert "INVALID: the run state changed" in rows["4"] and rows["2"].endswith("ok")
+  assert resume_from_damaged_newest(tmp_path, caplog) == [3, 4, 5, 6]  # restored step 2
+  assert "CHECKPOINT SKIPPED: update step 4 is unusable (the run state changed" in caplog.text
+
+
+def test_a_step_without_its_verify_item_is_not_trusted(four_steps, tmp_path, caplog):
+  ckpt_dir = copy_of(four_steps, tmp_path)
+  shutil.rmtree(ckpt_dir / "4" / "verify")
+  infos = {i.step: i for i in list_checkpoints(ckpt_dir, verify=True)}
+  assert "cannot be verified" in infos[4].problem and infos[2].problem is None
+  assert resume_from_damaged_newest(tmp_path, caplog) == [3, 4, 5, 6]
+  assert "CHECKPOINT SKIPPED: update step 4 is unusable (missing item 'verify'" in caplog.text
+
+
+def test_a_step_without_a_checksum_for_a_leaf_is_not_trusted(four_steps, tmp_path):
+  ckpt_dir = copy_of(four_steps, tmp_path)
+  record = ckpt_dir / "4" / "verify" / "metadata"
+  verify = json.loads(record.read_text())
+  del verify["checksums"]["step"]
+  record.write_text(json.dumps(verify))
+  infos = {i.step: i for i in list_checkpoints(ckpt_dir, verify=True)}
+  assert "no checksum recorded for step" in infos[4].problem
+
+
+def test_the_listing_names_a_step_being_written_in_progress(four_steps, tmp_path):
+  ckpt_dir = copy_of(four_steps, tmp_path)
+  shutil.copytree(ckpt_dir / "4", ckpt_dir / "6.orbax-checkpoint-tmp-1234")
+  (ckpt_dir / "6.orbax-checkpoint-tmp-1234" / "_CHECKPOINT_METADATA").unlink()
+  rows = [row.split() for row in table(tmp_path / "run")[1:]]
+  assert [(r[0], " ".join(r[4:])) for r in rows] == [("6", "in progress"), ("4", "ok"), ("2", "ok")]
 
 
 def test_no_resume_sets_the_old_run_aside(tmp_path):
@@ -233,7 +245,7 @@ def test_list_checkpoints_reports_validity(tmp_path):
 
 def test_saved_state_matches_live_state(tmp_path):
   result = trainer.train(make_cfg(tmp_path, "train.max_steps=3"))
-  saved = saved_state(tmp_path / "run")
+  _, saved = restore_state_arrays(tmp_path / "run")
   np.testing.assert_array_equal(saved["step"], 3)
   for a, b in zip(
     jax.tree.leaves(saved["params"]), jax.tree.leaves(result.state.params), strict=True
@@ -271,7 +283,8 @@ def test_restore_across_device_layouts(tmp_path, save_devices, restore_devices):
   assert f"restored on {restore_devices} devices; w sharded over {restore_devices}" in out
 
 
-def test_a_checkpoint_written_before_model_state_existed_still_restores(tmp_path):
+def test_a_checkpoint_lacking_a_field_of_the_state_is_refused(tmp_path):
+  """A state saved without a field the target has is an error, not filled in silently."""
   import dataclasses
 
   import optax
@@ -281,11 +294,10 @@ def test_a_checkpoint_written_before_model_state_existed_still_restores(tmp_path
 
   state = TrainState.create(params={"w": jax.numpy.ones(3)}, optimizer=optax.adam(0.1), rng=0)
   fields = [f.name for f in dataclasses.fields(TrainState) if f.name != "model_state"]
-  Before = struct.dataclass(  # noqa: N806 - the class TrainState was before that field
-    type("Before", (), {"__annotations__": dict.fromkeys(fields, object)})
+  Fewer = struct.dataclass(  # noqa: N806 - a TrainState without one field
+    type("Fewer", (), {"__annotations__": dict.fromkeys(fields, object)})
   )
   with Checkpointer(tmp_path / "ck") as ckpt:
-    ckpt.save(1, Before(**{name: getattr(state, name) for name in fields}))
-  restored, _, _ = Checkpointer(tmp_path / "ck").restore(state)
-  assert type(restored) is TrainState and restored.model_state is None
-  chex.assert_trees_all_equal(restored, state)
+    ckpt.save(1, Fewer(**{name: getattr(state, name) for name in fields}))
+  with pytest.raises(CheckpointError, match=r"the checkpoint has no \['model_state'\]"):
+    Checkpointer(tmp_path / "ck").restore(state)

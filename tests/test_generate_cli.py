@@ -115,6 +115,17 @@ def test_a_damaged_newest_checkpoint_falls_back_and_none_left_is_exit_2(trained,
   assert sum(line.startswith("error") for line in lines) == 1
 
 
+def test_load_run_logs_no_missing_metadata_warning(trained, caplog, capfd):
+  """Reading a run from Python is quiet: orbax finds the metadata of what it reads."""
+  import logging
+
+  with caplog.at_level(logging.DEBUG):
+    saved = load_run(trained)
+  out, err = capfd.readouterr()
+  assert saved.step == 12
+  assert "Metadata file does not exist" not in caplog.text + out + err
+
+
 def test_python_m_jaxstep_generate_runs(trained):
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.generate", trained, "--prompt", "1", "--max-new-tokens", "5"],

@@ -1,8 +1,9 @@
 """``jaxstep checkpoints RUN_DIR``: list checkpoints with step, epoch, loss, size, validity.
 
-Every checkpoint is read back and its arrays checked against the checksums saved with them
-(and for NaN/inf), so "ok" means a resume would restore it. The loss is the logged
-``metrics.jsonl`` loss of that update step ("-" if it was not logged).
+Every checkpoint is read back the way a resume reads it: its arrays and its run state
+checked against the checksums saved with them (and for NaN/inf), so "ok" means a resume
+would restore it. A step orbax is still writing (a save under way) is "in progress". The
+loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not logged).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def table(run_dir: pathlib.Path) -> list[str]:
     loss = losses.get(info.step)
     loss = f"{float(loss):.4f}" if loss is not None else "-"
     status = "ok" if info.problem is None else f"INVALID: {info.problem}"
+    if info.in_progress:
+      status = "in progress"
     rows.append(f"{info.step:>8} {epoch!s:>6} {loss:>9} {info.size_bytes / 2**20:>9.3f}  {status}")
   return rows
 

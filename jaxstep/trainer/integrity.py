@@ -7,12 +7,16 @@ array file was overwritten in place restores "fine". So every save records, per 
 memory (no compile), else in one jitted program on the devices (wrap-around integer sums
 are exact in any order, so the value depends neither on the sharding nor on the path).
 Restore recomputes it and compares; a zeroed or flipped word changes the sum with
-probability 1 − 2⁻³². Restored params and optimizer state must also be finite.
+probability 1 − 2⁻³². Restored params and optimizer state must also be finite. The
+run-state JSON saved beside the arrays gets a SHA-256 of its canonical text
+(``json_checksum``), so an edited position or epoch is caught too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +97,25 @@ def checksums(state) -> dict[str, list]:
 
 
 def mismatch(state, expected: dict[str, list]) -> str | None:
-  """The first leaf whose checksum differs from ``expected``, as a message; or None.
-  Leaves restored into another dtype than they were saved in are not compared."""
+  """The first leaf whose checksum differs from ``expected``, or that has none recorded
+  (an unverifiable leaf is not trusted), as a message; or None. Leaves restored into
+  another dtype than they were saved in are not compared."""
   actual = checksums(state)
+  unrecorded = sorted(actual.keys() - expected.keys())
+  if unrecorded:
+    return f"no checksum recorded for {unrecorded[0]}: it cannot be verified"
   for name, (value, dtype) in expected.items():
     if name in actual and actual[name][1] == dtype and actual[name][0] != value:
       return f"the bytes of {name} changed since it was saved (checksum mismatch)"
   return None
+
+
+def json_checksum(value) -> str:
+  """SHA-256 of ``value``'s canonical JSON text (sorted keys, no spaces): equal for a dict
+  and the same dict read back from a JSON file (tuples become lists, keys strings)."""
+  value = json.loads(json.dumps(value))
+  text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _checked_parts(state):

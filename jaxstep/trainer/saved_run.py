@@ -1,9 +1,10 @@
 """A finished (or running) run directory read back for use: its config, its tokenizer and
 the params of one checkpoint — what ``jaxstep generate`` and ``jaxstep evaluate`` need.
 
-Only the ``params`` of the checkpoint are read (orbax partial restore: the optimizer state
-stays on disk), onto this process's first device, whatever mesh wrote them, and checked
-against the checksums saved with them. The tokenizer
+Only the ``params`` of the checkpoint are read (``checkpoint_read`` with ``params_only``:
+the optimizer state stays on disk), onto this process's first device, whatever mesh wrote
+them, and verified as a resume would (checksums, finiteness); the source is never written
+to. The tokenizer
 is the copy ``train`` leaves in the run directory (``tokenizer.json`` / ``tokenizer.model``;
 none for bytes), so a deleted data cache does not orphan a run.
 """
@@ -17,20 +18,11 @@ import shutil
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxstep import data, models
-from jaxstep.errors import CheckpointError, JaxstepError, RunDirError
-from jaxstep.trainer import block_layout, integrity
+from jaxstep.errors import CheckpointError, RunDirError
+from jaxstep.trainer import checkpoint_read
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.checkpoint import (
-  STATE,
-  VERIFY,
-  _first_line,
-  _layout_problem,
-  _shapes_mismatch,
-  step_dirs,
-)
 
 log = logging.getLogger("jaxstep")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -93,10 +85,9 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
 
 
 def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None):
-  """``(params, step)`` from the newest usable (or exactly ``step``) checkpoint."""
-  directory = directory.resolve()  # orbax reads relative paths as missing
-  candidates = [(s, p) for s, p in step_dirs(directory) if step is None or s == step]
-  if not candidates:
+  """``(params, step)`` from the newest usable (or exactly ``step``) checkpoint, read-only."""
+  directory = directory.resolve()
+  if not any(step is None or s == step for s, _ in checkpoint_read.step_dirs(directory)):
     what = f"no checkpoint of update step {step}" if step is not None else "no checkpoint"
     raise RunDirError(f"{directory} holds {what} (see: jaxstep checkpoints RUN_DIR)")
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -104,55 +95,8 @@ def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None):
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
     jax.eval_shape(lambda: models.build(model_cfg, 0)[1]),
   )
-  problems = []
-  for s, path in candidates:
-    try:
-      return _restore(path, abstract), s
-    except JaxstepError as e:
-      problem = str(e)
-    except Exception as e:  # noqa: BLE001 - any failure to read means unusable
-      problem = _first_line(e)
-    log.warning("checkpoint of update step %d is unusable (%s); trying an older one", s, problem)
-    problems.append(f"step {s}: {problem}")
-  raise CheckpointError(f"no checkpoint in {directory} restores ({'; '.join(problems)})")
-
-
-def _restore(path: pathlib.Path, abstract):
-  problem = _layout_problem(path)
-  if problem:
-    raise CheckpointError(problem)
-  with ocp.PyTreeCheckpointer() as reader:
-    saved = reader.metadata(path / STATE)
-    saved = getattr(saved, "item_metadata", saved)
-    saved_params = getattr(saved, "tree", saved)["params"]
-    target, abstract = abstract, block_layout.like_saved(saved_params, abstract)
-    mismatch = _shapes_mismatch(saved_params, abstract, "parameter")
-    if mismatch:
-      raise CheckpointError(f"it does not fit the run's config.yaml: {mismatch}")
-    restored = reader.restore(
-      path / STATE,
-      args=ocp.args.PyTreeRestore(
-        item={"params": abstract},
-        restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract)},
-        partial_restore=True,
-      ),
-    )
-  params = restored["params"]
-  problem = integrity.mismatch(params, _params_checksums(path)) or integrity.nonfinite(
-    {"params": params}
-  )
-  if problem:
-    raise CheckpointError(problem)
-  return params if abstract is target else block_layout.back_to(params, target)
-
-
-def _params_checksums(path: pathlib.Path) -> dict:
-  """The checksums saved with the params, keyed relative to ``params`` (none in a
-  checkpoint written before checksums)."""
-  if not (path / VERIFY).is_dir():
-    return {}
-  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
-    saved = reader.restore(path / VERIFY, args=ocp.args.JsonRestore()) or {}
-  prefix = "params/"
-  checksums = saved.get("checksums", {})
-  return {k[len(prefix) :]: v for k, v in checksums.items() if k.startswith(prefix)}
+  read, skipped = checkpoint_read.newest(directory, abstract, step=step, params_only=True)
+  if read is None:
+    problems = "; ".join(f"step {r.step}: {r.problem}" for r in skipped)
+    raise CheckpointError(f"no checkpoint in {directory} restores ({problems})")
+  return read.state, read.step
