@@ -3,6 +3,8 @@
 Also reconciles the saved ``RunState`` with the current config: the dataset fingerprint
 and the global batch size must match (G defines what a position and an update step mean);
 ``grad_accum_steps`` may change while G stays, since the update is the same by construction.
+A vocabulary that changed together with the data (re-prepared with another tokenizer) is
+reported as the data's change, not the model's, since ``model.vocab_size`` follows it.
 """
 
 from __future__ import annotations
@@ -12,44 +14,12 @@ import logging
 import pathlib
 
 from jaxstep.errors import CheckpointError
-from jaxstep.models import GPTConfig
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
+from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints, step_dirs
+from jaxstep.trainer.records import read_records
 from jaxstep.trainer.run_dir import archive_previous
 from jaxstep.trainer.run_state import RunState
 
 log = logging.getLogger("jaxstep")
-
-
-def _convert_legacy(saved: dict) -> dict:
-  """A RunState without ``batch_size_semantics`` counted micro-batches.
-
-  Its ``batch_size`` is the micro-batch, so ``G = batch_size × grad_accum_steps``, and its
-  ``step_in_epoch`` counted micro-steps; the position moves to the next update boundary
-  (the micro-steps of an interrupted accumulation never reached the parameters).
-  """
-  k = int(saved.get("grad_accum_steps", 1))
-  g = int(saved["batch_size"]) * k
-  micro = int(saved.get("step_in_epoch", 0))
-  updates = -(-micro // k)
-  log.warning(
-    "legacy checkpoint (micro-batch semantics): batch_size %s × grad_accum_steps "
-    "%d → global_batch_size %d; %d micro-steps into the epoch → update step %d of "
-    "the epoch",
-    saved["batch_size"],
-    k,
-    g,
-    micro,
-    updates,
-  )
-  return {
-    **{k_: v for k_, v in saved.items() if k_ != "batch_size"},
-    "global_batch_size": g,
-    "grad_accum_steps": k,
-    "step_in_epoch": updates,
-    "sample_cursor": updates * g,
-    "batch_size_semantics": "global",
-  }
 
 
 # Model keys that change no array and no computation a checkpoint depends on.
@@ -60,32 +30,29 @@ KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers")
 
 
 def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool) -> None:
-  """Refuses a resume whose model, seed or lr schedule differs from the checkpoint's (a
-  checkpoint written before these were recorded is not checked); states a harmless model
-  change in one line."""
-  if saved.get("model"):
-    defaults = config_lib.to_dict(GPTConfig())  # keys added since the checkpoint was written
-    changed = {
-      k: (old, v)
-      for k, v in current.model.items()
-      if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k, defaults.get(k))) != v
-    }
-    for key in HARMLESS_MODEL_KEYS:
-      if key in changed:
-        old, new = changed.pop(key)
-        log.warning("RESUME WITH A CHANGE: model.%s %s → %s since the checkpoint", key, old, new)
-    if changed:
-      diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in changed.items())
-      raise CheckpointError(
-        f"the model changed since the checkpoint ({diff}); set it back or start a new run_dir"
-      )
-  if "seed" in saved and saved["seed"] != current.seed:
+  """Refuses a resume whose model, seed or lr schedule differs from the checkpoint's; states
+  a harmless model change in one line and takes a kernel choice as it is."""
+  changed = {
+    k: (old, v)
+    for k, v in current.model.items()
+    if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k)) != v
+  }
+  for key in HARMLESS_MODEL_KEYS:
+    if key in changed:
+      old, new = changed.pop(key)
+      log.warning("RESUME WITH A CHANGE: model.%s %s → %s since the checkpoint", key, old, new)
+  if changed:
+    diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in changed.items())
+    raise CheckpointError(
+      f"the model changed since the checkpoint ({diff}); set it back or start a new run_dir"
+    )
+  if saved["seed"] != current.seed:
     raise CheckpointError(
       f"train.seed changed since the checkpoint ({saved['seed']} → {current.seed}); it sets "
       f"the data order, so set it back or start a new run_dir"
     )
-  old, new = saved.get("schedule_steps"), current.schedule_steps
-  if old and old != new:
+  old, new = saved["schedule_steps"], current.schedule_steps
+  if old != new:
     if not allow_schedule_change:
       raise CheckpointError(
         f"the lr schedule was planned for {old} update steps, this config plans {new} "
@@ -94,6 +61,24 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
         f"checkpoint.allow_schedule_change=true to re-plan it for {new} steps"
       )
     log.warning("RESUME WITH A CHANGE: the lr schedule re-planned from %d to %d steps", old, new)
+
+
+def _check_same_vocabulary(saved: dict, current: RunState) -> None:
+  """A vocabulary that moved together with the data is the data's doing: ``model.vocab_size``
+  follows the tokenizer, so re-prepared data with another tokenizer would otherwise read as
+  a model change. Named as what it is; not resumable even with ``allow_data_change`` (the
+  embedding tables no longer fit)."""
+  old = saved["model"].get("vocab_size")
+  new = current.model.get("vocab_size")
+  if old is None or old == new or saved.get("dataset_fingerprint") == current.dataset_fingerprint:
+    return
+  raise CheckpointError(
+    f"the data's tokenizer changed since the checkpoint (model.vocab_size, which follows it, "
+    f"{old} → {new}; "
+    f"dataset fingerprint {saved.get('dataset_fingerprint')} → "
+    f"{current.dataset_fingerprint}): point data.path back at the data the run was trained "
+    f"on (or prepare it again with the run's tokenizer), or start a new run_dir"
+  )
 
 
 def reconcile(
@@ -106,8 +91,7 @@ def reconcile(
   allow_schedule_change: bool = False,
 ) -> RunState:
   """The position to continue from, after checking the saved run fits the current one."""
-  if "batch_size_semantics" not in saved:
-    saved = _convert_legacy(saved)
+  _check_same_vocabulary(saved, current)
   _check_same_run(saved, current, allow_schedule_change)
   if saved["global_batch_size"] != current.global_batch_size:
     raise CheckpointError(
@@ -178,9 +162,11 @@ def start(
         f"run_dir (or --no-resume to set them aside)"
       )
     directory, step = _locate(resume_from)
-    restored = _restore(Checkpointer(directory, read_only=True), state, step)
+    restored = _restore(Checkpointer(directory, read_only=True), state, step, run_state)
   elif resume and step_dirs(own):
-    restored = _restore(Checkpointer(own, keep=c.keep), state, None)
+    restored = _restore(Checkpointer(own, keep=c.keep), state, None, run_state)
+  elif resume:
+    _refuse_history_without_checkpoint(run_dir)
   if restored is not None:
     state, saved, step = restored
     run_state = reconcile(
@@ -200,8 +186,39 @@ def start(
   return Checkpointer(own, keep=c.keep, async_save=c.async_), state, run_state
 
 
-def _restore(checkpointer: Checkpointer, state, step: int | None):
+def _refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:
+  """A run dir that recorded update steps but holds no checkpoint (deleted, or a run killed
+  before its first save) is not started over from step 0 on its own: that would rewrite
+  its metrics and evaluations. The user chooses: ``--no-resume`` sets it aside."""
+  history = [
+    (name, max((r["step"] for r in recs if isinstance(r.get("step"), int)), default=0))
+    for name in ("metrics.jsonl", "eval.jsonl")
+    if (recs := read_records(run_dir / name))
+  ]
+  if history:
+    name, step = max(history, key=lambda h: h[1])
+    raise CheckpointError(
+      f"{run_dir} holds an earlier run's history ({name} up to update step {step}) but no "
+      f"checkpoint to resume from; re-run with --no-resume to set it aside and start over "
+      f"(or choose a new run_dir)"
+    )
+
+
+def _restore(checkpointer: Checkpointer, state, step: int | None, current: RunState):
   try:
     return checkpointer.restore(state, step)
+  except CheckpointError:
+    _blame_a_new_vocabulary(checkpointer.directory, step, current)
+    raise
   finally:
     checkpointer.close()
+
+
+def _blame_a_new_vocabulary(directory, step: int | None, current: RunState) -> None:
+  """A checkpoint whose embeddings do not fit fails at restore, before ``reconcile``: if its
+  run state shows the data's tokenizer moved the vocabulary, say that instead of "the
+  model" (only the run-state JSON is read, no array)."""
+  for info in list_checkpoints(directory):
+    if info.run and (step is None or info.step == step) and not getattr(info, "in_progress", 0):
+      _check_same_vocabulary(info.run, current)
+      return

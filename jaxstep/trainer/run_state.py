@@ -18,7 +18,6 @@ class RunState:
     dataset_fingerprint: hash of the tokenized training samples + data config.
     global_batch_size: G, samples per update step.
     grad_accum_steps: K, micro-steps per update step.
-    batch_size_semantics: ``"global"``: ``global_batch_size`` counts samples per update.
     config_digest: hash of the resolved config.
     jaxstep_version: the version that wrote it.
     seed: ``train.seed`` (data order, init, dropout).
@@ -33,7 +32,6 @@ class RunState:
   dataset_fingerprint: str = ""
   global_batch_size: int = 0
   grad_accum_steps: int = 1
-  batch_size_semantics: str = "global"
   config_digest: str = ""
   jaxstep_version: str = ""
   seed: int = 0
