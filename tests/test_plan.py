@@ -3,10 +3,13 @@ resolved once, and build, memory and check all reading the same plan."""
 
 import dataclasses
 
+import jax
+import numpy as np
 import pytest
 from conftest import make_cfg
 
 from jaxstep import ConfigError, trainer
+from jaxstep import config as config_lib
 from jaxstep.data import load_dataset, steps_per_epoch
 from jaxstep.trainer.plan import make_plan, resolve_vocab, split_k, total_update_steps
 
@@ -89,3 +92,30 @@ def test_a_schedule_that_is_all_warmup_is_named(tmp_path, caplog):
   with caplog.at_level(logging.WARNING, logger="jaxstep"):
     make_plan(make_cfg(tmp_path, "train.max_steps=20", "optim.warmup_steps=20"))  # schedule 64
   assert "warmup" not in caplog.text
+
+
+@pytest.mark.parametrize(
+  "override, names",
+  [
+    ("model.d_model=1048576", "model.d_model"),
+    ("model.vocab_size=100000000000", "model.vocab_size"),
+    ("train.global_batch_size=1000000000000", "train.global_batch_size"),
+    ("train.spike_window=1000000000000", "train.spike_window"),
+  ],
+)
+def test_values_out_of_reach_are_refused_before_anything_is_allocated(tmp_path, override, names):
+  cfg = make_cfg(tmp_path, "model.n_heads=1", override)
+  with pytest.raises(ConfigError, match=names):
+    make_plan(cfg)
+  assert not (tmp_path / "run").exists()
+
+
+def test_what_fits_is_not_refused():
+  from jaxstep.trainer.plan import approx_num_params, refuse_what_cannot_fit
+
+  cfg = config_lib.load("gpt-1.3b", ["train.grad_accum_steps=4"])
+  assert 1.25e9 < approx_num_params(cfg.model) < 1.35e9  # the config says 1.316 B
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+  refuse_what_cannot_fit(cfg, mesh, 80 * 2**30)  # an 80 GiB device holds its 15 GiB state
+  with pytest.raises(ConfigError, match="training state alone needs 14.7 GiB"):
+    refuse_what_cannot_fit(cfg, mesh, 8 * 2**30)

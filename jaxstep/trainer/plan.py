@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 
 import jax
@@ -116,6 +117,55 @@ def total_update_steps(train_cfg: config_lib.TrainConfig, steps_per_epoch: int |
   return min(limits)
 
 
+def approx_num_params(model: GPTConfig) -> int:
+  """The GPT's parameter count from its shape alone (matmul weights, the token and position
+  embeddings; LayerNorm scales and biases left out: under 0.1 % at any real size)."""
+  untied = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+  return model.matmul_params() + model.max_seq_len * model.d_model + untied
+
+
+def device_memory_bytes(device=None) -> int:
+  """What one device can hold: a GPU's ``bytes_limit``; on a CPU the host's physical memory
+  (its virtual devices share it, so this is generous for each)."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
+  """Values that are in their domain but out of reach are config errors before anything is
+  allocated or compiled: the persistent training state (fp32 params and two Adam moments:
+  12 bytes per parameter, over fsdp) or one global batch's token arrays (3 int32 arrays of
+  G × seq_len, over the data axis) alone larger than a device's memory. The estimate is a
+  floor (activations come on top), so nothing that fits is refused here; ``jaxstep memory``
+  gives the whole picture."""
+  gib = 2**30
+  params = approx_num_params(cfg.model)
+  state = 12 * params / mesh.shape["fsdp"]
+  if state > memory_bytes:
+    raise ConfigError(
+      f"the model has about {params:,} parameters: its training state alone needs "
+      f"{state / gib:,.1f} GiB per device, more than the {memory_bytes / gib:,.1f} GiB one "
+      f"holds; shrink model.d_model, model.n_layers or model.vocab_size, or shard it over "
+      f"more devices (mesh.fsdp)"
+    )
+  t = cfg.train
+  if 4 * t.spike_window > memory_bytes:
+    raise ConfigError(
+      f"train.spike_window {t.spike_window:,} losses need {4 * t.spike_window / gib:,.1f} GiB; "
+      f"it counts update steps: use a window of tens to hundreds"
+    )
+  batch = 3 * 4 * t.global_batch_size * t.seq_len / mesh.devices.size
+  if batch > memory_bytes:
+    raise ConfigError(
+      f"one global batch (train.global_batch_size {t.global_batch_size:,} × train.seq_len "
+      f"{t.seq_len:,}) needs {batch / gib:,.1f} GiB per device for its tokens alone, more "
+      f"than the {memory_bytes / gib:,.1f} GiB one holds; lower train.global_batch_size"
+    )
+
+
 def _warn_all_warmup(warmup_steps: int, schedule_steps: int, shape: str) -> None:
   """One line when the warmup fills the whole schedule: the lr would only ever rise, and a
   later, longer run would drop from the peak straight to the decayed value."""
@@ -153,10 +203,13 @@ def make_plan(
   value needs it (after the mesh is checked, so a config error comes first)."""
   t = cfg.train
   mesh = mesh_for(cfg)
+  memory = device_memory_bytes()
+  refuse_what_cannot_fit(cfg, mesh, memory)  # before the data is read: a vocabulary of 0 counts 0
   if dataset is None and (read_data or cfg.model.vocab_size == 0 or t.epochs):
     dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
   if dataset is not None:
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
+    refuse_what_cannot_fit(cfg, mesh, memory)
   spe = None if dataset is None else data.steps_per_epoch(len(dataset.train), t.global_batch_size)
   total = total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
