@@ -134,3 +134,16 @@ def tmpfs(tmp_path):
   yield mount
   for point in mounts:
     subprocess.run(["umount", "-l", str(point)])
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+  """A command's ``setup_logging`` points the root logger at this test's captured stderr;
+  later tests must not log into that closed stream (every test: commands run in-process
+  in many files)."""
+  import logging
+
+  root = logging.getLogger()
+  handlers, level = list(root.handlers), root.level
+  yield
+  root.handlers[:], root.level = handlers, level

@@ -72,6 +72,7 @@ def compiled_tiny(tmp_path_factory):
   return cfg, compile_k, sizes
 
 
+@pytest.mark.slow
 def test_budgets_around_each_candidate_pick_the_expected_k(compiled_tiny):
   _, compile_k, sizes = compiled_tiny
   ks = sorted(sizes)
@@ -93,6 +94,7 @@ def test_budgets_around_each_candidate_pick_the_expected_k(compiled_tiny):
         auto_accum.choose(16, 1, compile_k, sizes[k] - 1)
 
 
+@pytest.mark.slow
 def test_a_run_with_auto_trains_with_the_chosen_k(tmp_path, compiled_tiny, caplog):
   import logging
 

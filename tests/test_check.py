@@ -7,6 +7,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import regression_loss
 from flax import nnx
 
@@ -16,6 +17,7 @@ from jaxstep.core.losses import masked_nll
 from jaxstep.trainer import config as config_lib
 
 
+@pytest.mark.slow
 def test_default_config_passes_through_the_cli():
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.check"], capture_output=True, text=True, timeout=300
@@ -38,6 +40,7 @@ def per_micro_batch_mean_loss(apply_fn):
   return loss_fn
 
 
+@pytest.mark.slow
 def test_a_mean_of_means_loss_fails_at_the_loss_stage(monkeypatch, capsys):
   from jaxstep import models
 

@@ -19,6 +19,7 @@ from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints
 from jaxstep.trainer.run_state import RunState
 
 
+@pytest.mark.slow
 def test_round_trip_of_every_state_field(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2")
   r, state, rs = trainer.build(cfg)
@@ -63,6 +64,7 @@ class StopAfter(Callback):
       control.stop("test stop")
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
   args = ["train.max_steps=12", "train.log_every=1", "checkpoint.every=3", "model.dropout=0.1"]
   straight = trainer.train(make_cfg(tmp_path / "a", *args))
@@ -90,6 +92,7 @@ def corrupt(step_dir, how):
 
 
 @pytest.mark.parametrize("how", ["truncated", "no_commit_marker", "garbage_metadata"])
+@pytest.mark.slow
 def test_corrupt_newest_falls_back_to_previous_loudly(tmp_path, how, caplog):
   args = ["train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=5"]
   cfg = make_cfg(tmp_path, *args)
@@ -105,6 +108,7 @@ def test_corrupt_newest_falls_back_to_previous_loudly(tmp_path, how, caplog):
   assert all(info.problem is None for info in list_checkpoints(ckpt_dir))
 
 
+@pytest.mark.slow
 def test_all_checkpoints_corrupt_is_an_error_not_a_fresh_start(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2")
   trainer.train(cfg)
@@ -116,6 +120,7 @@ def test_all_checkpoints_corrupt_is_an_error_not_a_fresh_start(tmp_path):
   assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4"]  # nothing moved or lost
 
 
+@pytest.mark.slow
 def test_leftover_tmp_directories_are_cleaned(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2", "checkpoint.every=1")
   trainer.train(cfg)
@@ -132,12 +137,14 @@ def test_leftover_tmp_directories_are_cleaned(tmp_path):
     ("train.global_batch_size=16", "global_batch_size 32, the config says 16"),
   ],
 )
+@pytest.mark.slow
 def test_incompatible_resume_is_a_clear_error(tmp_path, override, match):
   trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
   with pytest.raises(CheckpointError, match=match):
     trainer.train(make_cfg(tmp_path, "train.max_steps=4", override))
 
 
+@pytest.mark.slow
 def test_changed_data_needs_the_override(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
   (tmp_path / "corpus.txt").write_text((tmp_path / "corpus.txt").read_text() + "\n\n1 + 1 = 2")
@@ -149,6 +156,7 @@ def test_changed_data_needs_the_override(tmp_path):
   assert result.run_state.step == 4
 
 
+@pytest.mark.slow
 def test_changing_k_with_the_same_g_resumes(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=2", "train.grad_accum_steps=4"))
   result = trainer.train(make_cfg(tmp_path, "train.max_steps=3", "train.grad_accum_steps=2"))
@@ -179,6 +187,7 @@ def resume_from_damaged_newest(tmp_path, caplog):
   return counter.steps
 
 
+@pytest.mark.slow
 def test_an_edited_run_state_is_not_trusted(four_steps, tmp_path, caplog):
   ckpt_dir = copy_of(four_steps, tmp_path)
   record = ckpt_dir / "4" / "run" / "metadata"
@@ -190,6 +199,7 @@ def test_an_edited_run_state_is_not_trusted(four_steps, tmp_path, caplog):
   assert "CHECKPOINT SKIPPED: update step 4 is unusable (the run state changed" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_step_without_its_verify_item_is_not_trusted(four_steps, tmp_path, caplog):
   ckpt_dir = copy_of(four_steps, tmp_path)
   shutil.rmtree(ckpt_dir / "4" / "verify")
@@ -217,6 +227,7 @@ def test_the_listing_names_a_step_being_written_in_progress(four_steps, tmp_path
   assert [(r[0], " ".join(r[4:])) for r in rows] == [("6", "in progress"), ("4", "ok"), ("2", "ok")]
 
 
+@pytest.mark.slow
 def test_no_resume_sets_the_old_run_aside(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2")
   trainer.train(cfg)
@@ -226,6 +237,7 @@ def test_no_resume_sets_the_old_run_aside(tmp_path):
   assert len(previous) == 1 and (previous[0] / "checkpoints" / "2").is_dir()
 
 
+@pytest.mark.slow
 def test_resume_from_another_runs_checkpoint(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
   cfg = make_cfg(tmp_path, "train.max_steps=6", "run_dir=" + str(tmp_path / "other"))
@@ -234,6 +246,7 @@ def test_resume_from_another_runs_checkpoint(tmp_path):
   assert [r["step"] for r in read_lines(tmp_path / "other" / "metrics.jsonl")][0] > 2
 
 
+@pytest.mark.slow
 def test_list_checkpoints_reports_validity(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=4", "checkpoint.every=2"))
   ckpt_dir = tmp_path / "run" / "checkpoints"
@@ -243,6 +256,7 @@ def test_list_checkpoints_reports_validity(tmp_path):
   assert "commit marker" in infos[4].problem
 
 
+@pytest.mark.slow
 def test_saved_state_matches_live_state(tmp_path):
   result = trainer.train(make_cfg(tmp_path, "train.max_steps=3"))
   _, saved = restore_state_arrays(tmp_path / "run")
@@ -254,6 +268,7 @@ def test_saved_state_matches_live_state(tmp_path):
 
 
 @pytest.mark.parametrize("save_devices, restore_devices", [(8, 1), (1, 8)])
+@pytest.mark.slow
 def test_restore_across_device_layouts(tmp_path, save_devices, restore_devices):
   import os
   import pathlib

@@ -28,12 +28,14 @@ def cli(*args, module="jaxstep.train", timeout=300, cwd=None):
   )
 
 
+@pytest.mark.slow
 def test_every_command_runs_as_python_m_jaxstep_dot_command():
   for command in COMMANDS:
     proc = cli("--help", module=f"jaxstep.{command}")
     assert proc.returncode == 0 and f"usage: jaxstep {command}" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_command_runs_three_ways_through_one_dispatcher():
   script = pathlib.Path(sys.executable).parent / "jaxstep"  # the console script pip installed
   ways = [
@@ -67,6 +69,7 @@ SHRINK = {
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+@pytest.mark.slow
 def test_every_file_in_configs_trains_from_the_repository_root(tmp_path, monkeypatch, name):
   """In this process (what --config does: config.load of the path, then train), to spare
   a start-up per file."""
@@ -93,6 +96,7 @@ def test_every_file_in_configs_trains_from_the_repository_root(tmp_path, monkeyp
         assert resolved[section][key] == value, f"{section}.{key}"  # the file was read
 
 
+@pytest.mark.slow
 def test_default_config_trains_and_writes_every_output(tmp_path):
   run_dir = tmp_path / "run"
   proc = cli(*FAST, f"run_dir={run_dir}")
@@ -164,6 +168,7 @@ def test_plot_without_metrics_exits_2(tmp_path):
   assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr
 
 
+@pytest.mark.slow
 def test_checkpoints_lists_them_and_all_corrupt_exits_nonzero(tmp_path):
   from conftest import SMALL_MODEL, make_cfg
 
@@ -214,6 +219,7 @@ def checkpoint_params(run_dir, step):
   return jax.tree.leaves(restore_state_arrays(run_dir, step)[1]["params"])
 
 
+@pytest.mark.slow
 def test_nan_mid_run_is_skipped_and_the_bad_batch_kept(tmp_path):
   import numpy as np
 
@@ -232,6 +238,7 @@ def test_nan_mid_run_is_skipped_and_the_bad_batch_kept(tmp_path):
   assert position["step"] == 3 and position["epoch"] == 0
 
 
+@pytest.mark.slow
 def test_nan_mid_run_halts_with_a_checkpoint_of_the_last_good_state(tmp_path):
   import numpy as np
 
@@ -245,6 +252,7 @@ def test_nan_mid_run_halts_with_a_checkpoint_of_the_last_good_state(tmp_path):
   assert not (tmp_path / "run" / "checkpoints" / "4").exists()
 
 
+@pytest.mark.slow
 def test_progress_bar_shows_on_a_terminal(tmp_path):
   import fcntl
   import os
@@ -286,6 +294,7 @@ def test_progress_bar_shows_on_a_terminal(tmp_path):
   assert "\r" in screen and "12/12" in screen and "loss=" in screen and "tok_s=" in screen
 
 
+@pytest.mark.slow
 def test_evaluate_reads_raw_text_the_way_the_runs_data_was_prepared(tmp_path, capsys):
   from conftest import make_cfg
 

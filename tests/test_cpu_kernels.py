@@ -43,6 +43,7 @@ def test_other_contractions_fall_back_to_lax():
   chex.assert_trees_all_close(dense_dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
 
 
+@pytest.mark.slow
 def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
   """The bundled GPT with the custom backwards vs the same weights with plain nnx.Linear,
   plain einsum attention and flax's LayerNorm."""
@@ -91,6 +92,7 @@ ATTENTION_SHAPES = [(2, 8, 2, 4), (1, 5, 3, 8), (3, 1, 1, 2), (1, 128, 2, 8), (1
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_attention_value_and_grads_match_autodiff(shape, dtype):
   q, k, v = (jax.random.normal(jax.random.key(i), shape, dtype) for i in range(3))
   probe = jax.random.normal(jax.random.key(9), shape, jnp.float32)

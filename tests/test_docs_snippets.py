@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
 
 
@@ -13,6 +15,7 @@ def snippets(text: str) -> list[str]:
   return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
+@pytest.mark.slow
 def test_python_api_walkthrough_runs_as_written(tmp_path):
   blocks = snippets(DOC.read_text())
   assert len(blocks) >= 8

@@ -23,6 +23,7 @@ def test_linear_regression_converges_to_3x_plus_2(capsys):
   assert len(lines) == 100 and lines[-1].startswith("step 100")
 
 
+@pytest.mark.slow
 def test_pretrain_text_learns_on_a_users_file(tmp_path):
   corpus = tmp_path / "mine.txt"
   corpus.write_text("\n\n".join("the cat sat on the mat. " * 3 for _ in range(200)))
@@ -30,6 +31,7 @@ def test_pretrain_text_learns_on_a_users_file(tmp_path):
   assert losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.slow
 def test_sft_chat_counts_only_assistant_tokens(capsys):
   first, last = load("sft_chat").main(20)
   out = capsys.readouterr().out
@@ -42,6 +44,7 @@ def test_custom_loss_with_weight_units_is_k_invariant():
   assert loss < 0.1 and gap < 1e-4
 
 
+@pytest.mark.slow
 def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise():
   import os
   import subprocess

@@ -29,18 +29,6 @@ INVALID = {
 }
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-  """The CLI's ``setup_logging`` points the root logger at this test's captured stderr;
-  later tests must not log into that closed stream."""
-  import logging
-
-  root = logging.getLogger()
-  handlers, level = list(root.handlers), root.level
-  yield
-  root.handlers[:], root.level = handlers, level
-
-
 def one_error(capsys) -> str:
   err = capsys.readouterr().err
   errors = [line for line in err.splitlines() if line.startswith("error:")]

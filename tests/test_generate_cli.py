@@ -37,6 +37,7 @@ def generate(capsys, *args):
   return code, out, err
 
 
+@pytest.mark.slow
 def test_samples_during_training_are_what_generate_makes_from_that_checkpoint(trained, capsys):
   records = read_lines(trained / "samples.jsonl")
   assert [(r["step"], r["mode"]) for r in records[:4]] == [
@@ -53,6 +54,7 @@ def test_samples_during_training_are_what_generate_makes_from_that_checkpoint(tr
     assert [(g["prompt"], g["text"]) for g in got] == [(r["prompt"], r["text"]) for r in greedy]
 
 
+@pytest.mark.slow
 def test_generate_json_lines_match_the_python_api_and_the_no_cache_path(trained, capsys):
   args = [trained, "--prompt", "1", "--prompt", "23 + ", "--temperature", "0", "--json"]
   code, out, err = generate(capsys, *args, "--max-new-tokens", 12)
@@ -70,6 +72,7 @@ def test_generate_json_lines_match_the_python_api_and_the_no_cache_path(trained,
   assert code == 0 and out_no_cache == out
 
 
+@pytest.mark.slow
 def test_generate_samples_reproducibly_and_prints_text_by_default(trained, capsys):
   args = [trained, "--prompt", "4", "--temperature", "1.0", "--num-samples", 3]
   first, second = generate(capsys, *args, "--seed", 5), generate(capsys, *args, "--seed", 5)
@@ -126,6 +129,7 @@ def test_load_run_logs_no_missing_metadata_warning(trained, caplog, capfd):
   assert "Metadata file does not exist" not in caplog.text + out + err
 
 
+@pytest.mark.slow
 def test_python_m_jaxstep_generate_runs(trained):
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.generate", trained, "--prompt", "1", "--max-new-tokens", "5"],
@@ -149,6 +153,7 @@ def independent_eval(saved, windows, pad_id):
   return nll, tokens, num_bytes
 
 
+@pytest.mark.slow
 def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_path, capsys):
   text = tmp_path / "held_out.txt"
   text.write_text("1 + 2 = 3\n\n40 + 4 = 44\n\nnaïve café ☕ text\n\n" * 5)
@@ -185,6 +190,7 @@ def test_evaluate_refuses_data_prepared_with_another_tokenizer(trained, tmp_path
   assert code == 2 and "another tokenizer" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_eval_during_training_reports_bits_per_byte(tmp_path):
   cfg = make_cfg(tmp_path, *TRAIN, "data.eval_fraction=0.2", "train.max_steps=2")
   run, state, _ = trainer.build(cfg)

@@ -62,6 +62,7 @@ def test_cached_decode_equals_the_full_forward_at_every_position_fp32(params):
   assert relative(cached, full) <= 1e-5
 
 
+@pytest.mark.slow
 def test_cached_decode_in_bf16_is_within_its_stated_tolerance(params):
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 40), 0, 259)
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
@@ -70,6 +71,7 @@ def test_cached_decode_in_bf16_is_within_its_stated_tolerance(params):
   assert relative(cached, full) <= 2e-2  # docs/generation.md states this bound
 
 
+@pytest.mark.slow
 def test_greedy_output_is_the_same_with_and_without_the_cache(params):
   kw = dict(max_new_tokens=30, temperature=0.0)
   cached = Generator(CFG, params, TOK).generate(PROMPTS, **kw)
@@ -79,6 +81,7 @@ def test_greedy_output_is_the_same_with_and_without_the_cache(params):
   assert sum(len(s.tokens) for s in cached) > 60  # not a trivially short comparison
 
 
+@pytest.mark.slow
 def test_prompts_of_unequal_length_batch_as_if_each_ran_alone(params):
   gen = Generator(CFG, params, TOK)
   together = gen.generate(PROMPTS, max_new_tokens=20, temperature=0.0)

@@ -10,6 +10,7 @@ from jaxstep import CheckpointError, trainer
 from jaxstep.cli import train as train_cli
 
 
+@pytest.mark.slow
 def test_history_without_a_checkpoint_is_refused_and_kept(tmp_path, capsys):
   cfg = make_cfg(tmp_path, "train.max_steps=4", "train.log_every=1", "train.eval_every=2")
   trainer.train(cfg)

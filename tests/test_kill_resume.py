@@ -60,6 +60,7 @@ def metric_columns(run_dir):
   return [(r["step"], r["loss"]) for r in read_lines(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_update_boundary_and_resume_matches(tmp_path):
   env = uninterrupted_run(tmp_path)
   args = cli_args(tmp_path, "stopped")

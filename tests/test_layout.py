@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxstep"
 
 # layer -> the jaxstep layers its modules may import (itself always allowed). The package
@@ -150,6 +152,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_command_name_at_the_root_is_a_function_not_its_python_m_module():
   # a fresh interpreter: importing a ``python -m`` module in this one (other tests do) binds
   # its name on the package, as any submodule import does

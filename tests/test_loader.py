@@ -59,6 +59,7 @@ class StopAfter(Callback):
       control.stop("test")
 
 
+@pytest.mark.slow
 def test_resume_on_prepared_shards_is_bitwise_and_records_one_position(tmp_path, bpe_data):
   args = [f"data.path={bpe_data}", "train.max_steps=9", "train.log_every=1", "checkpoint.every=3"]
   args += ["train.global_batch_size=16", "train.grad_accum_steps=2", "model.dropout=0.1"]

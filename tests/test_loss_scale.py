@@ -78,6 +78,7 @@ def test_fp16_clips_the_unscaled_gradient():
   assert float(state.params["w"]) == pytest.approx(2.0)
 
 
+@pytest.mark.slow
 def test_bf16_keeps_fp32_params_and_an_fp32_accumulator():
   cfg = models.GPTConfig(vocab_size=16, max_seq_len=8, d_model=32, n_layers=1, n_heads=2)
   apply_fn, params = models.build(cfg, 0)
@@ -103,6 +104,7 @@ def test_bf16_keeps_fp32_params_and_an_fp32_accumulator():
   assert state.loss_scale == fixed_state(1.0)
 
 
+@pytest.mark.slow
 def test_bf16_training_tracks_fp32(tmp_path):
   # Documented tolerance: after 30 updates the bf16 loss is within 3 % of the fp32 loss.
   args = ["train.max_steps=30", "train.log_every=1", "data.eval_fraction=0"]
@@ -113,6 +115,7 @@ def test_bf16_training_tracks_fp32(tmp_path):
   assert {x.dtype for x in jax.tree.leaves(bf16.state.params)} == {jnp.dtype("float32")}
 
 
+@pytest.mark.slow
 def test_fp16_cli_config_trains(tmp_path):
   result = trainer.train(
     make_cfg(tmp_path, "train.max_steps=10", "train.precision=fp16", "train.loss_scale_init=1024")

@@ -29,6 +29,7 @@ def test_nll_sum_counts_only_masked_positions_and_upcasts():
   levels=st.integers(1, 4),
   seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_argmax_hits_equals_argmax_including_ties(shape, levels, seed):
   # Few distinct logit values force ties; argmax's rule is the FIRST maximal index.
   rng = np.random.default_rng(seed)

@@ -36,6 +36,7 @@ def test_jaxstep_layout_by_precision_and_fsdp():
   assert bf16["bf16 compute copy (2P, during the update)"] == 2000
 
 
+@pytest.mark.slow
 def test_layout_matches_compiled_arguments_on_the_tiny_config():
   cfg = config_lib.load("tiny")
   c = compiled_memory(cfg)
@@ -45,6 +46,7 @@ def test_layout_matches_compiled_arguments_on_the_tiny_config():
   assert c["temp_bytes"] > layout["grad accumulator fp32 (4P, during the update)"]
 
 
+@pytest.mark.slow
 def test_memory_cli_prints_gib_to_three_decimals():
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.memory", "--config", "tiny"],
@@ -76,6 +78,7 @@ def _predicted_over_compiled(name, *overrides):
     ("small", ["model.scan_layers=true", "model.remat=block", "train.precision=bf16"]),
   ],
 )
+@pytest.mark.slow
 def test_ledger_prediction_is_within_10_percent_of_the_compiled_step(name, overrides):
   assert _predicted_over_compiled(name, *overrides) == pytest.approx(1.0, abs=0.10)
 
@@ -87,6 +90,7 @@ def test_ledger_prediction_holds_for_the_real_size_configs(name):
   assert _predicted_over_compiled(name, "train.grad_accum_steps=16") == pytest.approx(1.0, abs=0.10)
 
 
+@pytest.mark.slow
 def test_memory_cli_prints_the_auto_search_for_a_budget():
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.memory", "--config", "small", "mesh.cpu_devices=1"]

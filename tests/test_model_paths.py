@@ -36,6 +36,7 @@ def loss_and_grads(cfg, params=None, rng=None, dtype=jnp.float32):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_xla_attention_equals_blocked_in_fp32():
   (loss_b, grads_b), (loss_x, grads_x) = (
     loss_and_grads(variant(attention=a)) for a in ("blocked", "xla")
@@ -44,6 +45,7 @@ def test_xla_attention_equals_blocked_in_fp32():
   chex.assert_trees_all_close(grads_x, grads_b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_xla_attention_equals_blocked_in_bf16():
   """bf16 params and activations: both kernels keep scores and softmax in fp32, so they
   differ by bf16 rounding of the other operands (stated bound: 2e-2 relative on the loss,
@@ -113,6 +115,7 @@ def test_cpu_backward_kernels_apply_only_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("remat", ["block", "dots"])
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients(remat, scan):
   rng = jax.random.key_data(jax.random.key(5))
   cfg = variant(scan_layers=scan, dropout=0.1)
@@ -133,6 +136,7 @@ def test_a_seed_initialises_the_same_model_in_both_layouts():
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.slow
 def test_scanned_layers_give_the_same_loss_and_gradients(dropout):
   rng = jax.random.key_data(jax.random.key(7)) if dropout else None
   loss_u, grads_u = loss_and_grads(variant(dropout=dropout), rng=rng)
@@ -141,6 +145,7 @@ def test_scanned_layers_give_the_same_loss_and_gradients(dropout):
   chex.assert_trees_all_close(layers.convert_layout(grads_s, False), grads_u, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_scanned_layers_decode_like_unrolled():
   prompts = TOKENS[:, :5]
   positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
@@ -177,6 +182,7 @@ def test_layout_conversion_covers_the_whole_train_state_and_the_decay_mask():
 
 
 @pytest.mark.parametrize("first, then", [(False, True), (True, False)])
+@pytest.mark.slow
 def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
   """2 steps in one layout, resumed for 2 more in the other: the same losses as 4 steps in
   one go (fp32 rounding of a differently compiled step), and the state converted back."""
@@ -212,6 +218,7 @@ def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
   )
 
 
+@pytest.mark.slow
 def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
   """8 virtual devices (data 2 × fsdp 4): 3 updates with scanned blocks and remat, then a
   resume with unrolled blocks for a 4th (the sharded restore converts the layout), against

@@ -82,6 +82,7 @@ def test_heads_must_divide_width():
     models.GPTConfig(d_model=30, n_heads=4)
 
 
+@pytest.mark.slow
 def test_tiny_gpt_learns_a_periodic_sequence():
   rng = np.random.default_rng(0)
   apply_fn, params = models.build(SMALL, 0)

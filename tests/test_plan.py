@@ -55,6 +55,7 @@ def test_auto_counts_as_one_until_chosen(tmp_path):
     make_plan(cfg)
 
 
+@pytest.mark.slow
 def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
   import importlib
 

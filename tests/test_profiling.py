@@ -16,6 +16,7 @@ def test_profile_steps_parse_or_name_the_key():
       parse_steps(bad)
 
 
+@pytest.mark.slow
 def test_a_run_writes_a_trace_of_the_chosen_steps(tmp_path, caplog):
   from jaxstep import trainer
 
@@ -29,6 +30,7 @@ def test_a_run_writes_a_trace_of_the_chosen_steps(tmp_path, caplog):
   assert "profile of update steps 2-3 written to" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_run_shorter_than_the_profile_closes_its_trace(tmp_path):
   from jaxstep import trainer
 
@@ -39,6 +41,7 @@ def test_a_run_shorter_than_the_profile_closes_its_trace(tmp_path):
   assert list((tmp_path / "b" / "run" / "profile").rglob("*.xplane.pb"))
 
 
+@pytest.mark.slow
 def test_no_profile_by_default(tmp_path):
   from jaxstep import trainer
 

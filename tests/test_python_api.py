@@ -65,6 +65,7 @@ def test_nnx_dropout_rngs_and_batchnorm_train_under_jit():
   assert not np.allclose(state.params["out"]["kernel"], model.params["out"]["kernel"])
 
 
+@pytest.mark.slow
 def test_model_state_goes_through_the_micro_steps_in_order_like_a_pytorch_loop():
   model = models.from_nnx(Net(nnx.Rngs(0)))
   loss_fn, lr, batch = classification_loss(model.apply_fn), 0.1, data()
@@ -269,6 +270,7 @@ class LinenMLP(nn.Module):
     return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
 
 
+@pytest.mark.slow
 def test_a_stateless_linen_module_trains_with_the_documented_init_and_a_3_argument_loss():
   model = models.from_linen(LinenMLP(), data()["x"], rng=0)
   assert model.model_state == {}

@@ -13,6 +13,7 @@ from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.metrics import TRAIN_FIELDS
 
 
+@pytest.mark.slow
 def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
   cfg = make_cfg(
     tmp_path,
@@ -27,6 +28,7 @@ def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
   assert [r["step"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_one_metrics_line_per_logged_update_step(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=5", "train.log_every=2", "train.eval_every=0")
   trainer.train(cfg)
@@ -61,6 +63,7 @@ def test_epochs_end_the_run_and_the_tail_batch_still_updates(tmp_path):
   assert tail["tokens"] == int(tail_batch["loss_mask"].sum())
 
 
+@pytest.mark.slow
 def test_eval_loss_is_token_weighted_over_the_eval_split(tmp_path):
   cfg = make_cfg(
     tmp_path,
@@ -81,6 +84,7 @@ def test_eval_loss_is_token_weighted_over_the_eval_split(tmp_path):
   assert got["eval_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_callback_should_stop_ends_the_run_after_that_step(tmp_path):
   class StopAtTwo(Callback):
     def on_step_end(self, step, metrics, control):
@@ -92,6 +96,7 @@ def test_callback_should_stop_ends_the_run_after_that_step(tmp_path):
   assert result.run_state.step == 3 and result.stop_reason == "enough"
 
 
+@pytest.mark.slow
 def test_early_stopping_on_eval_loss(tmp_path):
   cfg = make_cfg(
     tmp_path,
@@ -105,6 +110,7 @@ def test_early_stopping_on_eval_loss(tmp_path):
   assert result.run_state.step < 40 and "early stopping" in result.stop_reason
 
 
+@pytest.mark.slow
 def test_nonfinite_halt_stops_with_the_step_number(tmp_path):
   cfg = make_cfg(
     tmp_path,
@@ -118,6 +124,7 @@ def test_nonfinite_halt_stops_with_the_step_number(tmp_path):
     trainer.train(cfg)
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_keeps_going_and_counts(tmp_path):
   cfg = make_cfg(
     tmp_path,
@@ -160,6 +167,7 @@ def test_a_resume_on_data_with_another_tokenizer_names_the_data_not_the_model():
     reconcile(saved, bigger, state_step=3, steps_per_epoch=10, allow_data_change=False)
 
 
+@pytest.mark.slow
 def test_resuming_a_run_on_data_with_another_tokenizer_blames_the_data(tmp_path):
   from jaxstep import CheckpointError
   from jaxstep.data import prepare

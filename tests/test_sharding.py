@@ -72,6 +72,7 @@ def equivalence():
   return [r for r in lines if "mesh" in r], [r for r in lines if "plain_jit_mesh" in r]
 
 
+@pytest.mark.slow
 def test_meshes_match_one_device_with_uneven_masks(equivalence):
   equivalence, _ = equivalence
   assert len(equivalence) == 6  # meshes (8,1), (1,8), (2,4) × K 1, 4
@@ -82,6 +83,7 @@ def test_meshes_match_one_device_with_uneven_masks(equivalence):
     assert r["loss_rel_err"] <= 1e-5, r
 
 
+@pytest.mark.slow  # shares the 8-device run
 def test_params_and_optimizer_state_follow_the_sharding_rules(equivalence):
   equivalence, _ = equivalence
   specs = {tuple(r["mesh"]): r for r in equivalence if r["k"] == 4}
@@ -95,6 +97,7 @@ def test_params_and_optimizer_state_follow_the_sharding_rules(equivalence):
   assert specs[(1, 8)]["bias_spec"] == ["fsdp"]  # 32 divides by 8
 
 
+@pytest.mark.slow  # shares the 8-device run
 def test_no_collective_inside_the_micro_step_loop(equivalence):
   # Gradients are reduced (and fsdp params gathered) once per update, after/before the scan.
   sharded, plain = equivalence
@@ -107,6 +110,7 @@ def test_no_collective_inside_the_micro_step_loop(equivalence):
   assert by_mesh[(1, 8)]["all-gather"] >= 1
 
 
+@pytest.mark.slow  # shares the 8-device run
 def test_replicated_gradients_and_metrics_are_reduced_as_one_flat_buffer(equivalence):
   # gloo runs a tuple all-reduce of 30 operands ~23x slower than one buffer of the same size
   sharded, _ = equivalence

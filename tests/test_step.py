@@ -123,9 +123,21 @@ def uneven_batches(draw):
   return k, lm_batch(rng, g, s, vocab=11, mask=mask)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(uneven_batches())
 def test_k_micro_steps_equal_one_big_batch(case):
+  k_micro_steps_equal_one_big_batch(case)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(uneven_batches())
+def test_k_micro_steps_equal_one_big_batch_on_a_few_cases(case):
+  """The same property in the fast tier, on fewer drawn batches."""
+  k_micro_steps_equal_one_big_batch(case)
+
+
+def k_micro_steps_equal_one_big_batch(case):
   k, batch = case
   params = tiny_lm_params()
   state = TrainState.create(params=params, optimizer=OPTIMIZER, rng=0)
@@ -298,6 +310,7 @@ def test_scan_unroll_changes_speed_not_results(np_rng, k):
   chex.assert_trees_all_close(states[0].params, states[1].params, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_temp_memory_does_not_grow_with_the_global_batch():
   """At a fixed micro-batch, K = 64 needs no more scratch memory than K = 4: the scan reads
   each micro-batch out of the batch in place instead of first copying the whole global

@@ -112,6 +112,7 @@ def test_unknown_or_missing_tokenizer_is_a_clear_error(tmp_path):
     load_tokenizer(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_a_bpe_vocabulary(tmp_path, bpe):
   cfg = make_cfg(
     tmp_path,
