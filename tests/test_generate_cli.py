@@ -221,3 +221,25 @@ def test_a_checkpoint_written_on_four_devices_generates_on_one(tmp_path):
     [r["prompt"] for r in greedy], max_new_tokens=64, temperature=0.0
   )
   assert [s.text for s in out] == [r["text"] for r in greedy]
+
+
+def test_evaluate_batch_size_must_be_a_count_and_says_so(trained, capsys):
+  from jaxstep.cli import evaluate
+
+  with pytest.raises(SystemExit) as e:
+    evaluate.main([str(trained), "--data", "bundled:text", "--batch-size", "-1"])
+  assert e.value.code == 2
+  assert "--batch-size: must be a whole number >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_checkpoints_passes_over_metrics_lines_without_a_step_or_loss(trained, tmp_path, capsys):
+  import shutil
+
+  from jaxstep.cli import checkpoints
+
+  run = tmp_path / "run"
+  shutil.copytree(trained, run)
+  with (run / "metrics.jsonl").open("a") as f:
+    f.write('{"loss": 1.0}\n{"step": 12}\n{"step": 12, "loss": "x"}\n')
+  assert checkpoints.main([str(run)]) == 0
+  assert "12" in capsys.readouterr().out

@@ -62,3 +62,10 @@ def test_a_process_killed_while_rewriting_the_history_loses_none_of_it(tmp_path)
   assert path.read_bytes() == before
   records.truncate_records(path, 9_000)  # the next start rewrites it whole
   assert len(records.read_records(path)) == 9_000
+
+
+def test_write_atomic_takes_bytes(tmp_path):
+  path = tmp_path / "tokenizer.model"
+  blob = bytes(range(256)) * 4  # not text: a sentencepiece model is binary
+  records.write_atomic(path, blob)
+  assert path.read_bytes() == blob

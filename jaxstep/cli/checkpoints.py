@@ -19,12 +19,19 @@ from jaxstep.trainer.records import read_records
 
 
 def table(run_dir: pathlib.Path) -> list[str]:
-  losses = {r["step"]: r["loss"] for r in read_records(run_dir / "metrics.jsonl")}
+  losses = {  # a line without a step or a loss (edited, foreign) is passed over
+    r["step"]: r["loss"]
+    for r in read_records(run_dir / "metrics.jsonl")
+    if isinstance(r.get("step"), int) and isinstance(r.get("loss"), int | float | str)
+  }
   rows = [f"{'step':>8} {'epoch':>6} {'loss':>9} {'size MB':>9}  status"]
   for info in list_checkpoints(run_dir / "checkpoints", verify=True):
     epoch = info.run.get("epoch", "-") if info.run else "-"
     loss = losses.get(info.step)
-    loss = f"{float(loss):.4f}" if loss is not None else "-"
+    try:
+      loss = f"{float(loss):.4f}"
+    except (TypeError, ValueError):
+      loss = "-"
     status = "ok" if info.problem is None else f"INVALID: {info.problem}"
     if info.in_progress:
       status = "in progress"

@@ -15,6 +15,17 @@ import pathlib
 from jaxstep.cli._common import run_dir_command, run_dir_parser
 
 
+def _count(text: str) -> int:
+  """A whole number ≥ 0 (argparse names the option when it is not)."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+  return value
+
+
 def parser() -> argparse.ArgumentParser:
   from jaxstep.data.readers import FORMATS
   from jaxstep.trainer.evaluation import SPLITS
@@ -28,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     help="how raw input becomes documents (default: the format the run's data was read in)",
   )
   p.add_argument("--split", default="all", choices=SPLITS, help="a prepared folder's split")
-  p.add_argument("--batch-size", type=int, default=0, help="windows per batch (0: the run's G)")
+  p.add_argument("--batch-size", type=_count, default=0, help="windows per batch (0: the run's G)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   return p
 

@@ -49,15 +49,15 @@ def read_records(path: pathlib.Path) -> list[dict]:
   return records
 
 
-def write_atomic(path: pathlib.Path, text: str) -> None:
-  """Replaces ``path`` by ``text`` so that a kill at any moment leaves the old file or the new
-  one, never a cut one: written to a temporary file beside it, flushed to disk, renamed over
-  it (atomic on POSIX), and the folder flushed so the rename itself survives a crash. A
-  failed write removes the temporary file and leaves ``path`` as it was."""
+def write_atomic(path: pathlib.Path, text: str | bytes) -> None:
+  """Replaces ``path`` by ``text`` (or bytes) so that a kill at any moment leaves the old file or
+  the new one, never a cut one: written to a temporary file beside it, flushed to disk,
+  renamed over it (atomic on POSIX), and the folder flushed so the rename itself survives a
+  crash. A failed write removes the temporary file and leaves ``path`` as it was."""
   path = pathlib.Path(path)
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
   try:
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

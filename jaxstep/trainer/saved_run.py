@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import shutil
 from typing import Any
 
 import jax
 
 from jaxstep import data, models
 from jaxstep.errors import CheckpointError, RunDirError
-from jaxstep.trainer import checkpoint_read
+from jaxstep.trainer import checkpoint_read, records
 from jaxstep.trainer import config as config_lib
 
 log = logging.getLogger("jaxstep")
@@ -37,11 +36,13 @@ class SavedRun:
 
 
 def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
-  """Copies the dataset's tokenizer file (if it has one) into ``run_dir``."""
+  """Copies the dataset's tokenizer file (if it has one) into ``run_dir``, atomically: a
+  kill during the copy leaves the previous copy, never a cut one generate would fail on."""
   entry = dataset.manifest["tokenizer"]
   if entry["file"] is not None:
     suffix = pathlib.Path(entry["file"]).suffix
-    shutil.copyfile(dataset.folder / entry["file"], run_dir / f"tokenizer{suffix}")
+    copy = (dataset.folder / entry["file"]).read_bytes()
+    records.write_atomic(run_dir / f"tokenizer{suffix}", copy)
 
 
 def saved_tokenizer_file(run_dir: pathlib.Path) -> pathlib.Path | None:
