@@ -197,21 +197,22 @@ for g in (6, 8):
 """
 
 
-def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_times_k():
+def batch_errors_on_4_devices(code: str) -> list[str]:
+  """The lines ``code`` prints, run on 4 virtual CPU devices in a fresh process."""
   proc = subprocess.run(
-    [sys.executable, "-c", MESH_SPLIT_CHECK],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=devices_env(4),
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=devices_env(4)
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
-  lines = proc.stdout.strip().splitlines()
-  assert len(lines) == 2 and all(x.startswith("BatchError:") for x in lines), proc.stdout
+  return proc.stdout.strip().splitlines()
+
+
+def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_times_k():
+  lines = batch_errors_on_4_devices(MESH_SPLIT_CHECK)
+  assert len(lines) == 2 and all(x.startswith("BatchError:") for x in lines), lines
   assert "a global batch of 6 does not split evenly over 4 devices" in lines[0]
   assert "multiple of devices × grad_accum_steps = 4 × K" in lines[0]
   assert "8 is not divisible by devices × grad_accum_steps = 4 × 4 = 16" in lines[1]
-  assert "train." not in proc.stdout  # a library error names numbers, not CLI keys
+  assert not any("train." in x for x in lines)  # a library error names numbers, not CLI keys
 
 
 def test_the_batch_split_rule_is_complete_when_k_is_not_known_yet():
@@ -239,15 +240,7 @@ for g, k in ((6, None), (12, 2)):
 
 
 def test_put_batch_states_the_devices_times_k_rule():
-  proc = subprocess.run(
-    [sys.executable, "-c", PUT_BATCH_CHECK],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=devices_env(4),
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  lines = proc.stdout.strip().splitlines()
-  assert len(lines) == 2, proc.stdout
+  lines = batch_errors_on_4_devices(PUT_BATCH_CHECK)
+  assert len(lines) == 2, lines
   assert "4 × K" in lines[0] and "use a multiple of 4" not in lines[0]
   assert "12 is not divisible by devices × grad_accum_steps = 4 × 2 = 8" in lines[1]
