@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import signal
 import sys
+import threading
 
 # command -> (module, one-line description)
 COMMANDS = {
@@ -29,16 +32,36 @@ def usage() -> str:
 SIGINT_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
 
 
+def _stop_at_once(command: str):
+  """SIGINT before a command installs its own handling: one line and exit 130 at once. A
+  KeyboardInterrupt would not do: Python raises it wherever the interpreter happens to be,
+  and inside a garbage-collection callback (JAX has one) it is printed and swallowed, so
+  the command would go on."""
+
+  def handler(signum, frame):
+    sys.stderr.write(f"error: jaxstep {command} interrupted (SIGINT)\n")
+    sys.stderr.flush()
+    os._exit(SIGINT_EXIT)
+
+  return handler
+
+
 def run(command: str, argv=None) -> int:
   """Runs one command's ``main`` with ``argv`` (default: the process's arguments). Ctrl-C
   before the command installs its own handling (imports, reading data, compiling) ends it
-  with one line and exit 130, not a traceback; the update loop saves a checkpoint first."""
+  with one line and exit 130, not a traceback; ``train``'s update loop takes SIGINT over
+  and saves a checkpoint first."""
+  main_thread = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGINT, _stop_at_once(command)) if main_thread else None
   try:
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(sys.argv[1:] if argv is None else argv)
   except KeyboardInterrupt:
     print(f"error: jaxstep {command} interrupted (SIGINT)", file=sys.stderr)
     return SIGINT_EXIT
+  finally:
+    if main_thread:
+      signal.signal(signal.SIGINT, previous)
 
 
 def main(argv=None) -> int:
