@@ -65,6 +65,10 @@ def setup_logging() -> None:
     force=True,
   )
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" noise on CPU
+  # A damaged checkpoint fails several of orbax's concurrent reads: the first error reaches
+  # us (and is reported as one line); the others end as "Task exception was never
+  # retrieved" tracebacks that asyncio logs when their tasks are collected.
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
   absl = logging.getLogger("absl")
   absl.setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   if not any(isinstance(f, _OrbaxErrorsRaisedToUs) for f in absl.filters):
