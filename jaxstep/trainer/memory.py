@@ -62,10 +62,7 @@ def compiled_memory(cfg) -> dict:
   plan = make_plan(cfg)
   cfg, mesh, k, table = plan.cfg, plan.mesh, plan.grad_accum_steps, list(plan.accum_table)
   apply_fn, state = steps.abstract_state(cfg, mesh, plan.schedule_steps)
-  step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, k)
-  state_sh = jax.tree.map(lambda x: x.sharding, state)
-  batch = steps.abstract_batch(cfg.train, mesh)
-  compiled = steps.jit_step(step, state_sh, mesh).lower(state, batch).compile()
+  compiled = steps.compile_step(cfg, apply_fn, mesh, plan.schedule_steps, k, state)
   mem = compiled.memory_analysis()
   return {
     "num_params": models.num_params(state.params),

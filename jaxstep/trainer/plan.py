@@ -185,12 +185,9 @@ def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[
   t = cfg.train
   budget = auto_accum.budget_bytes(t.memory_budget_gb)
   apply_fn, state = steps.abstract_state(cfg, mesh, schedule_steps)
-  state_sh = jax.tree.map(lambda x: x.sharding, state)
-  batch = steps.abstract_batch(t, mesh)
 
   def compile_k(k):
-    step = steps.train_step(cfg, apply_fn, mesh, schedule_steps, k)
-    return steps.jit_step(step, state_sh, mesh).lower(state, batch).compile()
+    return steps.compile_step(cfg, apply_fn, mesh, schedule_steps, k, state)
 
   return auto_accum.choose(t.global_batch_size, mesh.devices.size, compile_k, budget)
 

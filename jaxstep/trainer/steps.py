@@ -69,6 +69,14 @@ def jit_step(step, state_shardings, mesh: Mesh):
   )
 
 
+def compile_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int, state):
+  """The train step with K = ``k``, compiled (never run) on ``state``'s shapes and shardings
+  (abstract or concrete) and an abstract global batch: what ``memory`` and ``auto`` measure."""
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
+  return jit_step(step, state_sh, mesh).lower(state, abstract_batch(cfg.train, mesh)).compile()
+
+
 def abstract_batch(t: config_lib.TrainConfig, mesh: Mesh) -> dict:
   """A global batch's shapes, dtypes and sharding (what the loop feeds the step)."""
   sharding = parallel.batch_sharding(mesh)
