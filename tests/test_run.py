@@ -1,5 +1,6 @@
 """The run driver in-process: update-step accounting, epochs, tail batches, eval, control."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -82,6 +83,37 @@ def test_eval_loss_is_token_weighted_over_the_eval_split(tmp_path):
   assert got["eval_tokens"] == tokens
   assert got["eval_loss"] == pytest.approx(nll / tokens, rel=1e-5)
   assert got["eval_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_a_long_evaluation_keeps_only_a_few_batches_in_flight(tmp_path, monkeypatch):
+  """Thousands of eval batches dispatched at once abort XLA:CPU's collective rendezvous
+  (40 s timeout): the host fetches each result at most ``EVAL_IN_FLIGHT`` batches later,
+  and the sums are those of every batch."""
+  from jaxstep.trainer import loop
+
+  cfg = make_cfg(
+    tmp_path, "train.global_batch_size=2", "train.grad_accum_steps=1", "data.eval_fraction=0.3"
+  )
+  r, state, _ = trainer.build(cfg)
+  dispatched, fetched, ahead = [], [], []
+  eval_fn, device_get = r.eval_fn, loop.jax.device_get
+
+  def counting_eval(params, batch):
+    out = eval_fn(params, batch)
+    dispatched.append(out)
+    ahead.append(len(dispatched) - len(fetched))
+    return out
+
+  def counting_get(x):
+    fetched.append(x)
+    return device_get(x)
+
+  monkeypatch.setattr(loop.jax, "device_get", counting_get)
+  got = loop.evaluate(dataclasses.replace(r, eval_fn=counting_eval), state.params)
+  assert len(dispatched) > 3 * loop.EVAL_IN_FLIGHT and len(fetched) == len(dispatched)
+  assert max(ahead) == loop.EVAL_IN_FLIGHT + 1
+  sums = np.sum([np.asarray(device_get(x), np.float64) for x in dispatched], axis=0)
+  assert got["eval_loss"] == sums[0] / sums[1] and got["eval_tokens"] == sums[1]
 
 
 @pytest.mark.slow
