@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     configure_devices(cfg)
     m = cfg.mesh
-    initialize_distributed(m.coordinator, m.num_processes, m.process_id)
+    initialize_distributed(m.coordinator, m.num_processes, m.process_id, m.initialization_timeout)
     result = train(cfg, resume=not args.no_resume, resume_from=args.resume_from)
   except JaxstepError as e:
     if args.debug and not isinstance(e, RunDirError):

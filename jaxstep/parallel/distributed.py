@@ -1,44 +1,50 @@
 """Multi-process start: ``jax.distributed.initialize`` from config, environment or the
-cluster launcher."""
+cluster launcher, with a bounded wait for the coordinator that ends in a readable error."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import socket
+import time
 
 import jax
 
 from jaxstep.errors import ConfigError
+from jaxstep.parallel.cpu_devices import ACCELERATOR_PLUGINS
 
 log = logging.getLogger("jaxstep")
+PROBE_INTERVAL = 0.5  # seconds between connection attempts to the coordinator
 
 
 def initialize_distributed(
-  coordinator: str = "", num_processes: int = 0, process_id: int = -1
+  coordinator: str = "",
+  num_processes: int = 0,
+  process_id: int = -1,
+  initialization_timeout: int = 300,
 ) -> None:
   """``jax.distributed.initialize`` from config, ``JAXSTEP_*`` env, or cluster detection.
 
   Precedence per field: config value, then ``JAXSTEP_COORDINATOR`` / ``JAXSTEP_NUM_PROCESSES``
   / ``JAXSTEP_PROCESS_ID``. With no coordinator anywhere, JAX's own cluster detection runs
   only under a multi-task SLURM / Open MPI launch; otherwise this is a single process.
+
+  A process other than 0 first waits up to ``initialization_timeout`` seconds for the
+  coordinator's port to accept a connection and raises ``ConfigError`` if it never does:
+  JAX itself would abort the whole process (no Python exception) when its own wait runs out.
   """
   coordinator = coordinator or os.environ.get("JAXSTEP_COORDINATOR", "")
   num_processes = num_processes or int(os.environ.get("JAXSTEP_NUM_PROCESSES", "0"))
   if process_id < 0:
     process_id = int(os.environ.get("JAXSTEP_PROCESS_ID", "-1"))
   if coordinator:
-    if num_processes <= 0 or process_id < 0:
-      raise ConfigError(
-        "a coordinator needs mesh.num_processes and mesh.process_id "
-        "(or JAXSTEP_NUM_PROCESSES and JAXSTEP_PROCESS_ID)"
-      )
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only hosts
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    _initialize_with_coordinator(coordinator, num_processes, process_id, initialization_timeout)
   elif (
     int(os.environ.get("SLURM_NTASKS", "1")) > 1
     or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
   ):
-    jax.distributed.initialize()
+    jax.distributed.initialize(initialization_timeout=initialization_timeout)
   else:
     return
   log.info(
@@ -48,3 +54,87 @@ def initialize_distributed(
     jax.local_device_count(),
     jax.device_count(),
   )
+
+
+def _initialize_with_coordinator(
+  coordinator: str, num_processes: int, process_id: int, timeout: int
+) -> None:
+  """Checks the three fields, waits for the coordinator (processes other than 0), picks the
+  CPU transport, and starts ``jax.distributed``."""
+  if num_processes <= 0 or process_id < 0:
+    raise ConfigError(
+      "a coordinator needs mesh.num_processes and mesh.process_id "
+      "(or JAXSTEP_NUM_PROCESSES and JAXSTEP_PROCESS_ID)"
+    )
+  if process_id >= num_processes:
+    raise ConfigError(
+      f"mesh.process_id {process_id} must be below mesh.num_processes {num_processes}"
+    )
+  address = parse_coordinator(coordinator)
+  if process_id == 0:
+    log.info(
+      "process 0: coordinator on %s, waiting up to %d s for %d processes to join "
+      "(JAX aborts this process if they have not all joined by then)",
+      coordinator,
+      timeout,
+      num_processes,
+    )
+  else:
+    wait_for_coordinator(address, timeout, process_id)
+  if uses_gloo():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout)
+
+
+def parse_coordinator(coordinator: str) -> tuple[str, int]:
+  """``(host, port)`` of ``host:port`` (IPv6 as ``[addr]:port``), else ``ConfigError``."""
+  raw, sep, port = coordinator.strip().rpartition(":")
+  host = raw.removeprefix("[").removesuffix("]")
+  bare_ipv6 = ":" in raw and host == raw
+  if not sep or not host or bare_ipv6 or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(
+      f"mesh.coordinator must be host:port with a port in 1-65535 "
+      f"(e.g. host0:12345), got {coordinator!r}"
+    )
+  return host, int(port)
+
+
+def wait_for_coordinator(address: tuple[str, int], timeout: float, process_id: int) -> None:
+  """Returns once ``address`` accepts a TCP connection; retries until ``timeout`` seconds
+  have passed, then raises ``ConfigError`` naming the address and what to check."""
+  start = time.monotonic()
+  deadline = start + timeout
+  while True:
+    remaining = deadline - time.monotonic()
+    try:
+      with socket.create_connection(address, timeout=max(min(remaining, 2.0), 0.1)):
+        return
+    except OSError as e:
+      reason = e.strerror or str(e) or type(e).__name__
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+      break
+    time.sleep(min(PROBE_INTERVAL, remaining))
+  host, port = address
+  shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+  raise ConfigError(
+    f"process {process_id} could not reach the coordinator {shown} in "
+    f"{time.monotonic() - start:.0f} s ({reason}); check that process 0 was started with the "
+    f"same mesh.coordinator, that this address and port are reachable from this host, or "
+    f"raise mesh.initialization_timeout"
+  )
+
+
+def uses_gloo(platforms: str | None = None) -> bool:
+  """Whether processes talk through gloo, the CPU transport: only when JAX runs on the CPU.
+
+  ``platforms`` (default ``jax.config.jax_platforms``, which ``JAX_PLATFORMS`` sets) decides
+  by its first entry; unset, JAX runs on the CPU exactly when no accelerator plugin (CUDA,
+  ROCm, TPU) is installed. Decided without starting a backend, which must not start before
+  ``jax.distributed.initialize``. GPU and TPU hosts keep their own transport (NCCL, ICI).
+  """
+  if platforms is None:
+    platforms = jax.config.jax_platforms or ""
+  if platforms.strip():
+    return platforms.split(",")[0].strip() == "cpu"
+  return not any(importlib.util.find_spec(p) for p in ACCELERATOR_PLUGINS)

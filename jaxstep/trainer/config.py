@@ -166,6 +166,7 @@ class MeshConfig:
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
   cpu_devices: int = 0  # CLI on a CPU-only host: virtual devices (0 = per core that fits G/K)
+  initialization_timeout: int = 300  # seconds to wait for the coordinator and all processes
 
   def __post_init__(self):
     for name in ("data", "fsdp"):
@@ -183,6 +184,10 @@ class MeshConfig:
       )
     if self.process_id < -1:
       raise ConfigError(f"mesh.process_id must be >= 0 or -1 (auto), got {self.process_id}")
+    if self.initialization_timeout <= 0:
+      raise ConfigError(
+        f"mesh.initialization_timeout must be > 0 seconds, got {self.initialization_timeout}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
