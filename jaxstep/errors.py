@@ -43,6 +43,10 @@ class CheckpointError(JaxstepError, RuntimeError):
   """Checkpoints exist but cannot be restored, or do not match the current run."""
 
 
+class WorkerError(JaxstepError, RuntimeError):
+  """A worker process died (killed by a signal, e.g. out of memory); its work is lost."""
+
+
 class AccumulationError(JaxstepError, RuntimeError):
   """A Session's half-finished accumulation was invalidated and must be reset."""
 

@@ -229,6 +229,18 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     read_documents(str(path))
 
 
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+@pytest.mark.parametrize("bad_line", [3, 20_000])  # in the first chunk read, and far past it
+def test_a_byte_that_is_not_utf8_is_reported_at_its_own_line(tmp_path, fmt, bad_line):
+  good = json.dumps({"text": "fine"}) if fmt == "jsonl" else "fine text"
+  path = tmp_path / f"c.{fmt}"
+  lines = [good.encode()] * (bad_line - 1) + [b"caf\xe9 " + good.encode(), good.encode()]
+  path.write_bytes(b"\n".join(lines) + b"\n")
+  with pytest.raises(DataError, match=rf"c\.{fmt}:{bad_line}: not UTF-8") as e:
+    read_documents(str(path), fmt)
+  assert str(path) in str(e.value)
+
+
 def test_chat_record_without_valid_roles_is_rejected(tmp_path):
   path = tmp_path / "c.jsonl"
   path.write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")

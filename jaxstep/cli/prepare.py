@@ -3,16 +3,26 @@
 INPUT is a file, a directory or a glob; several may be given. A directory is walked for the
 files the format reads (text: any UTF-8 file; jsonl/chat: .jsonl); skipped files are reported.
 Training then reads the shards through memory maps (``data.path=DIR``).
+
+Exit codes: 0 done; 2 bad input or --out; 74 a write failed (disk full or read-only); 1 a
+worker process died (killed, e.g. out of memory); 128 + signal number after SIGINT/SIGTERM.
+Whenever it fails, DIR is left as it was and no temporary folder remains.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import sys
+import threading
 
 from jaxstep.cli._common import report, setup_logging
 from jaxstep.data.readers import FORMATS
-from jaxstep.errors import JaxstepError
+from jaxstep.errors import Interrupted, JaxstepError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,18 +72,19 @@ def main(argv=None) -> int:
   args = parser().parse_args(argv)
   setup_logging()
   try:
-    manifest = prepare(
-      args.inputs,
-      args.out,
-      tokenizer=args.tokenizer,
-      train_bpe_vocab=args.train_bpe,
-      fmt=args.format,
-      eval_fraction=args.eval_fraction,
-      workers=args.workers,
-      shard_tokens=SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
-      progress=not args.no_progress,
-      force=args.force,
-    )
+    with _stop_signals_raise():
+      manifest = prepare(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        train_bpe_vocab=args.train_bpe,
+        fmt=args.format,
+        eval_fraction=args.eval_fraction,
+        workers=args.workers,
+        shard_tokens=SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
+        progress=not args.no_progress,
+        force=args.force,
+      )
   except JaxstepError as e:
     return report(e)
   tok, splits = manifest["tokenizer"], manifest["splits"]
@@ -82,3 +93,32 @@ def main(argv=None) -> int:
   )
   print(f"{args.out}: {counts}; tokenizer {tok['kind']} ({tok['vocab_size']:,} ids)")
   return 0
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+  """SIGINT and SIGTERM raise ``Interrupted`` meanwhile: on its way out the prepare stops
+  its workers and removes its temporary folder, then exits 128 + the signal's number. A
+  second signal does not wait for that (a later prepare removes what is left)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def _interrupt(signum, frame):
+  for s in STOP_SIGNALS:
+    signal.signal(s, _exit_at_once)
+  name = signal.Signals(signum).name
+  raise Interrupted(f"jaxstep prepare interrupted ({name}); run it again to prepare", signum)
+
+
+def _exit_at_once(signum, frame):
+  sys.stderr.write(f"error: jaxstep prepare interrupted ({signal.Signals(signum).name})\n")
+  sys.stderr.flush()
+  os._exit(128 + signum)

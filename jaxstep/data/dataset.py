@@ -26,7 +26,7 @@ from jaxstep.data.manifest import MANIFEST, read_manifest
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.data.shards import TokenStream, Windows
 from jaxstep.data.tokenizer import load_tokenizer
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, RunIOError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,11 @@ def cache_root() -> pathlib.Path:
 
 def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Path:
   """``data.path`` if it is a prepared folder; else the cache folder it is prepared into
-  (prepared now if missing or stale)."""
+  (prepared now if missing or stale).
+
+  Raises:
+    RunIOError: the cache is full or not writable (nothing partial is left there).
+  """
   path = pathlib.Path(data_cfg.path)
   if data_cfg.path not in BUNDLED_PATHS and (path / MANIFEST).is_file():
     return path
@@ -131,15 +135,22 @@ def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Pat
     json.dumps([source, data_cfg.format, data_cfg.tokenizer, data_cfg.eval_fraction]).encode()
   ).hexdigest()[:16]
   folder = cache_root() / "prepared" / key
-  prepare_lib.prepare(
-    [data_cfg.path],
-    folder,
-    tokenizer=data_cfg.tokenizer,
-    fmt=data_cfg.format,
-    eval_fraction=data_cfg.eval_fraction,
-    progress=progress,
-    force=True,  # the cache folder is jaxstep's own: stale inputs are prepared again
-  )
+  try:
+    prepare_lib.prepare(
+      [data_cfg.path],
+      folder,
+      tokenizer=data_cfg.tokenizer,
+      fmt=data_cfg.format,
+      eval_fraction=data_cfg.eval_fraction,
+      progress=progress,
+      force=True,  # the cache folder is jaxstep's own: stale inputs are prepared again
+    )
+  except RunIOError as e:
+    why = getattr(e.__cause__, "strerror", None) or e
+    raise RunIOError(
+      f"preparing data.path {data_cfg.path!r} into the data cache {cache_root()} failed "
+      f"({why}); free space there or set JAXSTEP_CACHE to a writable folder"
+    ) from e
   return folder
 
 

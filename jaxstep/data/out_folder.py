@@ -10,6 +10,8 @@ import json
 import os
 import pathlib
 import shutil
+import signal
+import threading
 
 from jaxstep.data import readers
 from jaxstep.data.manifest import MANIFEST, manifest_files
@@ -122,9 +124,36 @@ def exclusive(out: pathlib.Path):
 
 def replace(out: pathlib.Path, tmp: pathlib.Path) -> None:
   """``tmp`` becomes ``out``; an older ``out`` is moved aside first and then removed (a
-  reader that still has its files open keeps reading them)."""
+  reader that still has its files open keeps reading them). A Ctrl-C or SIGTERM waits
+  for both moves, so there is always an ``out``; if one then stops the removal, the next
+  prepare removes the old folder (``stale``)."""
   old = out.parent / f".{out.name}.old-{os.getpid()}"
-  if out.exists():
-    out.rename(old)
-  tmp.rename(out)
+  with _signals_deferred():
+    if out.exists():
+      out.rename(old)
+    tmp.rename(out)
   shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """SIGINT and SIGTERM are handled after the block (a handler that raises would stop it
+  halfway). Only the main thread runs handlers: in another one the block is not stopped."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  arrived = []
+  held = (signal.SIGINT, signal.SIGTERM)
+  previous = [signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held]
+  try:
+    yield
+  finally:
+    for s, handler in zip(held, previous, strict=True):
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    for signum in arrived:
+      signal.raise_signal(signum)
+
+
+def stale(out: pathlib.Path) -> list[pathlib.Path]:
+  """What stopped prepares of ``out`` left next to it: temporary and old folders."""
+  return [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]

@@ -28,10 +28,11 @@ split never needs the whole corpus in memory.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import pathlib
 import shutil
@@ -40,10 +41,10 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jaxstep.data import out_folder, readers, samples
+from jaxstep.data import encoding, out_folder, readers
 from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, read_manifest, sha256
 from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
-from jaxstep.errors import ConfigError, DataError
+from jaxstep.errors import ConfigError, DataError, RunIOError
 
 SHARD_TOKENS = 1 << 26  # tokens per shard file: 128 MiB of uint16
 DOCS_PER_BATCH = 512  # documents tokenized together (one worker task)
@@ -115,6 +116,14 @@ class _ShardWriter:
       done += len(parts[0])
     self.tokens += len(tokens)
 
+  def abort(self) -> None:
+    """Closes the open shard files, which are being discarded (on a full disk closing fails,
+    yet frees the descriptor, and so the space once the files are removed)."""
+    for f, _, _ in self._open or []:
+      with contextlib.suppress(OSError):
+        f.close()
+    self._open = None
+
   def finish(self) -> dict:
     self._close()
     docs = f"{self.split}.docs.bin"
@@ -128,37 +137,6 @@ class _ShardWriter:
       "flags": self.flag_shards if self.chat else None,
       "docs": {"file": docs, "sha256": sha256(self.folder / docs)},
     }
-
-
-# Worker processes keep their tokenizer in a global: it is loaded once per process.
-_worker_tok: Tokenizer | None = None
-
-
-def _init_worker(spec: str) -> None:
-  global _worker_tok
-  _worker_tok = load_tokenizer(spec)
-
-
-def _encode(task: tuple[str, list]) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-  """One batch of documents → ``(kind, tokens, flags, lengths)``: every document's framed
-  tokens and target flags back to back, and each one's length."""
-  kind, docs = task
-  tok = _worker_tok
-  if kind == "chat":
-    encoded = [samples.encode_chat(d, tok) for d in docs]
-    lengths = np.array([len(t) for t, _ in encoded], np.int64)
-    return kind, *(np.concatenate(parts) for parts in zip(*encoded, strict=True)), lengths
-  ids, body = tok.encode_flat(docs)  # [Σ body] tokens, [docs] body lengths
-  lengths = body + 2  # BOS body EOS
-  starts = np.cumsum(lengths) - lengths
-  tokens = np.empty(int(lengths.sum()), np.int32)
-  frame = np.zeros(len(tokens), bool)
-  frame[starts], frame[starts + lengths - 1] = True, True
-  tokens[starts], tokens[starts + lengths - 1] = tok.BOS, tok.EOS
-  tokens[~frame] = ids
-  flags = np.ones(len(tokens), np.uint8)
-  flags[starts] = 0  # BOS is never a target; EOS is
-  return kind, tokens, flags, lengths
 
 
 def _batches(listings: dict[str, list], fmt: str, bar) -> Iterator[tuple[str, list]]:
@@ -282,46 +260,88 @@ def prepare(
   current = {"settings": settings, "tokenizer_source": tokenizer_source, "sources": sources}
   if not force:
     out_folder.refuse_other_settings(out, inputs_digest, current)  # before anything is written
-  out.parent.mkdir(parents=True, exist_ok=True)
-  # one prepare of ``out`` at a time: the others wait, then find it done
-  with out_folder.exclusive(out):
-    done = _up_to_date(out, inputs_digest)
-    if done is not None:
-      return done
-    if not force:
-      # another prepare may have got there first
-      out_folder.refuse_other_settings(out, inputs_digest, current)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # a killed prepare's leftovers
-      shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-      tok, spec = _tokenizer_into(tmp, listings, fmt, tokenizer, train_bpe_vocab)
-      total = sum(s["bytes"] for s in sources)
-      kind, splits = _tokenize(
-        listings, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
-      )
-      manifest = {
-        "format_version": FORMAT_VERSION,
-        "kind": kind,
-        "tokenizer": {
-          **tok.describe(),
-          "file": None if spec == "byte" else pathlib.Path(spec).name,
-        },
-        "dtype": _dtype(tok),
-        "splits": splits,
-        "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
-        "source_times": [s["mtime_ns"] for s in sources],
-        "settings": settings,
-        "tokenizer_source": tokenizer_source,
-        "inputs_digest": inputs_digest,
-        "file_times": file_times(tmp, splits),
-      }
-      (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-      out_folder.replace(out, tmp)
-      return manifest
-    finally:
-      shutil.rmtree(tmp, ignore_errors=True)
+  done = _up_to_date(out, inputs_digest)  # reads only: a prepared out on a read-only disk is used
+  if done is not None:
+    return done
+  with _writes_into(out):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one prepare of ``out`` at a time: the others wait, then find it done
+    with out_folder.exclusive(out):
+      done = _up_to_date(out, inputs_digest)
+      if done is not None:
+        return done
+      if not force:  # another prepare may have got there first
+        out_folder.refuse_other_settings(out, inputs_digest, current)
+      tmp = _fresh_tmp(out)
+      try:
+        tok, spec = _tokenizer_into(tmp, listings, fmt, tokenizer, train_bpe_vocab)
+        total = sum(s["bytes"] for s in sources)
+        kind, splits = _tokenize(
+          listings, fmt, tok, spec, tmp, eval_fraction, workers, shard_tokens, progress, total
+        )
+        manifest = _manifest(kind, tok, spec, splits, current, inputs_digest, tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        out_folder.replace(out, tmp)
+        return manifest
+      finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fresh_tmp(out: pathlib.Path) -> pathlib.Path:
+  """A new temporary folder next to ``out``, after removing what killed prepares left."""
+  for stale in out_folder.stale(out):
+    shutil.rmtree(stale, ignore_errors=True)
+  tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+  tmp.mkdir()
+  return tmp
+
+
+def _manifest(kind, tok, spec, splits, current, inputs_digest, tmp) -> dict:
+  sources = current["sources"]
+  return {
+    "format_version": FORMAT_VERSION,
+    "kind": kind,
+    "tokenizer": {**tok.describe(), "file": None if spec == "byte" else pathlib.Path(spec).name},
+    "dtype": _dtype(tok),
+    "splits": splits,
+    "sources": [{"name": s["name"], "bytes": s["bytes"]} for s in sources],
+    "source_times": [s["mtime_ns"] for s in sources],
+    "settings": current["settings"],
+    "tokenizer_source": current["tokenizer_source"],
+    "inputs_digest": inputs_digest,
+    "file_times": file_times(tmp, splits),
+  }
+
+
+# out of space, or a read-only disk: a write failed wherever it happened
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+@contextlib.contextmanager
+def _writes_into(out: pathlib.Path):
+  """A failed write of ``out`` (disk full or read-only, no permission) as one
+  ``RunIOError`` naming it; any other error (reading an input) passes as it is."""
+  try:
+    yield
+  except RunIOError:
+    raise
+  except OSError as e:
+    if not _write_failure(e, out):
+      raise
+    raise RunIOError(
+      f"--out {out}: a write failed ({e.strerror or e}); free space there or choose a "
+      f"writable --out (it was left as it was)"
+    ) from e
+
+
+def _write_failure(e: OSError, out: pathlib.Path) -> bool:
+  """Out of space or a read-only disk, or an error on a path of ``out``'s own: itself, a
+  folder above it, its lock, temporary or old folder (inputs are never among them)."""
+  if e.errno in WRITE_ERRNOS:
+    return True
+  own = (f"{out}{os.sep}", f"{out.parent / ('.' + out.name)}.")
+  names = [str(n) for n in (e.filename, e.filename2) if n is not None]
+  return any(n == str(out) or n.startswith(own) or pathlib.Path(n) in out.parents for n in names)
 
 
 def _up_to_date(out: pathlib.Path, inputs_digest: str) -> dict | None:
@@ -357,30 +377,28 @@ def _tokenize(
   import tqdm  # the progress bar: only when preparing
 
   bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="prepare")
-  pool = None
-  if workers > 1:
-    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,))
-  else:
-    _init_worker(spec)
   writers: dict[str, _ShardWriter] = {}
   kind, index, start = "text", 0, time.perf_counter()
   try:
-    tasks = _batches(listings, fmt, bar)
-    for kind, tokens, flags, lengths in pool.imap(_encode, tasks) if pool else map(_encode, tasks):
-      held_out = eval_mask(index, len(lengths), eval_fraction)
-      in_eval = np.repeat(held_out, lengths)
-      for split, docs, rows in (("train", ~held_out, ~in_eval), ("eval", held_out, in_eval)):
-        if docs.any():
-          if split not in writers:
-            writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, kind == "chat")
-          writers[split].add(tokens[rows], flags[rows], lengths[docs])
-      index += len(lengths)
-      rate = sum(w.tokens for w in writers.values()) / (time.perf_counter() - start)
-      bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
+    with encoding.encoder(workers, spec) as encode:
+      for kind, tokens, flags, lengths in encode(_batches(listings, fmt, bar)):
+        held_out = eval_mask(index, len(lengths), eval_fraction)
+        in_eval = np.repeat(held_out, lengths)
+        for split, docs, rows in (("train", ~held_out, ~in_eval), ("eval", held_out, in_eval)):
+          if docs.any():
+            if split not in writers:
+              chat = kind == "chat"
+              writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, chat)
+            writers[split].add(tokens[rows], flags[rows], lengths[docs])
+        index += len(lengths)
+        rate = sum(w.tokens for w in writers.values()) / (time.perf_counter() - start)
+        bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
+  except BaseException:
+    for writer in writers.values():
+      writer.abort()
+    raise
   finally:
     bar.close()
-    if pool is not None:
-      pool.terminate()
   if "train" not in writers:
     raise DataError(f"{' '.join(listings)}: no documents to train on")
   return kind, {split: w.finish() for split, w in writers.items()}

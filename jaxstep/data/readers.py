@@ -163,13 +163,26 @@ def _detect_format(file: pathlib.Path) -> str:
 
 def _lines(file: pathlib.Path) -> Iterator[tuple[int, str]]:
   """``(line number, line without its newline)``, one at a time (files larger than memory)."""
-  number = 0
   try:
     with file.open(encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):  # noqa: B007 - number is reported on error
+      for number, line in enumerate(f, 1):
         yield number, line.rstrip("\n")
   except UnicodeDecodeError as e:
-    raise DataError(f"{file}:{number + 1}: not UTF-8 text ({e.reason})") from None
+    # text mode decodes a block of lines at once: the lines read so far do not say where
+    raise DataError(f"{file}:{_first_bad_line(file)}: not UTF-8 text ({e.reason})") from None
+
+
+def _first_bad_line(file: pathlib.Path) -> int:
+  """The number (1-based) of the first line of ``file`` that does not decode as UTF-8. A
+  newline byte is never part of a multi-byte character, so lines decode on their own."""
+  number = 0
+  with file.open("rb") as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        raw.decode("utf-8")
+      except UnicodeDecodeError:
+        return number
+  return number  # not reached while the file is as it was when the decode failed
 
 
 def _txt_documents(file: pathlib.Path) -> Iterator[str]:
