@@ -232,6 +232,92 @@ def test_evaluate_batch_size_must_be_a_count_and_says_so(trained, capsys):
   assert "--batch-size: must be a whole number >= 0, got '-1'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  "command, extra, option",
+  [("generate", [], "--num-samples"), ("evaluate", ["--data", "bundled:text"], "--batch-size")],
+)
+def test_a_count_that_cannot_fit_is_one_line_and_exit_2_before_allocating(
+  trained, capsys, command, extra, option
+):
+  import time
+
+  start = time.perf_counter()
+  code = run_command(command, [str(trained), *extra, option, str(10**12)])
+  out, err = capsys.readouterr()
+  assert time.perf_counter() - start < 30  # refused from the estimate, nothing allocated
+  assert code == 2 and out == "" and "Traceback" not in err
+  assert err.startswith(f"error: {option} 1,000,000,000,000 needs about ") and err.count("\n") == 1
+  assert "GiB one device holds; the largest " + option + " that fits is " in err
+
+
+def test_the_memory_estimates_match_the_arrays_they_count():
+  """Small shapes counted by hand, the cache from the model's own ``init_cache``."""
+  import jax.numpy as jnp
+
+  from jaxstep.generation.engine import generation_bytes
+  from jaxstep.trainer.evaluation import eval_bytes
+
+  cfg = models.GPTConfig(vocab_size=8, max_seq_len=16, d_model=4, n_layers=2, n_heads=2)
+  rows, prompt, width, b = 3, 2, 5, 2  # bf16: 2 bytes
+  cache = jax.eval_shape(lambda: models.decoder(cfg).init_cache(rows, width, jnp.bfloat16))
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  assert cache_bytes == 2 * 2 * rows * width * 4 * b == 480
+  tokens, next_logits = rows * width * 4, rows * 8 * 4
+  with_cache = tokens + next_logits + rows * prompt * 8 * b + cache_bytes
+  assert generation_bytes(rows, prompt, width, 8, b, cfg) == with_cache == 732
+  assert generation_bytes(rows, prompt, width, 8, b) == tokens + next_logits + rows * width * 8 * b
+  batch, residual, hidden = 3 * rows * width * 4, rows * width * 4 * 4, rows * width * 16 * 4
+  assert eval_bytes(cfg, rows, width) == batch + residual + max(rows * width * 8 * 4, hidden)
+
+
+def params_bytes(saved):
+  return sum(x.nbytes for x in jax.tree.leaves(saved.params))
+
+
+def test_num_samples_just_within_a_small_limit_runs_and_one_more_is_refused(
+  trained, monkeypatch, capsys
+):
+  from jaxstep.core import device_memory
+  from jaxstep.generation.engine import generation_bytes
+
+  saved = load_run(trained)
+  # prompt "1" is BOS + 1 token; with 2 new tokens the buffer is 4 wide
+  per_sample = generation_bytes(1, 2, 4, saved.cfg.model.vocab_size, 4, saved.cfg.model)
+  limit = params_bytes(saved) + 3 * per_sample
+  monkeypatch.setattr(device_memory, "device_memory_bytes", lambda: limit)
+  args = [trained, "--prompt", "1", "--max-new-tokens", 2, "--num-samples"]
+  code, out, err = generate(capsys, *args, 3)
+  assert code == 0 and out.count("--- sample") == 3, err
+  code, out, err = generate(capsys, *args, 4)
+  assert code == 2 and out == "" and "the largest --num-samples that fits is 3" in err
+
+
+def test_batch_size_just_within_a_small_limit_runs_and_one_more_is_refused(
+  trained, tmp_path, monkeypatch, capsys
+):
+  from jaxstep.core import device_memory
+  from jaxstep.trainer import evaluation
+
+  saved = load_run(trained)
+  per_window = evaluation.eval_bytes(saved.cfg.model, 1, saved.cfg.train.seq_len)
+  limit = params_bytes(saved) + 5 * per_window
+  monkeypatch.setattr(device_memory, "device_memory_bytes", lambda: limit)
+  text = tmp_path / "held_out.txt"
+  text.write_text("1 + 2 = 3\n\n40 + 4 = 44\n\n" * 5)
+  args = [str(trained), "--data", str(text), "--batch-size"]
+  assert run_command("evaluate", [*args, "5"]) == 0
+  assert run_command("evaluate", [*args, "6"]) == 2
+  assert "the largest --batch-size that fits is 5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_absurd_max_new_tokens_and_top_k_mean_no_limit_not_an_overflow(trained, capsys):
+  args = [trained, "--prompt", "1", "--temperature", 0, "--json", "--max-new-tokens"]
+  code, out, err = generate(capsys, *args, 10**12, "--top-k", 10**12)
+  assert code == 0, err
+  assert out == generate(capsys, *args, 100)[1]  # past max_seq_len: the same stops
+
+
 def test_checkpoints_passes_over_metrics_lines_without_a_step_or_loss(trained, tmp_path, capsys):
   import shutil
 

@@ -53,6 +53,7 @@ def evaluate(args) -> int:
   from jaxstep.trainer.saved_run import load_run
 
   saved = load_run(args.run_dir, args.step)
+  evaluation.refuse_batch_that_cannot_fit(saved, args.batch_size, option="--batch-size")
   fmt = args.format or evaluation.run_data_format(saved.cfg)
   dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, fmt)
   prepared = (pathlib.Path(args.data) / "manifest.json").is_file()

@@ -69,6 +69,12 @@ def generate(args) -> int:
   gen = Generator(
     saved.cfg.model, saved.params, saved.tokenizer, dtype=dtype, use_cache=not args.no_cache
   )
+  gen.check_fits(
+    prompts,
+    max_new_tokens=args.max_new_tokens,
+    num_samples=args.num_samples,
+    option="--num-samples",
+  )
   start = time.perf_counter()
   samples = gen.generate(
     prompts,

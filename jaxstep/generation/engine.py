@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstep import models
+from jaxstep.core import device_memory
 from jaxstep.core.precision import cast_floating
 from jaxstep.errors import ConfigError, PromptError
 from jaxstep.generation.sampling import allowed_ids, next_tokens
@@ -79,6 +80,7 @@ class Generator:
       raise ConfigError(f"model must be a GPTConfig or an apply_fn, got {type(model).__name__}")
     self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
     self._vocab = vocab
+    self._cache_model = model if self._decode is not None else None
     self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill"))
 
   def encode_prompt(self, prompt: str, index: int = 0) -> np.ndarray:
@@ -117,9 +119,8 @@ class Generator:
   ) -> list[Sample]:
     """``num_samples`` continuations of each prompt (prompt-major order), in one batch."""
     check_settings(max_new_tokens, temperature, top_k, top_p, num_samples)
-    if isinstance(prompts, str) or not prompts:
-      raise PromptError("give a list of one or more prompts")
-    encoded = [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+    encoded = self._encode_all(prompts)
+    self._refuse_unfit(encoded, max_new_tokens, num_samples, "num_samples")
     rows = [ids for ids in encoded for _ in range(num_samples)]
     ids, reasons = self.generate_ids(
       rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -131,6 +132,37 @@ class Generator:
       text = self.tokenizer.decode([t for t in cont if t != eos])
       out.append(Sample(prompts[row // num_samples], text, cont, reason))
     return out
+
+  def check_fits(
+    self,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    option: str = "num_samples",
+  ) -> None:
+    """``ConfigError`` naming ``option`` when ``num_samples`` continuations of each prompt
+    would not fit one device (``generation_bytes`` beside the params), so that a command can
+    refuse its own option's value before anything is allocated."""
+    self._refuse_unfit(self._encode_all(prompts), max_new_tokens, num_samples, option)
+
+  def _encode_all(self, prompts: Sequence[str]) -> list[np.ndarray]:
+    if isinstance(prompts, str) or not prompts:
+      raise PromptError("give a list of one or more prompts")
+    return [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+
+  def _refuse_unfit(self, encoded, max_new_tokens: int, num_samples: int, option: str) -> None:
+    """The memory check of ``check_fits`` on prompts already encoded."""
+    prefill = max(len(p) for p in encoded)
+    width = min(self.max_seq_len, prefill + max_new_tokens)
+    itemsize = jnp.dtype(self.dtype).itemsize
+    per_sample = generation_bytes(
+      len(encoded), prefill, width, self._vocab or 0, itemsize, self._cache_model
+    )
+    params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(self.params))
+    what = f"{len(encoded) * num_samples:,} rows of up to {width} tokens, and the params"
+    memory = device_memory.device_memory_bytes()
+    device_memory.refuse_count_over_memory(option, num_samples, per_sample, params, memory, what)
 
   def generate_ids(
     self,
@@ -158,9 +190,9 @@ class Generator:
         allowed_ids(vocab, self.tokenizer),
         np.uint32(seed % 2**32),  # any Python int is a seed
         jnp.float32(temperature),
-        jnp.int32(top_k),
+        jnp.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
         jnp.float32(top_p),
-        max_new=max_new_tokens,
+        max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
         prefill=int(lengths.max()),
       )
     )
@@ -236,6 +268,25 @@ def _logits_at(apply_fn, decoder, params, tokens, prefill: int, dtype):
 class _Steps:
   prefill: Callable
   step: Callable
+
+
+def generation_bytes(rows, prefill, width, vocab, itemsize=4, cache_model=None) -> int:
+  """Bytes ``rows`` continuations hold at once beside the params, a floor (every term is an
+  array the loop materialises; the blocks' activations come on top), so what fits is never
+  refused. With W the token buffer's width (longest prompt + new tokens, at most
+  ``max_seq_len``), P the longest prompt, V the vocabulary, b the compute dtype's bytes:
+
+    rows × (4·W          the int32 token buffer
+            + 4·V        the fp32 next-token logits
+            + P·V·b      the prefill's logits (W·V·b: the whole buffer, without a cache)
+            + 2·L·W·D·b) the key/value cache (L blocks, keys and values, heads × head_dim = D)
+
+  ``cache_model``: the ``GPTConfig`` whose cache the loop keeps (None: no cache)."""
+  per_row = 4 * width + 4 * vocab
+  if cache_model is None:
+    return rows * (per_row + width * vocab * itemsize)
+  cache = 2 * cache_model.n_layers * width * cache_model.d_model * itemsize
+  return rows * (per_row + prefill * vocab * itemsize + cache)
 
 
 def check_settings(max_new_tokens, temperature, top_k, top_p, num_samples) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxstep.core import device_memory
 from jaxstep.errors import ConfigError
 
 log = logging.getLogger("jaxstep")
@@ -46,13 +47,13 @@ def budget_bytes(memory_budget_gb: float, device=None) -> int:
   if memory_budget_gb:
     return int(memory_budget_gb * GIB)
   device = device or jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform == "gpu" else None
-  if not stats or "bytes_limit" not in stats:
+  limit = device_memory.gpu_bytes_limit(device)
+  if limit is None:
     raise ConfigError(
       f"train.grad_accum_steps=auto on {device.platform} needs train.memory_budget_gb "
       f"(GiB per device the train step may use)"
     )
-  return int(stats["bytes_limit"] * DEVICE_SHARE)
+  return int(limit * DEVICE_SHARE)
 
 
 def search(ks: list[int], bytes_of: Callable[[int], int], budget: int):

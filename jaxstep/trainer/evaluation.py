@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxstep import data, models
+from jaxstep.core import device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.errors import DataError
 from jaxstep.trainer.saved_run import SavedRun, saved_tokenizer_file
@@ -94,10 +95,46 @@ def load_data(
   return dataset
 
 
+def eval_bytes(model, rows: int, seq_len: int) -> int:
+  """Bytes one eval batch of ``rows`` windows of ``seq_len`` holds at once beside the params,
+  a floor, so what fits is never refused:
+
+    rows × S × 4 × (3              its int32 inputs, targets and loss mask
+                    + D            the fp32 residual stream
+                    + max(V, r·D)) the fp32 logits, or a block's MLP hidden layer
+
+  (V the vocabulary, D = ``d_model``, r = ``mlp_ratio``). A forward pass without a backward
+  one frees each block's activations before the next and the last before the logits, so
+  only the larger of the two counts, and the depth adds nothing."""
+  widest = max(model.vocab_size, model.mlp_ratio * model.d_model)
+  return rows * seq_len * 4 * (3 + model.d_model + widest)
+
+
+def refuse_batch_that_cannot_fit(
+  saved: SavedRun, batch_size: int = 0, option: str = "batch_size"
+) -> None:
+  """``ConfigError`` naming ``option`` when a batch of ``batch_size`` windows (0: the run's
+  ``train.global_batch_size``) would not fit one device beside the params (``eval_bytes``),
+  before the data is read or anything of that size allocated."""
+  cfg = saved.cfg
+  rows = batch_size or cfg.train.global_batch_size
+  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  device_memory.refuse_count_over_memory(
+    option,
+    rows,
+    eval_bytes(cfg.model, 1, cfg.train.seq_len),
+    params,
+    device_memory.device_memory_bytes(),
+    f"a batch of {rows:,} windows of {cfg.train.seq_len} tokens, and the params",
+  )
+
+
 def evaluate(
   saved: SavedRun, dataset: data.Dataset, *, split: str = "all", batch_size: int = 0
 ) -> dict:
-  """Sums over every window of ``split`` (``all``: train and eval) → loss, ppl, bpb."""
+  """Sums over every window of ``split`` (``all``: train and eval) → loss, ppl, bpb; a
+  ``batch_size`` that cannot fit one device is refused before anything is allocated."""
+  refuse_batch_that_cannot_fit(saved, batch_size)
   windows = [w for name, w in (("train", dataset.train), ("eval", dataset.eval))
              if w is not None and split in ("all", name)]  # fmt: skip
   if not windows:

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 
-import jax
 from jax.sharding import Mesh
 
 from jaxstep import data, parallel
-from jaxstep.core import geometry
+from jaxstep.core import device_memory, geometry
 from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import GPTConfig
 from jaxstep.trainer import auto_accum, steps
@@ -124,16 +122,6 @@ def approx_num_params(model: GPTConfig) -> int:
   return model.matmul_params() + model.max_seq_len * model.d_model + untied
 
 
-def device_memory_bytes(device=None) -> int:
-  """What one device can hold: a GPU's ``bytes_limit``; on a CPU the host's physical memory
-  (its virtual devices share it, so this is generous for each)."""
-  device = device or jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform != "cpu" else None
-  if stats and "bytes_limit" in stats:
-    return int(stats["bytes_limit"])
-  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
   """Values that are in their domain but out of reach are config errors before anything is
   allocated or compiled: the persistent training state (fp32 params and two Adam moments:
@@ -200,7 +188,7 @@ def make_plan(
   value needs it (after the mesh is checked, so a config error comes first)."""
   t = cfg.train
   mesh = mesh_for(cfg)
-  memory = device_memory_bytes()
+  memory = device_memory.device_memory_bytes()
   refuse_what_cannot_fit(cfg, mesh, memory)  # before the data is read: a vocabulary of 0 counts 0
   if dataset is None and (read_data or cfg.model.vocab_size == 0 or t.epochs):
     dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
