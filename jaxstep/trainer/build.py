@@ -15,7 +15,7 @@ from jaxstep import data, models, parallel
 from jaxstep._version import __version__
 from jaxstep.core.state import TrainState
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import steps
+from jaxstep.trainer import steps, text_samples
 from jaxstep.trainer.plan import make_plan
 from jaxstep.trainer.run_state import RunState
 
@@ -42,7 +42,8 @@ def config_digest(cfg: config_lib.Config) -> str:
 
 
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
-  """Loads data (all data errors surface here), resolves the plan, builds the jitted steps.
+  """Loads data (all data errors surface here), resolves the plan, checks the sample prompts
+  against the tokenizer and the model, builds the jitted steps.
 
   With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
@@ -50,6 +51,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   """
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
+  text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
   state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))

@@ -28,13 +28,16 @@ log = logging.getLogger("jaxstep")
 STATE, RUN, VERIFY = "state", "run", "verify"
 COMMIT_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it when a step is finalized
 TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's name for a step still being written
+# The state fields the model config shapes, as a misfit names them.
+MODEL_FIELDS = {"params": "parameter", "model_state": "model state"}
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRead:
   """One step folder read back. ``problem`` is None when every item verified; else it says
   why the step is not usable and ``state`` is None. ``misfit``: the step is intact but does
-  not fit the target (another model), which an older step of the same run would not fix."""
+  not fit the target (another model, or a state leaf another config sized), which an older
+  step of the same run would not fix."""
 
   step: int
   path: pathlib.Path
@@ -95,8 +98,22 @@ def shapes_mismatch(saved_tree, target, what: str) -> str | None:
     return f"{what} names differ (missing {missing}, unexpected {extra})"
   for name, shape in expected.items():
     if saved[name] != shape:
-      return f"{what} {name} has shape {saved[name]} in the checkpoint, {shape} here"
+      label = f"{what} {name}" if name else what
+      return f"{label} has shape {saved[name]} in the checkpoint, {shape} here"
   return None
+
+
+def saved_shapes(path) -> dict[str, tuple] | None:
+  """Every array of a step folder's state item by path name (``params/…``,
+  ``recent_losses``) with its shape, from orbax's metadata alone (no array is read); None
+  when the metadata does not read."""
+  try:
+    meta = _state_reader(ocp.StandardCheckpointHandler).metadata(pathlib.Path(path).resolve())
+    tree = meta.item_metadata[STATE].tree
+  except Exception:  # noqa: BLE001 - unreadable metadata: nothing to compare
+    return None
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_name(p): tuple(leaf.shape) for p, leaf in leaves}
 
 
 def _fields(target) -> dict | None:
@@ -139,8 +156,9 @@ def _request(saved, abstract, params_only: bool):
   absent = [k for k in fields if k not in saved]
   if absent:
     return None, f"the checkpoint has no {absent}"
-  for name, what in (("params", "parameter"), ("model_state", "model state")):
-    if problem := shapes_mismatch(saved.get(name), fields[name], what):
+  for name, value in fields.items():  # every field: orbax would fail on any, less clearly
+    what = MODEL_FIELDS.get(name, f"the train state's {name}")
+    if problem := shapes_mismatch(saved.get(name), value, what):
       return None, problem
   return fields, None
 
@@ -234,7 +252,8 @@ def newest(
     ones, newest first.
 
   Raises:
-    CheckpointError: a step is intact but does not fit ``target`` (another model).
+    CheckpointError: a step is intact but does not fit ``target`` (another model, or a
+      state leaf of another shape).
   """
   directory = pathlib.Path(directory).resolve()
   skipped = []
@@ -243,9 +262,11 @@ def newest(
       continue
     read = read_step(path, target, params_only=params_only)
     if read.misfit:
+      of_model = read.problem.startswith(tuple(MODEL_FIELDS.values()))
       raise CheckpointError(
-        f"checkpoint at update step {s} does not fit the model: {read.problem}; use the "
-        f"model config it was written with or a new run_dir"
+        f"checkpoint at update step {s} does not fit the {'model' if of_model else 'train state'}"
+        f": {read.problem}; use the {'model ' if of_model else ''}config it was written with "
+        f"or a new run_dir"
       )
     if read.problem is None:
       return read, skipped

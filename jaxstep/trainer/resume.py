@@ -14,6 +14,7 @@ import logging
 import pathlib
 
 from jaxstep.errors import CheckpointError
+from jaxstep.trainer import checkpoint_read
 from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints, step_dirs
 from jaxstep.trainer.records import read_records
 from jaxstep.trainer.run_dir import archive_previous
@@ -27,16 +28,25 @@ HARMLESS_MODEL_KEYS = ("dropout",)
 # Model keys that choose kernels or memory layout only: the same parameters and the same
 # math (a different block layout is converted at restore), so a change is simply taken.
 KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers")
+# Train-state leaves outside the model whose shape a config key sets: the leaf → the key and
+# its value read back from the leaf's shape, so a checkpoint that does not fit names the key.
+STATE_SHAPE_KEYS = {"recent_losses": ("train.spike_window", lambda shape: shape[0])}
+
+
+def _model_changes(saved: dict, current: RunState) -> dict:
+  """``{key: (old, new)}`` of the model keys that differ from the checkpoint's, kernel
+  choices left out."""
+  return {
+    k: (old, v)
+    for k, v in current.model.items()
+    if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k)) != v
+  }
 
 
 def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool) -> None:
   """Refuses a resume whose model, seed or lr schedule differs from the checkpoint's; states
   a harmless model change in one line and takes a kernel choice as it is."""
-  changed = {
-    k: (old, v)
-    for k, v in current.model.items()
-    if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k)) != v
-  }
+  changed = _model_changes(saved, current)
   for key in HARMLESS_MODEL_KEYS:
     if key in changed:
       old, new = changed.pop(key)
@@ -162,9 +172,11 @@ def start(
         f"run_dir (or --no-resume to set them aside)"
       )
     directory, step = _locate(resume_from)
-    restored = _restore(Checkpointer(directory, read_only=True), state, step, run_state)
+    source = Checkpointer(directory, read_only=True)
+    restored = _restore(source, state, step, run_state, way_out="")
   elif resume and step_dirs(own):
-    restored = _restore(Checkpointer(own, keep=c.keep), state, None, run_state)
+    way_out = ", or --no-resume to start over"
+    restored = _restore(Checkpointer(own, keep=c.keep), state, None, run_state, way_out=way_out)
   elif resume:
     _refuse_history_without_checkpoint(run_dir)
   if restored is not None:
@@ -204,14 +216,53 @@ def _refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:
     )
 
 
-def _restore(checkpointer: Checkpointer, state, step: int | None, current: RunState):
+def _restore(checkpointer: Checkpointer, state, step: int | None, current: RunState, way_out: str):
+  """``checkpointer.restore``; a checkpoint that does not fit is blamed on what changed: the
+  data's vocabulary, a config key that sizes the state, or the model keys (``way_out``:
+  the alternative to setting a key back, as the message's tail)."""
   try:
     return checkpointer.restore(state, step)
-  except CheckpointError:
+  except CheckpointError as e:
     _blame_a_new_vocabulary(checkpointer.directory, step, current)
+    _blame_a_changed_key(checkpointer.directory, step, state, current, e, way_out)
     raise
   finally:
     checkpointer.close()
+
+
+def _blame_a_changed_key(directory, step, state, current: RunState, error, way_out: str) -> None:
+  """Names the config key whose change keeps the checkpoint from restoring, read from the
+  newest step's metadata and run state (no array): a state leaf sized by a key in
+  ``STATE_SHAPE_KEYS`` replaces the error with one line naming the key; model keys that
+  changed are added to the error (a model change is refused whatever it does to shapes)."""
+  for s, path in step_dirs(directory):
+    if step is not None and s != step:
+      continue
+    shapes = checkpoint_read.saved_shapes(path)
+    if shapes is None:
+      continue
+    if changed := _state_shape_changes(shapes, state):
+      raise CheckpointError(
+        f"{changed} since the checkpoint of update step {s} (it sizes the train state): "
+        f"resume with the old value{way_out}"
+      ) from None
+    run = checkpoint_read.read_step(path, arrays=False).run
+    model = _model_changes(run, current) if run and "model" in run else {}
+    if shaping := {k: v for k, v in model.items() if k not in HARMLESS_MODEL_KEYS}:
+      diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in shaping.items())
+      raise CheckpointError(f"{error} (changed since the checkpoint: {diff})") from None
+    return
+
+
+def _state_shape_changes(saved_shapes: dict, state) -> str:
+  """``"<key> changed from <old> to <new>"`` for each ``STATE_SHAPE_KEYS`` leaf whose saved
+  shape differs from ``state``'s, joined; "" when none does."""
+  changes = []
+  for leaf, (key, value_of) in STATE_SHAPE_KEYS.items():
+    old, new = saved_shapes.get(leaf), getattr(state, leaf, None)
+    if old is not None and new is not None and tuple(old) != tuple(new.shape):
+      changes.append(f"{key} changed from {value_of(old)} to {value_of(new.shape)}")
+  return "; ".join(changes)
 
 
 def _blame_a_new_vocabulary(directory, step: int | None, current: RunState) -> None:

@@ -9,9 +9,47 @@ own time to that step and nothing to the others (docs/generation.md says what it
 
 from __future__ import annotations
 
+from jaxstep.errors import ConfigError, PromptError
 from jaxstep.generation import Generator
 
 TEMPERATURE = 0.8  # the sampled continuation's temperature
+
+
+def check_prompts(model_cfg, tokenizer, train_cfg) -> None:
+  """``ConfigError`` naming ``train.sample_prompts`` when samples are on and a prompt cannot
+  run: none at all, one that does not encode, or one that leaves the model no position to
+  generate into (``[BOS] + prompt`` must be shorter than ``model.max_seq_len``; a sample
+  then stops at ``max_seq_len`` or after ``train.sample_max_new_tokens``). Called by
+  ``build``, so such a run is refused before its run dir is written."""
+  if not train_cfg.sample_every:
+    return
+  prompts = list(train_cfg.sample_prompts)
+  if not prompts:
+    raise ConfigError(
+      f"train.sample_prompts is empty but train.sample_every is {train_cfg.sample_every}: "
+      f"give at least one prompt, or set train.sample_every=0"
+    )
+  generator = Generator(model_cfg, None, tokenizer)
+  for i, prompt in enumerate(prompts):
+    _check_length(tokenizer, prompt, i, model_cfg.max_seq_len)
+    try:
+      generator.encode_prompt(prompt, i)
+    except PromptError as e:
+      raise ConfigError(f"train.sample_prompts[{i}] {prompt!r} cannot be sampled: {e}") from None
+
+
+def _check_length(tokenizer, prompt: str, index: int, max_seq_len: int) -> None:
+  """Refuses prompt ``index`` when ``[BOS] + prompt`` leaves no position to generate into."""
+  try:
+    tokens = 1 + len(tokenizer.encode(prompt))
+  except UnicodeEncodeError:
+    return  # not text at all: encode_prompt says so
+  if tokens >= max_seq_len:
+    raise ConfigError(
+      f"train.sample_prompts[{index}] is {tokens} tokens with BOS; model.max_seq_len "
+      f"{max_seq_len} takes prompts of at most {max_seq_len - 1} (one position is left to "
+      f"generate into): shorten it or raise model.max_seq_len"
+    )
 
 
 class TextSamples:
