@@ -1,7 +1,5 @@
 """``python -m jaxstep <command> …``: the same as the ``jaxstep`` console script."""
 
-import sys
+from jaxstep.cli import console_main
 
-from jaxstep.cli import main
-
-sys.exit(main())
+console_main()

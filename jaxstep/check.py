@@ -1,6 +1,6 @@
 """``python -m jaxstep.check``: the same as ``jaxstep check`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("check"))
+  exit_process(run("check"))

@@ -1,6 +1,6 @@
 """``python -m jaxstep.checkpoints``: the same as ``jaxstep checkpoints`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("checkpoints"))
+  exit_process(run("checkpoints"))

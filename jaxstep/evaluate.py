@@ -1,6 +1,6 @@
 """``python -m jaxstep.evaluate``: the same as ``jaxstep evaluate`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("evaluate"))
+  exit_process(run("evaluate"))

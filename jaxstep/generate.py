@@ -1,6 +1,6 @@
 """``python -m jaxstep.generate``: the same as ``jaxstep generate`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("generate"))
+  exit_process(run("generate"))

@@ -1,6 +1,6 @@
 """``python -m jaxstep.memory``: the same as ``jaxstep memory`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("memory"))
+  exit_process(run("memory"))

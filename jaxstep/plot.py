@@ -1,6 +1,6 @@
 """``python -m jaxstep.plot``: the same as ``jaxstep plot`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("plot"))
+  exit_process(run("plot"))

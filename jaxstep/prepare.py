@@ -1,6 +1,6 @@
 """``python -m jaxstep.prepare``: the same as ``jaxstep prepare`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("prepare"))
+  exit_process(run("prepare"))

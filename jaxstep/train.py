@@ -1,6 +1,6 @@
 """``python -m jaxstep.train``: the same as ``jaxstep train`` (see jaxstep.cli)."""
 
 if __name__ == "__main__":
-  from jaxstep.cli import run
+  from jaxstep.cli import exit_process, run
 
-  raise SystemExit(run("train"))
+  exit_process(run("train"))

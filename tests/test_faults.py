@@ -489,8 +489,9 @@ def test_a_full_disk_ends_the_run_in_one_line_without_hanging(tmp_path, tmpfs):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == IO_EXIT and len(errors) == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
-    if size == "64k":
-      assert "No space left on device" in errors[0]
+    if size == "64k":  # no room for one checkpoint: refused before the first step
+      assert "MiB free, a checkpoint needs about" in errors[0]
+      assert not run_dir.exists()
     else:
       assert "MiB free" in errors[0]
       assert_resumable_from(run_dir, newest_in(errors[0]))
@@ -639,8 +640,138 @@ def test_an_unusable_run_dir_is_one_line(tmp_path, capsys, where, request):
     point = mount("1m")
     mount.read_only(point)
     run_dir = point / "run"
-  assert train_main(tmp_path, f"run_dir={run_dir}") == 2
+  code = IO_EXIT if where == "read_only" else 2  # the disk refused a write: as in a run
+  assert train_main(tmp_path, f"run_dir={run_dir}") == code
   assert f"run_dir {run_dir} cannot be used" in one_error(capsys)
+
+
+@pytest.mark.parametrize("disk", ["full", "read_only"])
+def test_a_disk_that_refuses_the_run_before_its_first_step_leaves_nothing(
+  tmp_path, tmpfs, capsys, disk
+):
+  """A checkpoints folder that cannot take one checkpoint (no room, read-only) is found
+  before the first update: exit 74, one line, nothing written, and the next try with the
+  disk fixed trains as if nothing had happened."""
+  import subprocess
+
+  point = tmpfs("64k" if disk == "full" else "16m")
+  run_dir = point / "run"
+  if disk == "read_only":
+    run_dir.mkdir()
+    (run_dir / "checkpoints").mkdir()
+    subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(run_dir / "checkpoints")],
+      check=True,
+    )
+  try:
+    assert train_main(tmp_path, f"run_dir={run_dir}") == IO_EXIT
+    line = one_error(capsys)
+    if disk == "full":
+      assert "MiB free, a checkpoint needs about" in line and not run_dir.exists()
+    else:
+      assert "checkpoints cannot be written (Read-only file system)" in line
+      assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]
+  finally:
+    if disk == "read_only":
+      subprocess.run(["umount", "-l", str(run_dir / "checkpoints")], check=True)
+  if disk == "full":
+    subprocess.run(["mount", "-o", "remount,size=16m", str(point)], check=True)
+  assert train_main(tmp_path, f"run_dir={run_dir}") == 0
+  assert_resumable_from(run_dir, 12)
+
+
+def test_checkpoints_that_is_a_file_is_refused_before_anything_is_written(tmp_path, capsys):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "checkpoints").write_text("mine")
+  assert train_main(tmp_path) == 2
+  assert f"{run_dir / 'checkpoints'} is a file, not a folder" in one_error(capsys)
+  assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]
+  assert (run_dir / "checkpoints").read_text() == "mine"
+  (run_dir / "checkpoints").unlink()
+  assert train_main(tmp_path) == 0  # fixed: not refused as a run with history
+  assert_resumable_from(run_dir, 12)
+
+
+def _train_in_background(tmp_path, run_dir, *overrides):
+  import subprocess
+  import sys
+
+  make_cfg(tmp_path)
+  argv = [
+    *SMALL,
+    f"data.path={tmp_path / 'corpus.txt'}",
+    f"run_dir={run_dir}",
+    "train.max_steps=100000",
+    "checkpoint.every=5",
+    *overrides,
+  ]
+  cmd = [sys.executable, "-m", "jaxstep.train", *argv]
+  return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: pathlib.Path, proc, seconds: float = 120) -> None:
+  import time
+
+  deadline = time.monotonic() + seconds
+  while not path.exists():
+    assert proc.poll() is None and time.monotonic() < deadline, f"no {path}"
+    time.sleep(0.1)
+
+
+def test_checkpoints_that_turn_read_only_mid_run_end_in_one_line_without_hanging(tmp_path, tmpfs):
+  """orbax's save threads wait 20 minutes for signals a failed save never sends; the command
+  reports the failure and ends anyway."""
+  import subprocess
+  import time
+
+  run_dir = tmp_path / "run"
+  (run_dir / "checkpoints").mkdir(parents=True)
+  subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run_dir / "checkpoints")], check=True
+  )
+  try:
+    proc = _train_in_background(tmp_path, run_dir)
+    _wait_for(run_dir / "checkpoints" / "5", proc)
+    subprocess.run(["mount", "-o", "remount,ro", str(run_dir / "checkpoints")], check=True)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    subprocess.run(["umount", "-l", str(run_dir / "checkpoints")])
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert proc.returncode == IO_EXIT and len(errors) == 1, err[-3000:]
+  assert "Read-only file system" in errors[0] and "Traceback" not in err
+  assert time.monotonic() - start < 60
+
+
+def test_a_run_dir_removed_mid_run_is_one_line_and_not_recreated(tmp_path):
+  """The run stops at its next update step, writes nothing more, and says so; only a save
+  already under way (asynchronous) may still land its step there, and the line says which."""
+  import re
+  import shutil
+
+  run_dir = tmp_path / "run"
+  proc = _train_in_background(tmp_path, run_dir)
+  try:
+    _wait_for(run_dir / "checkpoints" / "5", proc)
+    run_dir.rename(tmp_path / "moved")  # one atomic step; rmtree races the run's writes
+    shutil.rmtree(tmp_path / "moved")
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert proc.returncode == IO_EXIT and len(errors) == 1, err[-3000:]
+  assert f"run_dir {run_dir} was removed or replaced during the run" in errors[0]
+  if "nothing more was written" in errors[0]:
+    assert not run_dir.exists()
+    return
+  assert [p.name for p in run_dir.iterdir()] == ["checkpoints"]
+  step = re.search(r"with update step (\d+), which a re-run resumes from", errors[0])
+  if step:
+    assert_resumable_from(run_dir, int(step.group(1)))
+  else:
+    assert "with no complete checkpoint" in errors[0]
 
 
 def test_a_corrupt_checkpoint_manifest_falls_back_without_noise(four_steps, tmp_path):

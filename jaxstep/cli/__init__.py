@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 
 # command -> (module, one-line description)
 COMMANDS = {
@@ -62,6 +64,36 @@ def run(command: str, argv=None) -> int:
   finally:
     if main_thread:
       signal.signal(signal.SIGINT, previous)
+
+
+STUCK_THREADS_GRACE_S = 10.0  # after the command returned, for background threads to end
+
+
+def exit_process(code: int) -> None:
+  """Ends the process with ``code``, as a command's entry point does. Python waits for every
+  background thread before it exits; after a failed checkpoint write, orbax's save threads
+  wait up to 20 minutes for signals that never come, so a command that already reported
+  its error would hang. They get ``STUCK_THREADS_GRACE_S`` seconds, then the process ends
+  without them (everything jaxstep keeps is written and closed by then)."""
+  deadline = time.monotonic() + STUCK_THREADS_GRACE_S
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and not thread.daemon:
+      thread.join(max(deadline - time.monotonic(), 0.0))
+  if any(
+    t.is_alive() and not t.daemon
+    for t in threading.enumerate()
+    if t is not threading.current_thread()
+  ):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+  sys.exit(code)
+
+
+def console_main() -> None:
+  """The ``jaxstep`` console script and ``python -m jaxstep``."""
+  exit_process(main())
 
 
 def main(argv=None) -> int:

@@ -21,12 +21,13 @@ import os
 import pathlib
 import re
 import shutil
+import tempfile
 from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstep.errors import CheckpointError, RunIOError
+from jaxstep.errors import CheckpointError, RunDirError, RunIOError
 from jaxstep.trainer import checkpoint_read, integrity
 from jaxstep.trainer.checkpoint_read import RUN, STATE, VERIFY, first_line, step_dirs
 from jaxstep.trainer.run_dir import stamped
@@ -126,7 +127,7 @@ class Checkpointer:
     if step in self.manager.all_steps():
       return False
     self.wait()  # orbax would wait for the previous save anyway; this names it if it failed
-    self._check_room(step, state)
+    self._check_room(f"the checkpoint of update step {step}", state)
     metadata = dict(metadata or {})
     verify = {"checksums": integrity.checksums(state), "run": integrity.json_checksum(metadata)}
     with self._reported(f"saving the checkpoint of update step {step}"):
@@ -142,7 +143,32 @@ class Checkpointer:
     self.pending = step
     return True
 
-  def _check_room(self, step: int, state) -> None:
+  def check_can_save(self, state) -> None:
+    """Before a run's first update: the directory is a folder this process can write, with
+    room for one checkpoint of ``state``, so a run never trains for hours to learn that it
+    cannot save (and never leaves a history without a checkpoint behind).
+
+    Raises:
+      RunDirError: the path is a file. RunIOError: it cannot be created or written (a
+        read-only or full disk, no permission), or has too little free space.
+    """
+    if self.directory.exists() and not self.directory.is_dir():
+      raise RunDirError(
+        f"{self.directory} is a file, not a folder: checkpoints are written there; move it "
+        f"away or choose another run_dir"
+      )
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      with tempfile.TemporaryFile(dir=self.directory):
+        pass
+    except OSError as e:
+      raise RunIOError(
+        f"{self.directory} cannot be written ({e.strerror or e}); make room, make it "
+        f"writable, or choose another run_dir"
+      ) from None
+    self._check_room("a checkpoint", state)
+
+  def _check_room(self, what: str, state) -> None:
     """Refuses to start a save that cannot fit: the arrays' bytes plus a margin for orbax's
     metadata (10 % + 1 MiB) vs the free space."""
     arrays = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
@@ -151,8 +177,8 @@ class Checkpointer:
     free = shutil.disk_usage(existing).free  # another host may not have created it yet
     if free < need:
       raise RunIOError(
-        f"{self.directory} has {free / 2**20:.1f} MiB free, the checkpoint of update step "
-        f"{step} needs about {need / 2**20:.1f} MiB"
+        f"{self.directory} has {free / 2**20:.1f} MiB free, {what} needs about "
+        f"{need / 2**20:.1f} MiB"
       )
 
   @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxstep import data, models, parallel
 from jaxstep.core.state import TrainState
-from jaxstep.errors import EmptyBatchError, Interrupted, RunIOError
+from jaxstep.errors import EmptyBatchError, Interrupted, RunDirError, RunIOError
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import profiling, records
 from jaxstep.trainer import resume as resume_lib
@@ -128,10 +128,28 @@ def train(
     if rs.step >= run.total_steps:
       ckpt.close()
       return _already_finished(state, rs, run_dir)
-    run_dir_lib.write_config(run_dir, config_lib.dump(cfg))
+    _first_writes(run, run_dir, ckpt, state)
+    return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+
+
+def _first_writes(run: Run, run_dir: pathlib.Path, ckpt: Checkpointer, state) -> None:
+  """Before the first update: the checkpoint folder can take a checkpoint, then the config
+  and the tokenizer copy are written. A failure is one ``RunIOError`` (or ``RunDirError``
+  for a file where the folder belongs) and leaves nothing that blocks the next try."""
+  try:
+    ckpt.check_can_save(state)
+    run_dir_lib.write_config(run_dir, config_lib.dump(run.cfg))
     if jax.process_index() == 0:
       save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
-    return loop(run, state, rs, ckpt=ckpt, run_dir=run_dir, callbacks=callbacks)
+  except (RunIOError, RunDirError):
+    ckpt.close()
+    raise
+  except OSError as e:
+    ckpt.close()
+    raise RunIOError(
+      f"writing {e.filename or run_dir} failed ({e.strerror or e}); make room, make run_dir "
+      f"writable, or choose another run_dir"
+    ) from None
 
 
 def _already_finished(state: TrainState, rs: RunState, run_dir) -> TrainResult:
@@ -210,6 +228,7 @@ def loop(
 
   steps = profiling.parse_steps(t.profile_steps)
   profiler = profiling.StepProfiler(steps, run_dir) if steps else None
+  started_in = run_dir_lib.identity(run_dir)
   last_eval = None
   try:
     with stop_on_signals() as stop, watch_threads() as threads:
@@ -217,6 +236,7 @@ def loop(
         stop.poll(rs.step)  # multi-host: has every process agreed to stop here?
         if stop.signum:
           break
+        run_dir_lib.check_still_there(run_dir, started_in)  # one stat call
         ckpt.check()  # a failed background save (as one RunIOError)
         threads.check()  # a dead TensorBoard writer, say
         batch = _checked(run, rs, next(batches), whole=rows is None)
@@ -258,8 +278,10 @@ def loop(
     _close_quietly(ckpt)  # lets a save in flight finish; another would fail like this write
     raise _io_failure(e, run_dir) from e
   try:
+    run_dir_lib.check_still_there(run_dir, started_in)
     _final_save(ckpt, state, rs, position())  # always: at the end and on a signal
   except RunIOError as e:
+    _close_quietly(ckpt)
     raise _io_failure(e, run_dir) from e
   if stop.signum is not None:
     name = signal.Signals(stop.signum).name
@@ -284,6 +306,8 @@ def _spikes_so_far(run_dir: pathlib.Path) -> int:
 def _io_failure(error: OSError, run_dir: pathlib.Path) -> RunIOError:
   """A failed write as one ``RunIOError`` naming what failed and the checkpoint to resume
   from."""
+  if isinstance(error, run_dir_lib.RemovedError):
+    return _removed(error, run_dir)
   if isinstance(error, RunIOError):
     what = str(error)
   else:  # a write here, or TensorBoard's writer thread (which names no file)
@@ -295,6 +319,23 @@ def _io_failure(error: OSError, run_dir: pathlib.Path) -> RunIOError:
     else "no checkpoint was completed"
   )
   return RunIOError(f"{what}; {where}. Make room (or fix the directory) and re-run to resume")
+
+
+def _removed(error: RunIOError, run_dir: pathlib.Path) -> RunIOError:
+  """The run stopped writing when it found ``run_dir`` gone; an asynchronous save already
+  under way may still have written its step there (orbax creates missing folders)."""
+  if not run_dir.exists():
+    return RunIOError(f"{error}; nothing more was written. Restore it to resume, or re-run")
+  rewritten = step_dirs(run_dir / "checkpoints")
+  what = (
+    f"update step {rewritten[0][0]}, which a re-run resumes from"
+    if rewritten
+    else "no complete checkpoint"
+  )
+  return RunIOError(
+    f"{error}; a checkpoint save already under way re-created {run_dir / 'checkpoints'} with "
+    f"{what}, and nothing else"
+  )
 
 
 def _close_quietly(closable) -> None:

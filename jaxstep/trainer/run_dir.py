@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from jaxstep.errors import RunDirError
+from jaxstep.errors import RunDirError, RunIOError
 from jaxstep.trainer import records
 
 log = logging.getLogger("jaxstep")
@@ -28,9 +28,20 @@ def stamped(name: str) -> str:
   return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _unusable(run_dir: pathlib.Path, e: OSError) -> RunDirError:
-  return RunDirError(
-    f"run_dir {run_dir} cannot be used ({e.strerror or e}); choose a writable directory"
+# a write the disk refused: exit 74 like a failed write during the run, not bad input
+WRITE_REFUSED = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+def _unusable(run_dir: pathlib.Path, e: OSError) -> RunDirError | RunIOError:
+  cls = RunIOError if e.errno in WRITE_REFUSED else RunDirError
+  return cls(f"run_dir {run_dir} cannot be used ({e.strerror or e}); choose a writable directory")
+
+
+def _holds_nothing(run_dir: pathlib.Path) -> bool:
+  """Only the lock and empty folders: what a run that stopped before writing leaves."""
+  return all(
+    p.name == LOCK or (p.is_dir() and not p.is_symlink() and not any(p.iterdir()))
+    for p in run_dir.iterdir()
   )
 
 
@@ -40,10 +51,13 @@ def locked(run_dir: str | pathlib.Path):
 
   ``flock`` is released by the OS when the process dies, so a killed run never leaves a
   stale lock. Only process 0 locks (the processes of one job share the directory). A
-  directory this call created and that stays empty but for the lock is removed on exit.
+  directory this call created and that holds nothing on exit but the lock and empty
+  folders is removed.
 
   Raises:
-    RunDirError: the directory cannot be created or written, or another run holds it.
+    RunIOError: the disk refuses the directory (full, read-only, no permission).
+    RunDirError: it cannot be created otherwise (a file in the path), or another run holds
+      it.
   """
   run_dir = pathlib.Path(run_dir)
   if jax.process_index() != 0:
@@ -71,10 +85,31 @@ def locked(run_dir: str | pathlib.Path):
     try:
       yield run_dir
     finally:
-      if created and [p.name for p in run_dir.iterdir()] == [LOCK]:
+      if created and run_dir.is_dir() and _holds_nothing(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
   finally:
     os.close(fd)
+
+
+def identity(run_dir: pathlib.Path) -> tuple[int, int] | None:
+  """The directory's (device, inode): tells it apart from a new one of the same name."""
+  try:
+    st = os.stat(run_dir)
+  except OSError:
+    return None
+  return st.st_dev, st.st_ino
+
+
+class RemovedError(RunIOError):
+  """``run_dir`` was deleted (or replaced by another directory) while the run wrote to it."""
+
+
+def check_still_there(run_dir: pathlib.Path, started: tuple[int, int] | None) -> None:
+  """Raises ``RemovedError`` if ``run_dir`` is no longer the directory the run started in:
+  writing on would re-create it (orbax makes missing parents) as a half-run without its
+  history."""
+  if identity(run_dir) != started:
+    raise RemovedError(f"run_dir {run_dir} was removed or replaced during the run")
 
 
 def write_config(run_dir: pathlib.Path, config_yaml: str) -> None:
