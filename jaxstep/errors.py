@@ -6,6 +6,13 @@ say what to change, not only what went wrong.
 """
 
 
+def first_line(error: BaseException) -> str:
+  """``Type: first line`` of an error from a library (orbax, tensorstore, JAX's runtime),
+  whose messages carry stacks and dumps below it; at most 200 characters of the line."""
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
 class JaxstepError(Exception):
   """Base class of all jaxstep errors."""
 

@@ -131,3 +131,53 @@ def test_train_without_a_coordinator_exits_2_with_one_line(tmp_path):
   assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], proc.stderr
   assert "Traceback" not in proc.stderr
   assert not run_dir.exists()
+
+
+def train_as(tmp_path, coordinator: str, process_id: int, timeout: int = 3):
+  """``jaxstep train`` as one process of a 2-process job; ``(proc, seconds, error lines)``."""
+  start = time.monotonic()
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxstep",
+      "train",
+      f"mesh.coordinator={coordinator}",
+      "mesh.num_processes=2",
+      f"mesh.process_id={process_id}",
+      f"mesh.initialization_timeout={timeout}",
+      f"run_dir={tmp_path / 'run'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=90,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  return proc, time.monotonic() - start, errors
+
+
+@pytest.mark.slow
+def test_process_0_whose_peers_never_join_exits_2_with_one_line(tmp_path):
+  """JAX's own timeout aborts the process with a C++ stack (exit 134); jaxstep ends it
+  first, readably."""
+  port = closed_port()
+  proc, seconds, errors = train_as(tmp_path, f"127.0.0.1:{port}", 0)
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+  assert f"waited 3 s for all 2 processes to join the coordinator 127.0.0.1:{port}" in errors[0]
+  assert "mesh.initialization_timeout" in errors[0]
+  assert "Traceback" not in proc.stderr and "Check failure" not in proc.stderr
+  assert seconds < 40 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_process_0_on_a_busy_port_exits_2_naming_it(tmp_path):
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    proc, _, errors = train_as(tmp_path, f"127.0.0.1:{port}", 0)
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+  assert f"could not start the multi-process job at 127.0.0.1:{port}" in errors[0]
+  assert "choose a free port in mesh.coordinator" in errors[0]
+  assert "Traceback" not in proc.stderr

@@ -3,15 +3,19 @@ cluster launcher, with a bounded wait for the coordinator that ends in a readabl
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 
 import jax
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, first_line
 from jaxstep.parallel.cpu_devices import ACCELERATOR_PLUGINS
 
 log = logging.getLogger("jaxstep")
@@ -72,9 +76,9 @@ def _initialize_with_coordinator(
     )
   address = parse_coordinator(coordinator)
   if process_id == 0:
+    refuse_a_busy_port(address[1], coordinator)
     log.info(
-      "process 0: coordinator on %s, waiting up to %d s for %d processes to join "
-      "(JAX aborts this process if they have not all joined by then)",
+      "process 0: coordinator on %s, waiting up to %d s for %d processes to join",
       coordinator,
       timeout,
       num_processes,
@@ -83,7 +87,67 @@ def _initialize_with_coordinator(
     wait_for_coordinator(address, timeout, process_id)
   if uses_gloo():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout)
+  line = (
+    f"error: process {process_id} waited {timeout} s for all {num_processes} processes to "
+    f"join the coordinator {coordinator}; start every process with the same "
+    f"mesh.coordinator and mesh.num_processes, or raise mesh.initialization_timeout"
+  )
+  with _ends_the_process_after(timeout, line):
+    try:
+      jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=timeout + JAX_GRACE_S
+      )
+    except Exception as e:  # noqa: BLE001 - JAX raises its runtime error for a busy port
+      raise ConfigError(
+        f"process {process_id} could not start the multi-process job at {coordinator} "
+        f"({first_line(e)}); choose a free port in mesh.coordinator"
+      ) from None
+
+
+def refuse_a_busy_port(port: int, coordinator: str) -> None:
+  """``ConfigError`` if another program already listens on ``port``: process 0 serves the
+  coordinator there on every interface, and JAX's runtime crashes (signal 11) on a busy
+  port instead of raising."""
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+      return
+    except OSError as e:
+      if e.errno == errno.EADDRINUSE:
+        raise ConfigError(
+          f"process 0 could not start the multi-process job at {coordinator} (port {port} "
+          f"is in use); choose a free port in mesh.coordinator"
+        ) from None
+      # no IPv6 on this host: try IPv4
+
+
+JAX_GRACE_S = 10  # JAX's own wait outlasts ours by this much, so ours ends it readably
+
+
+@contextlib.contextmanager
+def _ends_the_process_after(seconds: float, line: str):
+  """Ends the process with ``line`` on stderr and exit 2 if the block runs ``seconds``.
+
+  ``jax.distributed.initialize`` blocks in C++ (without the GIL) until every process has
+  joined; when its own timeout runs out it aborts the process with a C++ stack (exit 134),
+  which no Python code can catch. The process cannot go on either way; this ends it first,
+  with one line that says what to check.
+  """
+
+  def give_up():
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(2)
+
+  timer = threading.Timer(seconds, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()
 
 
 def parse_coordinator(coordinator: str) -> tuple[str, int]:

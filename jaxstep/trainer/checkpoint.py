@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstep.errors import CheckpointError, RunDirError, RunIOError
+from jaxstep.errors import CheckpointError, RunDirError, RunIOError, first_line
 from jaxstep.trainer import checkpoint_read, integrity
-from jaxstep.trainer.checkpoint_read import RUN, STATE, VERIFY, first_line, step_dirs
+from jaxstep.trainer.checkpoint_read import RUN, STATE, VERIFY, step_dirs
 from jaxstep.trainer.run_dir import stamped
 
 log = logging.getLogger("jaxstep")

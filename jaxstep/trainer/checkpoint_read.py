@@ -21,7 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxstep.core.trees import path_name
-from jaxstep.errors import CheckpointError
+from jaxstep.errors import CheckpointError, first_line
 from jaxstep.trainer import block_layout, integrity
 
 log = logging.getLogger("jaxstep")
@@ -65,11 +65,6 @@ def in_progress_dirs(directory: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
     if sep and head.isdigit() and p.is_dir():
       found.append((int(head), p))
   return sorted(found, reverse=True)
-
-
-def first_line(e: Exception) -> str:
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def layout_problem(path: pathlib.Path) -> str | None:
