@@ -20,8 +20,21 @@ SECTIONS = ("model", "data", "train", "optim", "checkpoint", "mesh")
 GENERATED = {"benchmarks/results/quick/"}  # written by a command, not in the repository
 TOP = "jaxstep|docs|configs|benchmarks|examples|tests|\\.ci"  # folders a path may start in
 PATH = re.compile(rf"(?<![\w/.-])((?:{TOP})/[\w/.-]*)")
-KEY = re.compile(rf"(?<![\w./])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?![\w(*])")
-FILE_SUFFIXES = ("py", "md", "yaml", "sh", "json", "jsonl", "txt", "toml", "png")
+# not a dotted name that goes on (``model.layers.0.mlp``: a Hugging Face tensor name)
+KEY = re.compile(rf"(?<![\w./])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?![\w(*]|\.[\w{{])")
+FILE_SUFFIXES = (
+  "py",
+  "md",
+  "yaml",
+  "sh",
+  "json",
+  "jsonl",
+  "txt",
+  "toml",
+  "png",
+  "safetensors",
+  "jinja",
+)
 PYTHON_BLOCK = re.compile(r"```python\n.*?```", re.S)
 TYPO_EXAMPLE = re.compile(r"unknown config key '[^']*'")  # the docs show a typo on purpose
 COMMAND = re.compile(r"python -m ([\w.]+\w)|`jaxstep (\w+)")

@@ -1,7 +1,8 @@
 """Models as ``(apply_fn, params)`` pairs: the step sees a plain params pytree.
 
-``build`` makes the bundled GPT (``gpt.py``; kernels per platform: ``backends.py``; the
-blocks as a list or a scanned stack: ``layers.py``);
+``build`` makes the bundled GPT (``gpt.py``) or a Llama-family decoder (``llama.py``) from
+its config (kernels per platform: ``backends.py``; the blocks as a list or a scanned
+stack: ``layers.py``);
 ``from_nnx`` and ``from_linen`` adapt your own module into a ``Model`` (``adapters.py``).
 """
 
@@ -17,11 +18,14 @@ from jaxstep.errors import ConfigError
 from jaxstep.models import backends
 from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
+from jaxstep.models.llama import Llama, LlamaConfig
 
 __all__ = [
   "GPT",
   "Decoder",
   "GPTConfig",
+  "Llama",
+  "LlamaConfig",
   "Model",
   "build",
   "decoder",
@@ -31,18 +35,23 @@ __all__ = [
 ]
 
 
+def _module(model_config: GPTConfig | LlamaConfig) -> type[GPT] | type[Llama]:
+  """The module class a config builds."""
+  return Llama if isinstance(model_config, LlamaConfig) else GPT
+
+
 def build(
-  model_config: GPTConfig, rng: jax.Array | int, *, abstract: bool = False
+  model_config: GPTConfig | LlamaConfig, rng: jax.Array | int, *, abstract: bool = False
 ) -> tuple[Callable, dict]:
-  """Builds the bundled GPT: ``(apply_fn, params)`` with ``apply_fn(params, inputs, *,
-  rng=None, train=False) -> logits``, params initialised from ``rng``. The GPT keeps no
-  state besides its parameters, and takes its dropout key as ``rng``. ``abstract``: the
-  params are ``jax.ShapeDtypeStruct`` leaves, nothing is initialised (to compile a model
-  too large for this host)."""
+  """Builds the bundled GPT (or Llama, for a ``LlamaConfig``): ``(apply_fn, params)`` with
+  ``apply_fn(params, inputs, *, rng=None, train=False) -> logits``, params initialised
+  from ``rng``. Either model keeps no state besides its parameters, and takes its dropout
+  key as ``rng``. ``abstract``: the params are ``jax.ShapeDtypeStruct`` leaves, nothing
+  is initialised (to compile a model too large for this host)."""
   if model_config.vocab_size == 0:
     raise ConfigError("model.vocab_size 0 means 'the tokenizer's size': resolve it first")
   backends.check_attention(model_config.attention)
-  make = lambda: GPT(model_config, rngs=nnx.Rngs(params=rng))  # noqa: E731
+  make = lambda: _module(model_config)(model_config, rngs=nnx.Rngs(params=rng))  # noqa: E731
   model = from_nnx(nnx.eval_shape(make) if abstract else make())
 
   def apply_fn(params, inputs, *, rng=None, train=False):
@@ -52,7 +61,7 @@ def build(
 
 
 class Decoder(NamedTuple):
-  """The bundled GPT over a key/value cache, as pure functions of its params."""
+  """The bundled GPT (or Llama) over a key/value cache, as pure functions of its params."""
 
   apply_fn: Callable  # (params, inputs [B, S]) -> logits: the full forward pass, no dropout
   decode_fn: Callable  # (params, inputs [B, S], positions [B, S], cache) -> (logits, cache)
@@ -60,14 +69,15 @@ class Decoder(NamedTuple):
   max_seq_len: int
 
 
-def decoder(model_config: GPTConfig) -> Decoder:
-  """``GPT.decode`` and ``GPT.init_cache`` for params shaped like ``build``'s (nothing is
-  initialised: the module's structure comes from ``nnx.eval_shape``)."""
-  abstract = nnx.eval_shape(lambda: GPT(model_config, rngs=nnx.Rngs(0)))
+def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
+  """``decode`` and ``init_cache`` of the config's model (``GPT`` or ``Llama``) for params
+  shaped like ``build``'s (nothing is initialised: the module's structure comes from
+  ``nnx.eval_shape``)."""
+  abstract = nnx.eval_shape(lambda: _module(model_config)(model_config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest = nnx.to_pure_dict(rest)
 
-  def merged(params) -> GPT:
+  def merged(params) -> GPT | Llama:
     return nnx.merge(graphdef, params, rest, copy=True)
 
   def apply_fn(params, inputs):

@@ -87,7 +87,7 @@ class GPTConfig:
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * self.d_model * seq_len
 
 
-def _kernels() -> tuple[dict, type]:
+def platform_kernels() -> tuple[dict, type]:
   """``nnx.Linear`` keyword arguments and the LayerNorm class for this platform: the
   CPU-ordered backward passes on CPU, flax's own elsewhere (same params, same math)."""
   if backends.use_cpu_kernels():
@@ -99,7 +99,7 @@ class Block(nnx.Module):
   """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d, (dense, layer_norm) = cfg.d_model, _kernels()
+    d, (dense, layer_norm) = cfg.d_model, platform_kernels()
     self.n_heads, self.attention_kernel = cfg.n_heads, cfg.attention
     self.ln1 = layer_norm(d, rngs=rngs)
     self.qkv = nnx.Linear(d, 3 * d, **dense, rngs=rngs)
@@ -143,7 +143,7 @@ class GPT(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    dense, layer_norm = _kernels()
+    dense, layer_norm = platform_kernels()
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
     self.pos_embed = nnx.Embed(cfg.max_seq_len, cfg.d_model, rngs=rngs)
     blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]

@@ -1,0 +1,140 @@
+"""A Hugging Face model folder's ``config.json`` as a jaxstep model config.
+
+Supported architectures (``config.json``'s ``architectures[0]``) and what each adds to the
+Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
+
+- ``LlamaForCausalLM`` (Llama 2/3, SmolLM2): RoPE scaling type ``llama3`` or none; no
+  ``attention_bias`` / ``mlp_bias`` (refused: they would add biases this model lacks).
+- ``MistralForCausalLM``: a ``sliding_window`` is accepted only when it covers the whole
+  sequence (``check_sliding_window``): then it changes nothing.
+- ``Qwen2ForCausalLM``: biases on the q/k/v projections.
+- ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
+
+Both folder layouts found in the wild are read: the older one keeps ``rope_theta`` and
+``rope_scaling`` at the top level, the one transformers 5 writes keeps them in
+``rope_parameters``. Anything the Llama math here does not compute (another RoPE scaling,
+another activation) is refused by name rather than approximated.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from jaxstep.errors import ConfigError
+from jaxstep.models.llama import LlamaConfig
+
+CONFIG = "config.json"
+# architecture -> (q/k/v bias whatever the config says, per-head q/k RMSNorm)
+ARCHITECTURES = {
+  "LlamaForCausalLM": (False, False),
+  "MistralForCausalLM": (False, False),
+  "Qwen2ForCausalLM": (True, False),
+  "Qwen3ForCausalLM": (False, True),
+}
+ROPE_TYPES = ("default", "llama3")
+
+
+def read_config(folder: str | pathlib.Path) -> dict:
+  """``config.json`` of a local model folder, as a dict; ``ConfigError`` when it is missing
+  or not a JSON object."""
+  path = pathlib.Path(folder) / CONFIG
+  if not path.is_file():
+    raise ConfigError(
+      f"{folder} has no {CONFIG}: give a local Hugging Face model folder (config.json, "
+      f"model.safetensors, tokenizer files)"
+    )
+  try:
+    hf = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ConfigError(f"{path} cannot be read as JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+  return hf
+
+
+def architecture(hf: dict, where: str = CONFIG) -> str:
+  """The supported architecture ``hf`` names, else ``ConfigError`` listing the supported."""
+  names = hf.get("architectures") or []
+  name = names[0] if isinstance(names, list) and names else None
+  if name not in ARCHITECTURES:
+    raise ConfigError(
+      f"{where}: architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+    )
+  return name
+
+
+def _get(hf: dict, key: str, where: str, default=None):
+  value = hf.get(key, default)
+  if value is None:
+    raise ConfigError(f"{where} has no {key!r}")
+  return value
+
+
+def rope_settings(hf: dict, where: str = CONFIG) -> tuple[float, tuple | None]:
+  """``(theta, llama3 scaling or None)`` from either layout: ``rope_parameters`` (current
+  transformers) or ``rope_theta`` + ``rope_scaling`` (older folders)."""
+  params = hf.get("rope_parameters")
+  if isinstance(params, dict):
+    theta, scaling = params.get("rope_theta", hf.get("rope_theta", 10000.0)), params
+  else:
+    theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+  if not scaling:
+    return float(theta), None
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind not in ROPE_TYPES:
+    raise ConfigError(
+      f"{where}: rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+    )
+  if kind == "default":
+    return float(theta), None
+  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+  missing = [k for k in keys if k not in scaling]
+  if missing:
+    raise ConfigError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
+  return float(theta), tuple((k, float(scaling[k])) for k in keys)
+
+
+def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig:
+  """The ``LlamaConfig`` of a supported ``config.json``; ``options`` set what the folder
+  does not decide (``attention``, ``remat``, ``scan_layers``, ``max_seq_len``, ``dropout``)."""
+  name = architecture(hf, where)
+  forced_bias, qk_norm = ARCHITECTURES[name]
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the Llama MLP is SwiGLU)")
+  for key in ("mlp_bias", "attention_bias") if not forced_bias else ("mlp_bias",):
+    if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
+      raise ConfigError(f"{where}: {key}=true is not supported for {name}")
+  d_model = int(_get(hf, "hidden_size", where))
+  n_heads = int(_get(hf, "num_attention_heads", where))
+  theta, scaling = rope_settings(hf, where)
+  fields = {
+    "vocab_size": int(_get(hf, "vocab_size", where)),
+    "max_seq_len": int(hf.get("max_position_embeddings") or 2048),
+    "d_model": d_model,
+    "n_layers": int(_get(hf, "num_hidden_layers", where)),
+    "n_heads": n_heads,
+    "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+    "head_dim": int(hf.get("head_dim") or d_model // n_heads),
+    "intermediate_size": int(_get(hf, "intermediate_size", where)),
+    "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    "rope_theta": theta,
+    "rope_scaling": scaling,
+    "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    "attention_bias": forced_bias,
+    "qk_norm": qk_norm,
+  }
+  return LlamaConfig(**{**fields, **options})
+
+
+def check_sliding_window(hf: dict, seq_len: int, where: str = CONFIG) -> None:
+  """A sliding window shorter than the sequences would mask what this attention sees:
+  refused rather than ignored (a window at least ``seq_len`` long changes nothing)."""
+  window = hf.get("sliding_window")
+  uses = hf.get("use_sliding_window", window is not None)
+  if window is not None and uses and int(window) < seq_len:
+    raise ConfigError(
+      f"{where}: sliding_window {window} is shorter than the sequence length {seq_len}; "
+      f"sliding-window attention is not implemented: use train.seq_len <= {window}"
+    )

@@ -1,0 +1,146 @@
+"""A Hugging Face model folder's weights (``model.safetensors`` or a sharded
+``model.safetensors.index.json``) as jaxstep params, read with ``safetensors`` into numpy
+(bf16 through ``ml_dtypes``; no torch).
+
+Names map one to one (``hf_name``): ``model.layers.{i}.self_attn.q_proj.weight`` is
+``params["blocks"][i]["q_proj"]["kernel"]``, transposed, since PyTorch's ``Linear`` stores
+``[out, in]`` and flax's ``[in, out]``; norms' ``weight`` is ``scale``; a tied model has no
+``lm_head.weight``. Tensors are read one at a time from the memory-mapped files and each is
+handed to ``place`` (e.g. ``jax.device_put`` onto its target sharding) before the next is
+read, so host memory holds about one tensor beyond what ``place`` keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from jaxstep.errors import ConfigError
+from jaxstep.models.llama import LlamaConfig
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+# Buffers some older checkpoints carry that are recomputed here, not parameters.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
+  """``{tensor name: file}`` of the folder's safetensors weights (one file or sharded)."""
+  from safetensors import safe_open
+
+  folder = pathlib.Path(folder)
+  if (folder / INDEX).is_file():
+    try:
+      weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"{folder / INDEX} cannot be read ({e})") from None
+    files = {name: folder / file for name, file in weight_map.items()}
+    missing = sorted({str(f) for f in files.values() if not f.is_file()})
+    if missing:
+      raise ConfigError(f"{folder / INDEX} names missing files: {', '.join(missing[:3])}")
+    return files
+  if (folder / SINGLE).is_file():
+    with safe_open(str(folder / SINGLE), framework="np") as f:
+      return dict.fromkeys(f.keys(), folder / SINGLE)
+  raise ConfigError(
+    f"{folder} has no {SINGLE} or {INDEX}: only safetensors weights are read (convert "
+    f"PyTorch .bin weights with transformers' save_pretrained)"
+  )
+
+
+def hf_names(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
+  """``(params path, HF tensor name, transposed)`` for every parameter of ``cfg``'s model in
+  the per-block layout."""
+  yield ("embed_tokens", "embedding"), "model.embed_tokens.weight", False
+  for i in range(cfg.n_layers):
+    hf, ours = f"model.layers.{i}.", ("blocks", i)
+    yield (*ours, "input_layernorm", "scale"), f"{hf}input_layernorm.weight", False
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      yield (*ours, p, "kernel"), f"{hf}self_attn.{p}.weight", True
+      if cfg.attention_bias and p != "o_proj":
+        yield (*ours, p, "bias"), f"{hf}self_attn.{p}.bias", False
+    if cfg.qk_norm:
+      for p in ("q_norm", "k_norm"):
+        yield (*ours, p, "scale"), f"{hf}self_attn.{p}.weight", False
+    post = "post_attention_layernorm"
+    yield (*ours, post, "scale"), f"{hf}{post}.weight", False
+    for p in ("gate_proj", "up_proj", "down_proj"):
+      yield (*ours, p, "kernel"), f"{hf}mlp.{p}.weight", True
+  yield ("norm", "scale"), "model.norm.weight", False
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", True
+
+
+def _expected_shapes(cfg: LlamaConfig) -> dict[tuple, tuple]:
+  """Each params path's shape, from the model built abstractly (nothing allocated)."""
+  import jax
+
+  from jaxstep import models
+
+  _, params = models.build(cfg, 0, abstract=True)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {tuple(_key(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _key(entry):
+  return getattr(entry, "key", getattr(entry, "idx", entry))
+
+
+def read_params(
+  folder: str | pathlib.Path,
+  cfg: LlamaConfig,
+  *,
+  dtype=np.float32,
+  place: Callable[[tuple, np.ndarray], object] | None = None,
+) -> dict:
+  """The params of ``cfg``'s model (per-block layout) from the folder's weights, each tensor
+  cast to ``dtype`` and passed through ``place(path, array)`` (default: kept as numpy).
+
+  Raises:
+    ConfigError: a tensor is missing or has another shape (named, with both shapes).
+  """
+  from safetensors import safe_open
+
+  folder = pathlib.Path(folder)
+  files = weight_files(folder)
+  shapes = _expected_shapes(cfg)
+  wanted = list(hf_names(cfg))
+  missing = [name for _, name, _ in wanted if name not in files]
+  if missing:
+    raise ConfigError(
+      f"{folder}: the weights lack {len(missing)} tensor(s) this config needs, e.g. "
+      f"{', '.join(missing[:3])}"
+    )
+  params: dict = {}
+  by_file: dict[pathlib.Path, list] = {}
+  for path, name, transposed in wanted:
+    by_file.setdefault(files[name], []).append((path, name, transposed))
+  for file, entries in by_file.items():
+    with safe_open(str(file), framework="np") as f:
+      for path, name, transposed in entries:
+        array = f.get_tensor(name)
+        needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
+        if tuple(array.shape) != needed:
+          raise ConfigError(
+            f"{file.name}: tensor {name} has shape {tuple(array.shape)}, config.json needs {needed}"
+          )
+        array = np.ascontiguousarray(array.T if transposed else array, dtype=dtype)
+        _set(params, path, place(path, array) if place else array)
+  return params
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def unused_tensors(folder: str | pathlib.Path, cfg: LlamaConfig) -> list[str]:
+  """Tensors in the folder that no parameter of ``cfg`` takes (known buffers left out)."""
+  used = {name for _, name, _ in hf_names(cfg)}
+  return sorted(
+    n for n in weight_files(folder) if n not in used and not n.endswith(IGNORED_SUFFIXES)
+  )

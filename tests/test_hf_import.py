@@ -1,0 +1,155 @@
+"""Hugging Face model folders in: ``config.json`` → a Llama-family config, safetensors →
+params, checked against transformers' own forward pass on tiny random models saved locally
+(nothing is downloaded)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxstep import models
+from jaxstep.errors import ConfigError
+from jaxstep.models import hf_config, hf_weights
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {
+  "vocab_size": 96,
+  "hidden_size": 32,
+  "intermediate_size": 48,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "max_position_embeddings": 64,
+}
+FAMILIES = {
+  "llama": ("LlamaConfig", {}),
+  "llama3-scaled": (
+    "LlamaConfig",
+    {
+      "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+      }
+    },
+  ),
+  "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+  "mistral": ("MistralConfig", {"sliding_window": None}),
+  "qwen2": ("Qwen2Config", {}),
+  "qwen3": ("Qwen3Config", {"head_dim": 12}),
+}
+
+
+def save_tiny(folder, family: str, dtype=torch.float32, **save_kwargs):
+  """A random model of ``family`` saved with ``save_pretrained``; every weight (norms
+  included, which start at one) drawn at random. Returns the torch model."""
+  name, extra = FAMILIES[family]
+  cfg = getattr(transformers, name)(**SHAPE, **extra)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  model = model.to(dtype).eval()
+  model.save_pretrained(folder, **save_kwargs)
+  return model
+
+
+def imported_logits(folder, ids: np.ndarray) -> np.ndarray:
+  cfg = hf_config.model_config(hf_config.read_config(folder), attention="xla")
+  apply_fn, _ = models.build(cfg, 0, abstract=True)
+  params = hf_weights.read_params(folder, cfg)
+  return np.asarray(apply_fn(params, ids))
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model.float()(torch.tensor(ids)).logits.numpy()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_imported_logits_equal_transformers(tmp_path, family):
+  model = save_tiny(tmp_path, family)
+  ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(3, 12))
+  np.testing.assert_allclose(imported_logits(tmp_path, ids), torch_logits(model, ids), atol=1e-4)
+
+
+def test_a_sharded_bf16_folder_reads_the_same_values(tmp_path):
+  model = save_tiny(tmp_path, "qwen3", dtype=torch.bfloat16, max_shard_size="20KB")
+  assert (tmp_path / hf_weights.INDEX).is_file()
+  ids = np.arange(24).reshape(2, 12) % SHAPE["vocab_size"]
+  np.testing.assert_allclose(imported_logits(tmp_path, ids), torch_logits(model, ids), atol=1e-4)
+
+
+def test_the_older_folder_layout_reads_the_same(tmp_path):
+  """``rope_theta`` / ``rope_scaling`` at the top level, as transformers 4 wrote them."""
+  save_tiny(tmp_path, "llama3-scaled")
+  new = hf_config.read_config(tmp_path)
+  old = {k: v for k, v in new.items() if k != "rope_parameters"}
+  scaling = dict(new["rope_parameters"])
+  old["rope_theta"] = scaling.pop("rope_theta")
+  old["rope_scaling"] = scaling
+  assert hf_config.model_config(old) == hf_config.model_config(new)
+  assert hf_config.model_config(new).rope_theta == 500000.0
+
+
+def test_a_folder_without_config_json_names_what_to_give(tmp_path):
+  with pytest.raises(ConfigError, match="has no config.json"):
+    hf_config.read_config(tmp_path)
+
+
+def test_an_unsupported_architecture_lists_the_supported():
+  with pytest.raises(ConfigError, match="'GemmaForCausalLM' is not supported; supported: Llama"):
+    hf_config.model_config({**SHAPE, "architectures": ["GemmaForCausalLM"]})
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "linear"])
+def test_an_unsupported_rope_scaling_is_named(kind):
+  hf = {**SHAPE, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": kind}}
+  with pytest.raises(ConfigError, match=f"rope scaling type '{kind}' is not supported"):
+    hf_config.model_config(hf)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused():
+  hf = {"sliding_window": 8}
+  hf_config.check_sliding_window(hf, 8)
+  with pytest.raises(ConfigError, match="sliding_window 8 is shorter than the sequence length"):
+    hf_config.check_sliding_window(hf, 16)
+
+
+def test_a_missing_or_misshaped_tensor_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  save_tiny(tmp_path, "llama")
+  cfg = hf_config.model_config(hf_config.read_config(tmp_path))
+  tensors = load_file(tmp_path / hf_weights.SINGLE)
+  name = "model.layers.1.mlp.up_proj.weight"
+  save_file({k: v for k, v in tensors.items() if k != name}, tmp_path / hf_weights.SINGLE)
+  with pytest.raises(ConfigError, match=f"lack 1 tensor.*{name}"):
+    hf_weights.read_params(tmp_path, cfg)
+  tensors[name] = tensors[name][:, :-1]
+  save_file(tensors, tmp_path / hf_weights.SINGLE)
+  shapes = r"has shape \(48, 31\), config.json needs \(48, 32\)"
+  with pytest.raises(ConfigError, match=rf"tensor {name} {shapes}"):
+    hf_weights.read_params(tmp_path, cfg)
+
+
+def test_every_tensor_of_the_folder_is_used(tmp_path):
+  for family in ("qwen2", "qwen3", "llama-tied"):
+    save_tiny(tmp_path / family, family)
+    cfg = hf_config.model_config(hf_config.read_config(tmp_path / family))
+    assert hf_weights.unused_tensors(tmp_path / family, cfg) == []
+    saved = json.loads((tmp_path / family / "config.json").read_text())
+    assert saved["architectures"][0] in hf_config.ARCHITECTURES
+
+
+@pytest.mark.parametrize("key", ["attention_bias", "mlp_bias"])
+def test_llama_biases_this_model_lacks_are_refused(key):
+  hf = {**SHAPE, "architectures": ["LlamaForCausalLM"], key: True}
+  with pytest.raises(ConfigError, match=f"{key}=true is not supported for LlamaForCausalLM"):
+    hf_config.model_config(hf)
