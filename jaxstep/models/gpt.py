@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.errors import BatchError, ConfigError
+from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers
 from jaxstep.models.cpu_kernels import LayerNorm, dense_dot_general
+from jaxstep.models.stack import DecoderStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Block(nnx.Module):
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 
-class GPT(nnx.Module):
+class GPT(DecoderStack):
   """Token + position embeddings → blocks → final LN → logits ``[B, S, vocab]``."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
@@ -157,60 +158,15 @@ class GPT(nnx.Module):
     )
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def __call__(
-    self, inputs: jax.Array, *, rng: jax.Array | None = None, train: bool = False
-  ) -> jax.Array:
-    s, n = inputs.shape[1], self.cfg.n_layers
-    if s > self.cfg.max_seq_len:
-      raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-    keys = jax.random.split(rng, n + 1) if rng is not None else None
-    x = self.embed(inputs) + self.pos_embed(jnp.arange(s))[None]
-    x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
-    x = layers.walk(
-      self.blocks,
-      x,
-      None if keys is None else keys[1:],
-      scanned=self.cfg.scan_layers,
-      remat=self.cfg.remat,
-      train=train,
-    )
-    return self._logits(x)
+  def _embed(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    return self.embed(inputs) + self.pos_embed(positions)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.ln_f(x)
     return self.embed.attend(x) if self.head is None else self.head(x)
 
-  def _block_list(self) -> list[Block]:
-    if self.cfg.scan_layers:
-      return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
-    return list(self.blocks)
-
-  def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
-    """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the
-    keys ``[batch, heads, head_dim, length]`` and values ``[batch, heads, length, head_dim]``."""
-    if length > self.cfg.max_seq_len:
-      raise BatchError(f"cache length {length} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-    h, dh = self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
-    return tuple(
-      (jnp.zeros((batch, h, dh, length), dtype), jnp.zeros((batch, h, length, dh), dtype))
-      for _ in range(self.cfg.n_layers)
-    )
-
-  def decode(
-    self, inputs: jax.Array, positions: jax.Array, cache: tuple
-  ) -> tuple[jax.Array, tuple]:
-    """Logits ``[B, S, vocab]`` for ``inputs [B, S]`` at ``positions [B, S]`` (each row its
-    own), attending to every cached position ``<=`` the query's; returns the cache with
-    this call's keys and values written. Prefill is one call with the prompts (positions
-    ``0 … S-1``), each decode step one call with ``S = 1``. No dropout. A position written
-    here and later re-written (a shorter prompt's padding) is never seen before that: a
-    query sees only positions up to its own."""
-    x = self.embed(inputs) + self.pos_embed(positions)
-    new_cache = []
-    for block, layer_cache in zip(self._block_list(), cache, strict=True):
-      x, layer_cache = block.decode(x, layer_cache, positions)
-      new_cache.append(layer_cache)
-    return self._logits(x), tuple(new_cache)
+  def _cache_heads(self) -> tuple[int, int]:
+    return self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
 
 
 def attention_over_cache(q, kt, v, positions):

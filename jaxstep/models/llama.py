@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.errors import BatchError, ConfigError
+from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers
 from jaxstep.models.gpt import platform_kernels
 from jaxstep.models.llama_parts import (
@@ -38,6 +38,7 @@ from jaxstep.models.llama_parts import (
   rope_scaling_of,
   rope_tables,
 )
+from jaxstep.models.stack import DecoderStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +200,7 @@ class LlamaBlock(nnx.Module):
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 
-class Llama(nnx.Module):
+class Llama(DecoderStack):
   """Token embeddings → blocks → final RMSNorm → logits ``[B, S, vocab]``."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
@@ -217,56 +218,15 @@ class Llama(nnx.Module):
     )
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def __call__(
-    self, inputs: jax.Array, *, rng: jax.Array | None = None, train: bool = False
-  ) -> jax.Array:
-    s, n = inputs.shape[1], self.cfg.n_layers
-    if s > self.cfg.max_seq_len:
-      raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-    keys = jax.random.split(rng, n + 1) if rng is not None else None
-    x = self.embed_tokens(inputs)
-    x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
-    x = layers.walk(
-      self.blocks,
-      x,
-      None if keys is None else keys[1:],
-      scanned=self.cfg.scan_layers,
-      remat=self.cfg.remat,
-      train=train,
-    )
-    return self._logits(x)
+  def _embed(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    del positions  # rotary: the blocks turn q and k by the positions
+    return self.embed_tokens(inputs)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.norm(x)
     return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
 
-  def _block_list(self) -> list[LlamaBlock]:
-    if self.cfg.scan_layers:
-      return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
-    return list(self.blocks)
-
-  def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
-    """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the
-    keys ``[batch, n_kv_heads, head_dim, length]`` and values ``[batch, n_kv_heads,
-    length, head_dim]``."""
-    if length > self.cfg.max_seq_len:
-      raise BatchError(f"cache length {length} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-    kv, dh = self.cfg.resolved_kv_heads, self.cfg.resolved_head_dim
-    return tuple(
-      (jnp.zeros((batch, kv, dh, length), dtype), jnp.zeros((batch, kv, length, dh), dtype))
-      for _ in range(self.cfg.n_layers)
-    )
-
-  def decode(
-    self, inputs: jax.Array, positions: jax.Array, cache: tuple
-  ) -> tuple[jax.Array, tuple]:
-    """Logits ``[B, S, vocab]`` for ``inputs [B, S]`` at ``positions [B, S]`` (each row its
-    own: the rotary angles and the visible cache slots follow them), and the cache with
-    this call's keys and values written; as ``GPT.decode`` (prefill, then ``S = 1`` steps;
-    no dropout)."""
-    x = self.embed_tokens(inputs)
-    new_cache = []
-    for block, layer_cache in zip(self._block_list(), cache, strict=True):
-      x, layer_cache = block.decode(x, layer_cache, positions)
-      new_cache.append(layer_cache)
-    return self._logits(x), tuple(new_cache)
+  def _cache_heads(self) -> tuple[int, int]:
+    """The cache holds ``n_kv_heads`` heads: grouped-query attention's saving carries over
+    to generation (each group of query heads reads its key/value head)."""
+    return self.cfg.resolved_kv_heads, self.cfg.resolved_head_dim

@@ -1,0 +1,76 @@
+"""What the bundled GPT and the Llama family share around their blocks: the training
+forward pass and the forward pass over a key/value cache.
+
+A subclass sets ``cfg`` (with ``n_layers``, ``max_seq_len``, ``scan_layers``, ``remat``),
+``blocks`` (a list, or one stacked module: ``layers.py``) and ``dropout``, and defines
+``_embed(inputs, positions)``, ``_logits(x)`` and ``_cache_heads()``; each block has
+``__call__(x, rng=, train=)`` and ``decode(x, cache, positions)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxstep.errors import BatchError
+from jaxstep.models import layers
+
+
+class DecoderStack(nnx.Module):
+  """Embeddings → blocks → logits ``[B, S, vocab]``, with or without a key/value cache."""
+
+  def __call__(
+    self, inputs: jax.Array, *, rng: jax.Array | None = None, train: bool = False
+  ) -> jax.Array:
+    """Logits of ``inputs [B, S]`` at positions ``0 … S-1``; dropout (one key per block
+    and one for the embeddings, split from ``rng``) only when ``train``."""
+    s, n = inputs.shape[1], self.cfg.n_layers
+    if s > self.cfg.max_seq_len:
+      raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+    keys = jax.random.split(rng, n + 1) if rng is not None else None
+    x = self._embed(inputs, jnp.arange(s))
+    x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
+    x = layers.walk(
+      self.blocks,
+      x,
+      None if keys is None else keys[1:],
+      scanned=self.cfg.scan_layers,
+      remat=self.cfg.remat,
+      train=train,
+    )
+    return self._logits(x)
+
+  def _block_list(self) -> list[nnx.Module]:
+    if self.cfg.scan_layers:
+      return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
+    return list(self.blocks)
+
+  def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
+    """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the
+    keys ``[batch, heads, head_dim, length]`` (transposed, so both attention dots read the
+    cache as it lies) and values ``[batch, heads, length, head_dim]``, with ``heads`` and
+    ``head_dim`` as the model's ``_cache_heads()`` says."""
+    if length > self.cfg.max_seq_len:
+      raise BatchError(f"cache length {length} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+    h, dh = self._cache_heads()
+    return tuple(
+      (jnp.zeros((batch, h, dh, length), dtype), jnp.zeros((batch, h, length, dh), dtype))
+      for _ in range(self.cfg.n_layers)
+    )
+
+  def decode(
+    self, inputs: jax.Array, positions: jax.Array, cache: tuple
+  ) -> tuple[jax.Array, tuple]:
+    """Logits ``[B, S, vocab]`` for ``inputs [B, S]`` at ``positions [B, S]`` (each row its
+    own), attending to every cached position ``<=`` the query's; returns the cache with
+    this call's keys and values written. Prefill is one call with the prompts (positions
+    ``0 … S-1``), each decode step one call with ``S = 1``. No dropout. A position written
+    here and later re-written (a shorter prompt's padding) is never seen before that: a
+    query sees only positions up to its own."""
+    x = self._embed(inputs, positions)
+    new_cache = []
+    for block, layer_cache in zip(self._block_list(), cache, strict=True):
+      x, layer_cache = block.decode(x, layer_cache, positions)
+      new_cache.append(layer_cache)
+    return self._logits(x), tuple(new_cache)
