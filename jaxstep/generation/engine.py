@@ -44,7 +44,7 @@ class Generator:
   """Generates continuations of text prompts from a model's params and its tokenizer.
 
   Args:
-    model: a ``GPTConfig`` (the bundled GPT, with a key/value cache) or any
+    model: a ``GPTConfig`` or ``LlamaConfig`` (decoded over a key/value cache) or any
       ``apply_fn(params, tokens [B, S]) -> logits [B, S, V]`` (full recompute per token;
       then ``max_seq_len`` is required).
     params: the model's params (e.g. ``state.params``).
@@ -67,7 +67,7 @@ class Generator:
     dtype=jnp.float32,
     use_cache: bool = True,
   ):
-    if isinstance(model, models.GPTConfig):
+    if isinstance(model, models.GPTConfig | models.LlamaConfig):
       dec = models.decoder(model)
       self._apply, self._decode = dec.apply_fn, (dec if use_cache else None)
       self.max_seq_len, vocab = model.max_seq_len, model.vocab_size
@@ -77,7 +77,9 @@ class Generator:
       self._apply, self._decode = model, None
       self.max_seq_len, vocab = max_seq_len, None
     else:
-      raise ConfigError(f"model must be a GPTConfig or an apply_fn, got {type(model).__name__}")
+      raise ConfigError(
+        f"model must be a GPTConfig, a LlamaConfig or an apply_fn, got {type(model).__name__}"
+      )
     self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
     self._vocab = vocab
     self._cache_model = model if self._decode is not None else None
@@ -279,13 +281,14 @@ def generation_bytes(rows, prefill, width, vocab, itemsize=4, cache_model=None) 
     rows × (4·W          the int32 token buffer
             + 4·V        the fp32 next-token logits
             + P·V·b      the prefill's logits (W·V·b: the whole buffer, without a cache)
-            + 2·L·W·D·b) the key/value cache (L blocks, keys and values, heads × head_dim = D)
+            + 2·L·W·C·b) the key/value cache (L blocks, keys and values; C = cached heads ×
+                         head_dim: ``kv_cache_width``)
 
-  ``cache_model``: the ``GPTConfig`` whose cache the loop keeps (None: no cache)."""
+  ``cache_model``: the model config whose cache the loop keeps (None: no cache)."""
   per_row = 4 * width + 4 * vocab
   if cache_model is None:
     return rows * (per_row + width * vocab * itemsize)
-  cache = 2 * cache_model.n_layers * width * cache_model.d_model * itemsize
+  cache = 2 * cache_model.n_layers * width * cache_model.kv_cache_width * itemsize
   return rows * (per_row + prefill * vocab * itemsize + cache)
 
 

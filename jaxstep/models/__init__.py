@@ -3,7 +3,9 @@
 ``build`` makes the bundled GPT (``gpt.py``) or a Llama-family decoder (``llama.py``) from
 its config (kernels per platform: ``backends.py``; the blocks as a list or a scanned
 stack: ``layers.py``);
-``from_nnx`` and ``from_linen`` adapt your own module into a ``Model`` (``adapters.py``).
+``from_nnx`` and ``from_linen`` adapt your own module into a ``Model`` (``adapters.py``);
+Hugging Face model folders come in through ``hf_config.py`` + ``hf_weights.py`` and go out
+through ``hf_export.py``.
 """
 
 from __future__ import annotations

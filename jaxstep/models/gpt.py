@@ -74,6 +74,11 @@ class GPTConfig:
         f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {self.remat!r}"
       )
 
+  @property
+  def kv_cache_width(self) -> int:
+    """Floats per token per block in each of the key and the value cache."""
+    return self.d_model
+
   def matmul_params(self) -> int:
     """Weights that take part in a matmul per token (all blocks + the output head)."""
     d, r = self.d_model, self.mlp_ratio

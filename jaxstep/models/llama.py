@@ -98,6 +98,12 @@ class LlamaConfig:
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
 
+  @property
+  def kv_cache_width(self) -> int:
+    """Floats per token per block in each of the key and the value cache (``n_kv_heads``
+    heads: grouped-query attention's saving)."""
+    return self.resolved_kv_heads * self.resolved_head_dim
+
   def matmul_params(self) -> int:
     """Weights that take part in a matmul per token (all blocks + the output head)."""
     d, hd, kvd = (
