@@ -25,14 +25,9 @@ def imported(folder):
 
 
 def torch_grads(model, tokens: np.ndarray, mask: np.ndarray) -> dict:
-  """∂(mean NLL over the masked targets)/∂w for every named weight, as transformers'
-  own loss computes it (labels −100 where the mask is 0)."""
+  """∂(mean NLL over the masked targets)/∂w for every named weight, computed by torch."""
   model.float().train()
   model.zero_grad()
-  labels = np.where(np.concatenate([np.zeros_like(mask[:, :1]), mask], 1) > 0, tokens, -100)
-  out = model(torch.tensor(tokens[:, :-1]), labels=torch.tensor(labels[:, :-1]))
-  # transformers shifts labels itself: pass inputs and the labels of the same positions
-  del out
   logits = model(torch.tensor(tokens[:, :-1])).logits
   nll = torch.nn.functional.cross_entropy(
     logits.reshape(-1, V), torch.tensor(tokens[:, 1:]).reshape(-1), reduction="none"

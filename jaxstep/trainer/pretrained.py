@@ -1,0 +1,109 @@
+"""A local Hugging Face model folder as one object: its model config, its params (each
+tensor placed where you want it as it is read), its tokenizer with the folder's own special
+ids, its chat template and its ``config.json``; and back out with ``save``.
+
+Nothing is downloaded and torch is never imported: ``config.json`` is read by
+``models.hf_config``, the safetensors weights by ``models.hf_weights`` (numpy, bf16 through
+``ml_dtypes``), the tokenizer by ``data.hf_folder``. docs/pretrained.md has the supported
+architectures and what is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxstep.data import hf_folder
+from jaxstep.models import LlamaConfig, hf_config, hf_export, hf_weights
+
+# what a model folder holds besides its config and weights, copied along by ``save``
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer.model",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "generation_config.json",
+  "chat_template.jinja",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+  """What ``load_pretrained`` read from a folder."""
+
+  config: LlamaConfig  # the model's shape, plus the kernel options given to load_pretrained
+  params: dict  # per-block layout unless scan_layers; leaves as ``place`` returned them
+  tokenizer: object  # data.hf_folder's tokenizer: the folder's special ids, stop ids
+  chat_template: str | None  # the jinja2 template (render with data.hf_folder.render_chat)
+  hf_config: dict  # the folder's config.json, kept so an export writes what it does not know
+  architecture: str  # e.g. "LlamaForCausalLM"
+  path: pathlib.Path
+
+  def save(self, folder, params=None, *, dtype: str = "float32", **kwargs) -> pathlib.Path:
+    """``params`` (default: the ones read) as a complete Hugging Face folder: ``config.json``
+    (this folder's, updated with what jaxstep knows), safetensors weights, and this
+    folder's tokenizer, generation config and chat template files beside them, so
+    ``transformers.AutoModelForCausalLM.from_pretrained`` and its tokenizer load it as it
+    is. ``kwargs``: ``hf_export.save_pretrained``'s (``max_shard_bytes``)."""
+    out = hf_export.save_pretrained(
+      folder,
+      self.config,
+      self.params if params is None else params,
+      architecture=self.architecture,
+      dtype=dtype,
+      base_config=self.hf_config,
+      **kwargs,
+    )
+    for name in TOKENIZER_FILES:
+      if (self.path / name).is_file() and self.path.resolve() != out.resolve():
+        shutil.copy2(self.path / name, out / name)
+    return out
+
+
+def load_pretrained(
+  path: str | pathlib.Path,
+  *,
+  dtype=np.float32,
+  place: Callable[[tuple, np.ndarray], object] | None = None,
+  **model_options,
+) -> Pretrained:
+  """Reads a local Hugging Face model folder (``config.json``, ``model.safetensors`` or a
+  sharded index, ``tokenizer.json`` or ``tokenizer.model`` with ``tokenizer_config.json``).
+
+  Args:
+    path: the folder.
+    dtype: the params' dtype on the host (fp32 masters by default; the folder's bf16 is
+      widened exactly).
+    place: ``(params path, numpy array) -> leaf``, called per tensor as it is read (e.g.
+      ``jax.device_put`` onto the leaf's sharding), so a model that only fits sharded never
+      sits whole on one device; default: numpy arrays.
+    **model_options: model settings the folder does not decide: ``attention``, ``remat``,
+      ``scan_layers`` (the params are then stacked), ``max_seq_len``, ``dropout``.
+
+  Raises:
+    ConfigError: no ``config.json``, an unsupported architecture or setting (named), a
+      missing or mis-shaped tensor (named). DataError: the tokenizer files.
+  """
+  path = pathlib.Path(path)
+  hf, where = hf_config.read_config(path), str(path / hf_config.CONFIG)
+  arch = hf_config.architecture(hf, where)
+  scanned = model_options.pop("scan_layers", False)  # read per block, then stacked
+  per_block = hf_config.model_config(hf, where, **model_options)
+  params = hf_weights.read_params(path, per_block, dtype=dtype, place=place)
+  if scanned:
+    from jaxstep.models import layers
+
+    params = layers.convert_layout(params, scan_layers=True)
+  return Pretrained(
+    config=dataclasses.replace(per_block, scan_layers=scanned),
+    params=params,
+    tokenizer=hf_folder.folder_tokenizer(path),
+    chat_template=hf_folder.chat_template(path),
+    hf_config=hf,
+    architecture=arch,
+    path=path,
+  )

@@ -1,0 +1,90 @@
+"""``jaxstep.load_pretrained``: a whole local model folder (config, weights, tokenizer, chat
+template) in one call, and ``Pretrained.save`` back out."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from test_hf_folder import CHATML_TEMPLATE, MESSAGES, tokenizer_files  # noqa: F401 - fixture
+from test_hf_import import SHAPE
+
+import jaxstep
+from jaxstep import models
+from jaxstep.data import hf_folder
+from jaxstep.errors import ConfigError
+from jaxstep.models import layers
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
+  """A tiny random Qwen3 with a ChatML-style tokenizer folder (vocabulary 320)."""
+  cfg = transformers.Qwen3Config(**{**SHAPE, "vocab_size": 320, "head_dim": 8})
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  model.eval().save_pretrained(tmp_path / "qwen")
+  shutil.copy(tokenizer_files["plain"], tmp_path / "qwen" / "tokenizer.json")
+  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+  (tmp_path / "qwen" / "tokenizer_config.json").write_text(json.dumps(specials))
+  (tmp_path / "qwen" / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+  return tmp_path / "qwen", model
+
+
+def test_one_call_reads_the_model_its_tokenizer_and_its_template(folder):
+  path, model = folder
+  got = jaxstep.load_pretrained(path, attention="xla", max_seq_len=256)
+  assert got.architecture == "Qwen3ForCausalLM" and got.config.qk_norm
+  assert got.config.max_seq_len == 256  # an option the folder does not decide
+  tok = got.tokenizer
+  assert tok.stop_ids[0] == tok.EOS != tok.PAD and not tok.has_bos
+  assert got.chat_template == CHATML_TEMPLATE
+  text = hf_folder.render_chat(got.chat_template, MESSAGES, **tok.template_tokens)
+  ids = np.asarray(tok.encode(text))[None]
+  apply_fn, _ = models.build(got.config, 0, abstract=True)
+  with torch.no_grad():
+    expected = model(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(apply_fn(got.params, ids)), expected, atol=1e-4)
+
+
+def test_every_tensor_goes_through_place_and_scan_layers_stacks(folder):
+  path, _ = folder
+  placed = []
+
+  def place(where, array):
+    placed.append(where)
+    return jax.device_put(array)
+
+  flat = jaxstep.load_pretrained(path, place=place)
+  assert len(placed) == len(jax.tree.leaves(flat.params))
+  stacked = jaxstep.load_pretrained(path, scan_layers=True)
+  assert stacked.config.scan_layers and not flat.config.scan_layers
+  expected = layers.convert_layout(flat.params, scan_layers=True)
+  for a, b in zip(jax.tree.leaves(stacked.params), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_save_writes_a_folder_that_reads_back_bitwise(folder, tmp_path):
+  path, _ = folder
+  got = jaxstep.load_pretrained(path)
+  out = got.save(tmp_path / "out")
+  params = models.hf_weights.read_params(out, got.config)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  saved = json.loads((out / "config.json").read_text())
+  assert saved["architectures"] == ["Qwen3ForCausalLM"]
+  assert saved["max_position_embeddings"] == SHAPE["max_position_embeddings"]
+  again = jaxstep.load_pretrained(out)  # a whole folder: the tokenizer came along
+  assert again.chat_template == got.chat_template
+  assert again.tokenizer.describe()["folder_files"] == got.tokenizer.describe()["folder_files"]
+
+
+def test_a_folder_that_is_not_a_model_is_one_clear_error(tmp_path):
+  with pytest.raises(ConfigError, match="has no config.json"):
+    jaxstep.load_pretrained(tmp_path)
