@@ -88,3 +88,22 @@ def test_save_writes_a_folder_that_reads_back_bitwise(folder, tmp_path):
 def test_a_folder_that_is_not_a_model_is_one_clear_error(tmp_path):
   with pytest.raises(ConfigError, match="has no config.json"):
     jaxstep.load_pretrained(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_python_block_of_docs_pretrained_runs_as_written(folder, tmp_path):
+  """docs/pretrained.md's walkthrough on a tiny folder: chat, one exact update, export."""
+  import pathlib
+  import re
+  import subprocess
+  import sys
+
+  doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "pretrained.md"
+  (block,) = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+  script = tmp_path / "walkthrough.py"
+  header = f"MODEL = {str(folder[0])!r}\nEXPORT = {str(tmp_path / 'export')!r}\n"
+  script.write_text(header + block)
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "loss " in proc.stdout and "'model.safetensors'" in proc.stdout
+  assert "'tokenizer.json'" in proc.stdout and "'chat_template.jinja'" in proc.stdout

@@ -8,8 +8,9 @@ cache (``models.decoder``) the prompt is one forward pass (prefill) and each new
 pass over a single position; any other model is run the reference way, the whole buffer
 again for every token (``use_cache=False`` forces that for the GPT too).
 
-A row stops at EOS, after ``max_new_tokens``, or when prompt + continuation fill the
-model's ``max_seq_len``; ``Sample.stop_reason`` says which. Row ``b``'s draw at step ``i``
+A row stops at a stop id (EOS, and a pretrained model folder's other ``stop_ids``), after
+``max_new_tokens``, or when prompt + continuation fill the model's ``max_seq_len``;
+``Sample.stop_reason`` says which ("eos" for any stop id). Row ``b``'s draw at step ``i``
 uses ``fold_in(fold_in(PRNGKey(seed), b), i)``, so output is a pure function of the seed,
 the row and the settings.
 """
@@ -27,7 +28,7 @@ from jaxstep import models
 from jaxstep.core import device_memory
 from jaxstep.core.precision import cast_floating
 from jaxstep.errors import ConfigError, PromptError
-from jaxstep.generation.sampling import allowed_ids, next_tokens
+from jaxstep.generation.sampling import allowed_ids, next_tokens, stop_ids
 
 STOP_REASONS = ("eos", "max_new_tokens", "max_seq_len")  # codes 1, 2, 3; 0 = still going
 
@@ -35,8 +36,8 @@ STOP_REASONS = ("eos", "max_new_tokens", "max_seq_len")  # codes 1, 2, 3; 0 = st
 @dataclasses.dataclass(frozen=True)
 class Sample:
   prompt: str
-  text: str  # the continuation only, decoded (EOS not included)
-  tokens: list[int]  # the continuation's ids (EOS included when it stopped there)
+  text: str  # the continuation only, decoded (the stop id not included)
+  tokens: list[int]  # the continuation's ids (the stop id included when it stopped there)
   stop_reason: str  # eos | max_new_tokens | max_seq_len
 
 
@@ -48,7 +49,9 @@ class Generator:
       ``apply_fn(params, tokens [B, S]) -> logits [B, S, V]`` (full recompute per token;
       then ``max_seq_len`` is required).
     params: the model's params (e.g. ``state.params``).
-    tokenizer: a ``jaxstep.data`` tokenizer (``encode``/``decode``, PAD/BOS/EOS ids).
+    tokenizer: a ``jaxstep.data`` tokenizer (``encode``/``decode``, PAD/BOS/EOS ids); a
+      model folder's also has ``stop_ids`` (each ends a row) and ``has_bos`` (whether a
+      prompt starts with BOS).
     dtype: compute dtype (params and cache are cast to it); fp32 by default.
     use_cache: False runs the GPT the reference way (the whole buffer per token).
 
@@ -83,11 +86,12 @@ class Generator:
     self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
     self._vocab = vocab
     self._cache_model = model if self._decode is not None else None
-    self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill"))
+    self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill", "stops"))
 
   def encode_prompt(self, prompt: str, index: int = 0) -> np.ndarray:
-    """``[BOS] + encode(prompt)``, as a training document starts; ``PromptError`` for an
-    empty prompt, one the tokenizer cannot encode, or one with no room left to generate."""
+    """``[BOS] + encode(prompt)``, as a training document starts (see ``_start``);
+    ``PromptError`` for an empty prompt, one the tokenizer cannot encode, or one with no
+    room left to generate."""
     if not prompt:
       raise PromptError(f"prompt {index + 1} is empty; give some text to continue")
     try:
@@ -100,13 +104,28 @@ class Generator:
         f"prompt {index + 1} has characters the tokenizer cannot encode (they become its "
         f"unknown token); remove them"
       )
-    ids = np.concatenate([[self.tokenizer.BOS], ids]).astype(np.int32)
+    start = self._start(ids)
+    ids = np.concatenate([start, ids]).astype(np.int32)
+    if not len(ids):
+      raise PromptError(f"prompt {index + 1} encodes to no tokens; give some text to continue")
     if len(ids) >= self.max_seq_len:
       raise PromptError(
-        f"prompt {index + 1} is {len(ids)} tokens with BOS; the model's max_seq_len is "
-        f"{self.max_seq_len}: shorten it to at most {self.max_seq_len - 2} tokens"
+        f"prompt {index + 1} is {len(ids)} tokens{' with BOS' if start else ''}; the model's "
+        f"max_seq_len is {self.max_seq_len}: shorten it to at most "
+        f"{self.max_seq_len - 1 - len(start)} tokens"
       )
     return ids
+
+  def _start(self, ids) -> list[int]:
+    """What goes before a prompt's ids: ``[BOS]``, or nothing when the tokenizer says its
+    model's texts start with no BOS (``has_bos`` False: Qwen) or, for a tokenizer that
+    declares ``has_bos``, when the prompt already starts with it (a rendered Llama 3 chat
+    begins with ``<|begin_of_text|>``), so that it is never doubled."""
+    if not getattr(self.tokenizer, "has_bos", True):
+      return []
+    if hasattr(self.tokenizer, "has_bos") and len(ids) and ids[0] == self.tokenizer.BOS:
+      return []
+    return [self.tokenizer.BOS]
 
   def generate(
     self,
@@ -128,10 +147,9 @@ class Generator:
       rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
       seed=seed,
     )  # fmt: skip
-    eos = self.tokenizer.EOS
     out = []
     for row, (cont, reason) in enumerate(zip(ids, reasons, strict=True)):
-      text = self.tokenizer.decode([t for t in cont if t != eos])
+      text = self.tokenizer.decode(cont[:-1] if reason == "eos" else cont)  # no stop id
       out.append(Sample(prompts[row // num_samples], text, cont, reason))
     return out
 
@@ -196,6 +214,7 @@ class Generator:
         jnp.float32(top_p),
         max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
         prefill=int(lengths.max()),
+        stops=stop_ids(self.tokenizer),
       )
     )
     ids = [tokens[r, lengths[r] : ends[r]].tolist() for r in range(len(prompts))]
@@ -207,7 +226,7 @@ class Generator:
     return self._vocab
 
   def _loop(self, params, tokens, lengths, allowed, seed, temperature, top_k, top_p, *,
-            max_new: int, prefill: int):  # fmt: skip
+            max_new: int, prefill: int, stops: tuple[int, ...]):  # fmt: skip
     """The jitted prefill + decode loop: the filled buffer, each row's end, its stop code."""
     params = cast_floating(params, self.dtype)
     rows, width = jnp.arange(tokens.shape[0]), tokens.shape[1]
@@ -225,7 +244,12 @@ class Generator:
       tokens = tokens.at[rows, at].set(jnp.where(active, nxt, tokens[rows, at]))
       pos = pos + active
       reason = jnp.select(
-        [~active, nxt == self.tokenizer.EOS, pos - lengths >= max_new, pos >= self.max_seq_len],
+        [
+          ~active,
+          jnp.isin(nxt, jnp.array(stops)),
+          pos - lengths >= max_new,
+          pos >= self.max_seq_len,
+        ],
         [reason, 1, 2, 3],
         0,
       )

@@ -4,7 +4,7 @@ ids, its chat template and its ``config.json``; and back out with ``save``.
 
 Nothing is downloaded and torch is never imported: ``config.json`` is read by
 ``models.hf_config``, the safetensors weights by ``models.hf_weights`` (numpy, bf16 through
-``ml_dtypes``), the tokenizer by ``data.hf_folder``. docs/pretrained.md has the supported
+``ml_dtypes``), the tokenizer by ``jaxstep.data.hf_folder``. docs/pretrained.md has the supported
 architectures and what is refused.
 """
 
@@ -37,8 +37,8 @@ class Pretrained:
 
   config: LlamaConfig  # the model's shape, plus the kernel options given to load_pretrained
   params: dict  # per-block layout unless scan_layers; leaves as ``place`` returned them
-  tokenizer: object  # data.hf_folder's tokenizer: the folder's special ids, stop ids
-  chat_template: str | None  # the jinja2 template (render with data.hf_folder.render_chat)
+  tokenizer: object  # jaxstep.data.hf_folder's tokenizer: the folder's special ids, stop ids
+  chat_template: str | None  # the jinja2 template (render with jaxstep.data.hf_folder.render_chat)
   hf_config: dict  # the folder's config.json, kept so an export writes what it does not know
   architecture: str  # e.g. "LlamaForCausalLM"
   path: pathlib.Path

@@ -40,15 +40,16 @@ def check_prompts(model_cfg, tokenizer, train_cfg) -> None:
 
 def _check_length(tokenizer, prompt: str, index: int, max_seq_len: int) -> None:
   """Refuses prompt ``index`` when ``[BOS] + prompt`` leaves no position to generate into."""
+  bos = 1 if getattr(tokenizer, "has_bos", True) else 0  # a folder's model may start bare
   try:
-    tokens = 1 + len(tokenizer.encode(prompt))
+    tokens = bos + len(tokenizer.encode(prompt))
   except UnicodeEncodeError:
     return  # not text at all: encode_prompt says so
   if tokens >= max_seq_len:
     raise ConfigError(
-      f"train.sample_prompts[{index}] is {tokens} tokens with BOS; model.max_seq_len "
-      f"{max_seq_len} takes prompts of at most {max_seq_len - 1} (one position is left to "
-      f"generate into): shorten it or raise model.max_seq_len"
+      f"train.sample_prompts[{index}] is {tokens} tokens{' with BOS' if bos else ''}; "
+      f"model.max_seq_len {max_seq_len} takes prompts of at most {max_seq_len - 1 - bos} "
+      f"(one position is left to generate into): shorten it or raise model.max_seq_len"
     )
 
 
