@@ -195,6 +195,9 @@ def test_sentencepiece_folder_uses_its_pieces_and_adds_none(tmp_path):
   tok = folder_tokenizer(tmp_path)
   assert (tok.BOS, tok.EOS, tok.PAD, tok.has_bos, tok.vocab_size) == (1, 2, 2, True, 50)
   assert tok.decode(tok.encode("the cat sat")) == "the cat sat"
+  rendered = tok.encode_rendered("<s>the cat</s>sat</s>").tolist()
+  assert rendered == [1, *tok.encode("the cat").tolist(), 2, *tok.encode("sat").tolist(), 2]
+  assert 2 not in tok.encode("the cat</s>").tolist()  # plain encode: text stays text
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
   with pytest.raises(DataError, match=re.escape("<|im_end|>")):
     folder_tokenizer(tmp_path)
@@ -247,6 +250,11 @@ def test_render_chat_equals_transformers_apply_chat_template(
         messages, tokenize=False, chat_template=template, add_generation_prompt=prompt
       )
       assert ours == expected
+      tokens = theirs.apply_chat_template(
+        messages, tokenize=True, chat_template=template, add_generation_prompt=prompt
+      )
+      tokens = tokens if isinstance(tokens, list) else tokens["input_ids"]
+      assert tok.encode_rendered(ours).tolist() == list(tokens)
   extra = {"meta": {"q": "<naïve & 'x'>"}}
   ours = render_chat(template, MESSAGES, **tok.template_tokens, **extra)
   assert ours == theirs.apply_chat_template(MESSAGES, tokenize=False, **extra)

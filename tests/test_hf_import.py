@@ -153,3 +153,12 @@ def test_llama_biases_this_model_lacks_are_refused(key):
   hf = {**SHAPE, "architectures": ["LlamaForCausalLM"], key: True}
   with pytest.raises(ConfigError, match=f"{key}=true is not supported for LlamaForCausalLM"):
     hf_config.model_config(hf)
+
+
+def test_a_damaged_safetensors_file_is_named(tmp_path):
+  save_tiny(tmp_path, "llama")
+  cfg = hf_config.model_config(hf_config.read_config(tmp_path))
+  weights = tmp_path / hf_weights.SINGLE
+  weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as an interrupted copy
+  with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors file"):
+    hf_weights.read_params(tmp_path, cfg)

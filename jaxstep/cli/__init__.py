@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 # command -> (module, one-line description)
 COMMANDS = {
@@ -66,29 +65,19 @@ def run(command: str, argv=None) -> int:
       signal.signal(signal.SIGINT, previous)
 
 
-STUCK_THREADS_GRACE_S = 10.0  # after the command returned, for background threads to end
-
-
 def exit_process(code: int) -> None:
   """Ends the process with ``code``, as a command's entry point does. Python waits for every
   background thread before it exits; after a failed checkpoint write, orbax's save threads
   wait up to 20 minutes for signals that never come, so a command that already reported
-  its error would hang. They get ``STUCK_THREADS_GRACE_S`` seconds, then the process ends
-  without them (everything jaxstep keeps is written and closed by then)."""
-  deadline = time.monotonic() + STUCK_THREADS_GRACE_S
-  for thread in threading.enumerate():
-    if thread is not threading.current_thread() and not thread.daemon:
-      thread.join(max(deadline - time.monotonic(), 0.0))
-  if any(
-    t.is_alive() and not t.daemon
-    for t in threading.enumerate()
-    if t is not threading.current_thread()
-  ):
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-  sys.exit(code)
+  its error would hang. A command that failed has written and closed what it keeps (the
+  error paths do that before returning), so it ends at once; a command that succeeded
+  ends as Python ends, running every exit handler."""
+  if code == 0:
+    sys.exit(0)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  logging.shutdown()
+  os._exit(code)
 
 
 def console_main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
@@ -16,7 +17,7 @@ import numpy as np
 
 from jaxstep.data import samples
 from jaxstep.data.tokenizer import Tokenizer, load_tokenizer
-from jaxstep.errors import WorkerError
+from jaxstep.errors import DataError, WorkerError
 
 # Worker processes keep their tokenizer in a global: it is loaded once per process.
 _worker_tok: Tokenizer | None = None
@@ -131,7 +132,10 @@ class _Pool:
         process.kill()
       tasks.close()
     for process, _, results in self.workers:
-      process.join()
+      process.join(timeout=30)  # a worker finishes its task, sees its pipe closed, exits
+      if process.is_alive():
+        process.kill()
+        process.join()
       results.close()
 
 
@@ -140,6 +144,7 @@ def _work(spec: str, tasks, results) -> None:
   them in as they come, so its parent never blocks sending one (while this one is blocked
   sending it a result). Ctrl-C is its parent's to handle, which stops it."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a group-wide SIGTERM: the parent stops it
   _init_worker(spec)
   inbox = queue.SimpleQueue()
   threading.Thread(target=_take_in, args=(tasks, inbox), daemon=True).start()
@@ -148,10 +153,20 @@ def _work(spec: str, tasks, results) -> None:
       try:
         answer = (True, encode(task))
       except Exception as e:  # noqa: BLE001 - raised again in the parent
-        answer = (False, e)
+        answer = (False, _portable(e))
       results.send(answer)
   except (BrokenPipeError, EOFError):
     pass  # the parent is gone
+
+
+def _portable(error: Exception) -> Exception:
+  """``error`` if it survives the pipe (pickled here, rebuilt in the parent), else a
+  ``DataError`` with its type and message, so the cause is never lost."""
+  try:
+    pickle.loads(pickle.dumps(error))
+    return error
+  except Exception:  # noqa: BLE001 - any failure to round-trip
+    return DataError(f"{type(error).__name__}: {error}")
 
 
 def _take_in(tasks, inbox) -> None:

@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import pathlib
+import re
 from collections.abc import Mapping
 from datetime import datetime
 
@@ -139,6 +140,16 @@ class FolderHFTokenizer(_FolderSpecials, HFTokenizer):
     unk = getattr(self._tok.model, "unk_token", None)
     self.unknown_id = self._tok.token_to_id(unk) if unk else None
 
+  def encode_rendered(self, text: str) -> np.ndarray:
+    """Ids of a rendered chat template (``render_chat``'s text): the special tokens written
+    in it (``<|im_start|>``, ``<|eot_id|>``, …) become their own ids, as transformers'
+    ``apply_chat_template(tokenize=True)`` gives; ``encode`` keeps such text as text."""
+    self._tok.encode_special_tokens = False
+    try:
+      return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+    finally:
+      self._tok.encode_special_tokens = True
+
   def _prepends(self, bos_id: int) -> bool:
     """Whether the post-processor starts an encoding with ``bos_id``."""
     return self._tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
@@ -160,6 +171,24 @@ class FolderSPTokenizer(_FolderSpecials, SentencePieceTokenizer):
     self.vocab_size = self._pieces = self._sp.get_piece_size()
     self._set_specials(declared, self._piece_id, lambda bos_id: True)
     self.unknown_id = self._sp.unk_id() if self._sp.unk_id() >= 0 else None
+
+  def encode_rendered(self, text: str) -> np.ndarray:
+    """Ids of a rendered chat template: each declared special token written in it (BOS,
+    EOS, PAD) becomes its id; the text between is encoded as text."""
+    specials = {t: i for t, i in self._special_strings().items() if t}
+    if not specials:
+      return self.encode(text)
+    pattern = "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")"
+    ids = []
+    for part in re.split(pattern, text):
+      ids.extend(
+        [specials[part]] if part in specials else self.encode(part).tolist() if part else []
+      )
+    return np.asarray(ids, np.int32)
+
+  def _special_strings(self) -> dict:
+    roles = {"bos_token": self.bos_id, "eos_token": self.EOS, "pad_token": self.PAD}
+    return {self.template_tokens.get(r): i for r, i in roles.items() if i is not None}
 
   def _piece_id(self, piece: str) -> int | None:
     """The piece's id, or None (SentencePiece answers the unknown id for a missing piece)."""

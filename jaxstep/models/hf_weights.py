@@ -12,13 +12,14 @@ read, so host memory holds about one tensor beyond what ``place`` keeps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, first_line
 from jaxstep.models.llama import LlamaConfig
 
 SINGLE = "model.safetensors"
@@ -29,7 +30,6 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
   """``{tensor name: file}`` of the folder's safetensors weights (one file or sharded)."""
-  from safetensors import safe_open
 
   folder = pathlib.Path(folder)
   if (folder / INDEX).is_file():
@@ -43,7 +43,7 @@ def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
       raise ConfigError(f"{folder / INDEX} names missing files: {', '.join(missing[:3])}")
     return files
   if (folder / SINGLE).is_file():
-    with safe_open(str(folder / SINGLE), framework="np") as f:
+    with _opened(folder / SINGLE) as f:
       return dict.fromkeys(f.keys(), folder / SINGLE)
   raise ConfigError(
     f"{folder} has no {SINGLE} or {INDEX}: only safetensors weights are read (convert "
@@ -102,8 +102,6 @@ def read_params(
   Raises:
     ConfigError: a tensor is missing or has another shape (named, with both shapes).
   """
-  from safetensors import safe_open
-
   folder = pathlib.Path(folder)
   files = weight_files(folder)
   shapes = _expected_shapes(cfg)
@@ -119,9 +117,9 @@ def read_params(
   for path, name, transposed in wanted:
     by_file.setdefault(files[name], []).append((path, name, transposed))
   for file, entries in by_file.items():
-    with safe_open(str(file), framework="np") as f:
+    with _opened(file) as f:
       for path, name, transposed in entries:
-        array = f.get_tensor(name)
+        array = _tensor(f, file, name)
         needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
         if tuple(array.shape) != needed:
           raise ConfigError(
@@ -130,6 +128,26 @@ def read_params(
         array = np.ascontiguousarray(array.T if transposed else array, dtype=dtype)
         _set(params, path, place(path, array) if place else array)
   return params
+
+
+@contextlib.contextmanager
+def _opened(file: pathlib.Path):
+  """``safe_open`` of ``file``; a damaged or unreadable file is a ``ConfigError`` naming it."""
+  from safetensors import safe_open
+
+  try:
+    handle = safe_open(str(file), framework="np")
+  except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+    raise ConfigError(f"{file} is not a readable safetensors file ({first_line(e)})") from None
+  with handle as f:
+    yield f
+
+
+def _tensor(f, file: pathlib.Path, name: str) -> np.ndarray:
+  try:
+    return f.get_tensor(name)
+  except Exception as e:  # noqa: BLE001 - a shard the index names may lack it, or be cut
+    raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
 
 
 def _set(tree: dict, path: tuple, value) -> None:

@@ -75,6 +75,7 @@ def _initialize_with_coordinator(
       f"mesh.process_id {process_id} must be below mesh.num_processes {num_processes}"
     )
   address = parse_coordinator(coordinator)
+  deadline = time.monotonic() + timeout  # one bound for the probe and the join together
   if process_id == 0:
     refuse_a_busy_port(address[1], coordinator)
     log.info(
@@ -92,35 +93,41 @@ def _initialize_with_coordinator(
     f"join the coordinator {coordinator}; start every process with the same "
     f"mesh.coordinator and mesh.num_processes, or raise mesh.initialization_timeout"
   )
-  with _ends_the_process_after(timeout, line):
+  left = max(deadline - time.monotonic(), 1.0)
+  with _ends_the_process_after(left, line):
     try:
       jax.distributed.initialize(
-        coordinator, num_processes, process_id, initialization_timeout=timeout + JAX_GRACE_S
+        coordinator,
+        num_processes,
+        process_id,
+        initialization_timeout=int(left) + JAX_GRACE_S,
       )
-    except Exception as e:  # noqa: BLE001 - JAX raises its runtime error for a busy port
+    except Exception as e:  # noqa: BLE001 - JAX's runtime errors: one line, not a stack
+      advice = "; choose a free port in mesh.coordinator" if process_id == 0 else ""
       raise ConfigError(
         f"process {process_id} could not start the multi-process job at {coordinator} "
-        f"({first_line(e)}); choose a free port in mesh.coordinator"
+        f"({first_line(e)}){advice}"
       ) from None
 
 
 def refuse_a_busy_port(port: int, coordinator: str) -> None:
   """``ConfigError`` if another program already listens on ``port``: process 0 serves the
   coordinator there on every interface, and JAX's runtime crashes (signal 11) on a busy
-  port instead of raising."""
+  port instead of raising. Both families are tried: an IPv6 socket may not see an IPv4
+  listener (``bindv6only``); a family this host lacks is passed over."""
   for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
     try:
       with socket.socket(family) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+          probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         probe.bind((host, port))
-      return
     except OSError as e:
       if e.errno == errno.EADDRINUSE:
         raise ConfigError(
           f"process 0 could not start the multi-process job at {coordinator} (port {port} "
           f"is in use); choose a free port in mesh.coordinator"
         ) from None
-      # no IPv6 on this host: try IPv4
 
 
 JAX_GRACE_S = 10  # JAX's own wait outlasts ours by this much, so ours ends it readably
@@ -136,10 +143,15 @@ def _ends_the_process_after(seconds: float, line: str):
   with one line that says what to check.
   """
 
+  lock, done = threading.Lock(), []
+
   def give_up():
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-    os._exit(2)
+    with lock:  # the block may have ended just now: then the process goes on
+      if done:
+        return
+      sys.stderr.write(line + "\n")
+      sys.stderr.flush()
+      os._exit(2)
 
   timer = threading.Timer(seconds, give_up)
   timer.daemon = True
@@ -147,6 +159,8 @@ def _ends_the_process_after(seconds: float, line: str):
   try:
     yield
   finally:
+    with lock:
+      done.append(True)
     timer.cancel()
 
 

@@ -91,7 +91,7 @@ def evaluate(run: Run, params) -> dict:
   sums, pending = np.zeros(3), collections.deque()
   for b in data.eval_batches(ds.eval, t.global_batch_size, ds.pad_id, t.eval_batches):
     pending.append(run.eval_fn(params, parallel.put_batch(b, run.batch_sharding)))
-    if len(pending) > EVAL_IN_FLIGHT:
+    if len(pending) >= EVAL_IN_FLIGHT:
       sums += np.asarray(jax.device_get(pending.popleft()), np.float64)
   for out in pending:
     sums += np.asarray(jax.device_get(out), np.float64)
@@ -326,6 +326,8 @@ def _removed(error: RunIOError, run_dir: pathlib.Path) -> RunIOError:
   under way may still have written its step there (orbax creates missing folders)."""
   if not run_dir.exists():
     return RunIOError(f"{error}; nothing more was written. Restore it to resume, or re-run")
+  if [p.name for p in run_dir.iterdir()] != ["checkpoints"]:
+    return RunIOError(f"{error}; another directory is there now: nothing more was written")
   rewritten = step_dirs(run_dir / "checkpoints")
   what = (
     f"update step {rewritten[0][0]}, which a re-run resumes from"

@@ -18,12 +18,16 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxstep.data import hf_folder
+from jaxstep.errors import ConfigError
 from jaxstep.models import LlamaConfig, hf_config, hf_export, hf_weights
 
 # what a model folder holds besides its config and weights, copied along by ``save``
 TOKENIZER_FILES = (
   "tokenizer.json",
   "tokenizer.model",
+  "vocab.json",
+  "merges.txt",
+  "added_tokens.json",
   "tokenizer_config.json",
   "special_tokens_map.json",
   "generation_config.json",
@@ -80,19 +84,28 @@ def load_pretrained(
       widened exactly).
     place: ``(params path, numpy array) -> leaf``, called per tensor as it is read (e.g.
       ``jax.device_put`` onto the leaf's sharding), so a model that only fits sharded never
-      sits whole on one device; default: numpy arrays.
+      sits whole on one device; default: numpy arrays. With ``scan_layers`` the per-layer
+      leaves are then stacked (each stacked leaf exists twice for a moment).
     **model_options: model settings the folder does not decide: ``attention``, ``remat``,
       ``scan_layers`` (the params are then stacked), ``max_seq_len``, ``dropout``.
 
   Raises:
     ConfigError: no ``config.json``, an unsupported architecture or setting (named), a
-      missing or mis-shaped tensor (named). DataError: the tokenizer files.
+      sliding window shorter than ``max_seq_len``, a missing, mis-shaped or unused tensor
+      (named). DataError: the tokenizer files.
   """
   path = pathlib.Path(path)
   hf, where = hf_config.read_config(path), str(path / hf_config.CONFIG)
   arch = hf_config.architecture(hf, where)
   scanned = model_options.pop("scan_layers", False)  # read per block, then stacked
   per_block = hf_config.model_config(hf, where, **model_options)
+  hf_config.check_sliding_window(hf, per_block.max_seq_len, where)
+  unused = hf_weights.unused_tensors(path, per_block)
+  if unused:
+    raise ConfigError(
+      f"{path}: {len(unused)} tensor(s) that {arch} as jaxstep builds it has no place for, "
+      f"e.g. {', '.join(unused[:3])}; loading would drop them"
+    )
   params = hf_weights.read_params(path, per_block, dtype=dtype, place=place)
   if scanned:
     from jaxstep.models import layers

@@ -85,30 +85,40 @@ def locked(run_dir: str | pathlib.Path):
     try:
       yield run_dir
     finally:
-      if created and run_dir.is_dir() and _holds_nothing(run_dir):
-        shutil.rmtree(run_dir, ignore_errors=True)
+      with contextlib.suppress(OSError):  # never hides the error on its way up
+        if created and run_dir.is_dir() and _holds_nothing(run_dir):
+          shutil.rmtree(run_dir, ignore_errors=True)
   finally:
     os.close(fd)
 
 
-def identity(run_dir: pathlib.Path) -> tuple[int, int] | None:
-  """The directory's (device, inode): tells it apart from a new one of the same name."""
+def identity(run_dir: pathlib.Path) -> int | None:
+  """The directory's inode: tells it apart from a new one of the same name (the device
+  number is left out: an automounted network filesystem may change it)."""
   try:
-    st = os.stat(run_dir)
+    return os.stat(run_dir).st_ino
   except OSError:
     return None
-  return st.st_dev, st.st_ino
 
 
 class RemovedError(RunIOError):
   """``run_dir`` was deleted (or replaced by another directory) while the run wrote to it."""
 
 
-def check_still_there(run_dir: pathlib.Path, started: tuple[int, int] | None) -> None:
+def check_still_there(run_dir: pathlib.Path, started: int | None) -> None:
   """Raises ``RemovedError`` if ``run_dir`` is no longer the directory the run started in:
   writing on would re-create it (orbax makes missing parents) as a half-run without its
-  history."""
-  if identity(run_dir) != started:
+  history. A passing error of a network filesystem (``ESTALE``, ``EIO``) is not a removal:
+  a write that really fails says so itself."""
+  if started is None:
+    return
+  try:
+    now = os.stat(run_dir).st_ino
+  except (FileNotFoundError, NotADirectoryError):
+    now = None
+  except OSError:
+    return
+  if now != started:
     raise RemovedError(f"run_dir {run_dir} was removed or replaced during the run")
 
 
