@@ -70,14 +70,21 @@ def exit_process(code: int) -> None:
   background thread before it exits; after a failed checkpoint write, orbax's save threads
   wait up to 20 minutes for signals that never come, so a command that already reported
   its error would hang. A command that failed has written and closed what it keeps (the
-  error paths do that before returning), so it ends at once; a command that succeeded
-  ends as Python ends, running every exit handler."""
-  if code == 0:
-    sys.exit(0)
+  error paths do that before returning), so it ends at once; a command that succeeded, or
+  any process of a multi-process job, ends as Python ends, running every exit handler."""
+  if code == 0 or _in_a_multi_process_job():
+    sys.exit(code)  # the job's processes leave together through JAX's shutdown barrier
   sys.stdout.flush()
   sys.stderr.flush()
   logging.shutdown()
   os._exit(code)
+
+
+def _in_a_multi_process_job() -> bool:
+  """Whether ``jax.distributed`` was started: then a process that skipped its exit handlers
+  would leave the others waiting for it at their shutdown barrier until JAX aborts them."""
+  jax = sys.modules.get("jax")
+  return jax is not None and jax.distributed.is_initialized()
 
 
 def console_main() -> None:

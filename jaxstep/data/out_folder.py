@@ -138,18 +138,22 @@ def replace(out: pathlib.Path, tmp: pathlib.Path) -> None:
 @contextlib.contextmanager
 def _signals_deferred():
   """SIGINT and SIGTERM are handled after the block (a handler that raises would stop it
-  halfway). Only the main thread runs handlers: in another one the block is not stopped."""
+  halfway). Only the main thread runs handlers: in another one the block is not stopped.
+  Only a signal with a Python handler (one that can raise) is deferred: touching one at
+  its default would drop a handler installed outside Python, which Python does not see
+  and could not put back (JAX's preemption notifier takes SIGTERM in a multi-process
+  job)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
   arrived = []
-  held = (signal.SIGINT, signal.SIGTERM)
+  held = [s for s in (signal.SIGINT, signal.SIGTERM) if callable(signal.getsignal(s))]
   previous = [signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held]
   try:
     yield
   finally:
     for s, handler in zip(held, previous, strict=True):
-      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+      signal.signal(s, handler)
     for signum in arrived:
       signal.raise_signal(signum)
 
