@@ -30,10 +30,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 from jaxstep.models import layers
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, rope_settings
-from jaxstep.models.hf_weights import INDEX, SINGLE, _expected_shapes, hf_names
+from jaxstep.models.hf_weights import INDEX, SINGLE, expected_shapes, hf_names
 from jaxstep.models.llama import LlamaConfig
 
 MODEL_TYPES = {
@@ -200,7 +201,7 @@ def tensors_of(cfg: LlamaConfig, params: dict) -> list[Tensor]:
   (nothing is gathered yet). ``params``' layout (per block or stacked) is read from the
   tree itself."""
   stacked = bool(layers.layout_of(params))
-  shapes = _expected_shapes(dataclasses.replace(cfg, scan_layers=False))
+  shapes = expected_shapes(dataclasses.replace(cfg, scan_layers=False))
   _check_leaves(params, shapes, stacked)
   out = []
   for path, name, transposed in hf_names(cfg):
@@ -262,14 +263,10 @@ def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:
 
   wanted = {tuple(map(str, _stored_path(p, stacked)[0])) for p in shapes}
   found = jax.tree_util.tree_flatten_with_path(params)[0]
-  extra = [p for p, _ in found if tuple(str(_key(k)) for k in p) not in wanted]
+  extra = [p for p, _ in found if tuple(key_name(k) for k in p) not in wanted]
   if extra:
     names = ", ".join(jax.tree_util.keystr(p) for p in extra[:3])
     raise ConfigError(f"params hold {len(extra)} leaves the config has no tensor for: {names}")
-
-
-def _key(entry):
-  return getattr(entry, "key", getattr(entry, "idx", entry))
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:

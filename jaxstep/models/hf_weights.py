@@ -74,7 +74,7 @@ def hf_names(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
     yield ("lm_head", "kernel"), "lm_head.weight", True
 
 
-def _expected_shapes(cfg: LlamaConfig) -> dict[tuple, tuple]:
+def expected_shapes(cfg: LlamaConfig) -> dict[tuple, tuple]:
   """Each params path's shape, from the model built abstractly (nothing allocated)."""
   import jax
 
@@ -104,7 +104,7 @@ def read_params(
   """
   folder = pathlib.Path(folder)
   files = weight_files(folder)
-  shapes = _expected_shapes(cfg)
+  shapes = expected_shapes(cfg)
   wanted = list(hf_names(cfg))
   missing = [name for _, name, _ in wanted if name not in files]
   if missing:
