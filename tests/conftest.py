@@ -109,6 +109,22 @@ def can_mount() -> bool:
   return os.geteuid() == 0 and shutil.which("mount") is not None
 
 
+def remount_read_only_when_free(point: pathlib.Path, timeout: float = 30.0) -> None:
+  """The kernel refuses ``remount,ro`` ("mount point is busy") while a file there is open
+  for writing, which a running save does for a moment: try again until it is free."""
+  import subprocess
+  import time
+
+  deadline = time.monotonic() + timeout
+  while True:
+    proc = subprocess.run(["mount", "-o", "remount,ro", str(point)], capture_output=True, text=True)
+    if proc.returncode == 0:
+      return
+    if time.monotonic() > deadline:
+      raise AssertionError(f"cannot remount {point} read-only: {proc.stderr}")
+    time.sleep(0.02)
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
   """A small tmpfs of its own (root only), unmounted after the test."""
@@ -126,7 +142,7 @@ def tmpfs(tmp_path):
     return point
 
   def remount_read_only(point: pathlib.Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+    remount_read_only_when_free(point)
 
   if not can_mount():
     pytest.skip("mounting a tmpfs needs root")

@@ -5,7 +5,7 @@ must end in one ``error:`` line, a documented exit code, no hang, and nothing lo
 import pathlib
 
 import pytest
-from conftest import SMALL_MODEL, can_mount, make_cfg
+from conftest import SMALL_MODEL, can_mount, make_cfg, remount_read_only_when_free
 
 from jaxstep.cli import train as train_cli
 
@@ -734,7 +734,7 @@ def test_checkpoints_that_turn_read_only_mid_run_end_in_one_line_without_hanging
   try:
     proc = _train_in_background(tmp_path, run_dir)
     _wait_for(run_dir / "checkpoints" / "5", proc)
-    subprocess.run(["mount", "-o", "remount,ro", str(run_dir / "checkpoints")], check=True)
+    remount_read_only_when_free(run_dir / "checkpoints")
     start = time.monotonic()
     _, err = proc.communicate(timeout=120)
   finally:
