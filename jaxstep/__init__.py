@@ -121,6 +121,7 @@ _LAZY = {
   "evaluate": ("jaxstep.trainer.evaluation", "evaluate"),
   "checkpoints": ("jaxstep.trainer.checkpoint", "list_checkpoints"),
   "plot": ("jaxstep.cli.plot", "plot_run"),
+  "export": ("jaxstep.trainer.export_run", "export_run"),
 }
 
 # the commands without one function: raising ImportError (not AttributeError) keeps

@@ -35,17 +35,18 @@ class DataConfig:
 
   path: str = "bundled:text"  # prepared folder, or file / directory / glob / bundled:text|chat
   format: str = "auto"  # raw input: auto | txt | file | jsonl | chat (see docs/data.md)
-  tokenizer: str = "byte"  # raw input: byte (UTF-8 + PAD/BOS/EOS), a tokenizer.json or .model
+  tokenizer: str = "byte"  # raw input: byte (UTF-8 + PAD/BOS/EOS), tokenizer.json, .model, folder
   pack: bool = True  # concatenate documents into one stream before cutting windows
   eval_fraction: float = 0.05  # raw input: share of documents held out for eval (0 = none)
 
   def __post_init__(self):
     if self.format not in FORMATS:
       raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-    if self.tokenizer != "byte" and not self.tokenizer.endswith((".json", ".model")):
+    named = self.tokenizer == "byte" or self.tokenizer.endswith((".json", ".model"))
+    if not named and not pathlib.Path(self.tokenizer).is_dir():
       raise ConfigError(
-        f"data.tokenizer must be 'byte', a tokenizer.json or a SentencePiece .model file, "
-        f"got {self.tokenizer!r}"
+        f"data.tokenizer must be 'byte', a tokenizer.json, a SentencePiece .model file or a "
+        f"model folder holding one, got {self.tokenizer!r}"
       )
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
@@ -172,7 +173,7 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
     if entry is None:
       return None
     stream = TokenStream(folder, entry, manifest["dtype"])
-    return Windows(stream, seq_len, data_cfg.pack, tok["pad_id"], tok["bos_id"])
+    return Windows(stream, seq_len, data_cfg.pack, tok["pad_id"])
 
   train, evals = windows("train"), windows("eval")
   if train is None or len(train) == 0 or manifest["splits"]["train"]["targets"] == 0:

@@ -54,6 +54,36 @@ TEMPLATE_FILE = "chat_template.jinja"
 ROLES = ("bos", "eos", "pad", "unk")
 # transformers' named special tokens: a template sees only those that are set.
 TOKEN_KEYS = {f"{r}_token" for r in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")}
+# every file of a model folder that belongs to its tokenizer, special tokens or chat template
+FILES = (
+  *TOKENIZER_FILES,
+  "vocab.json",
+  "merges.txt",
+  "added_tokens.json",
+  CONFIG,
+  SPECIAL_MAP,
+  GENERATION,
+  TEMPLATE_FILE,
+)
+
+
+def is_tokenizer_folder(path: str | pathlib.Path) -> bool:
+  """Whether ``path`` is a folder holding a ``tokenizer.json`` or ``tokenizer.model``."""
+  path = pathlib.Path(path)
+  return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_files(folder: str | pathlib.Path) -> list[pathlib.Path]:
+  """The files of ``FILES`` that ``folder`` holds (what to copy to carry its tokenizer)."""
+  return [p for name in FILES if (p := pathlib.Path(folder) / name).is_file()]
+
+
+def folder_digest(folder: str | pathlib.Path) -> str:
+  """sha256 over the names and contents of the folder's tokenizer files."""
+  h = hashlib.sha256()
+  for path in tokenizer_files(folder):
+    h.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+  return h.hexdigest()
 
 
 def folder_tokenizer(folder: str | pathlib.Path) -> FolderHFTokenizer | FolderSPTokenizer:

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jaxstep.data import encoding, out_folder, readers
+from jaxstep.data import encoding, hf_folder, out_folder, readers
 from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, read_manifest, sha256
 from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxstep.errors import ConfigError, DataError, RunIOError
@@ -203,7 +203,11 @@ def _tokenizer_source(tokenizer: str, train_bpe_vocab: int) -> str:
   """What decides the tokens: a BPE size to train, ``byte``, or a file's content."""
   if train_bpe_vocab:
     return f"train-bpe:{train_bpe_vocab}"
-  return "byte" if tokenizer == "byte" else f"file:{sha256(pathlib.Path(tokenizer))}"
+  if tokenizer == "byte":
+    return "byte"
+  if pathlib.Path(tokenizer).is_dir():
+    return f"folder:{hf_folder.folder_digest(tokenizer)}"
+  return f"file:{sha256(pathlib.Path(tokenizer))}"
 
 
 def prepare(
@@ -228,8 +232,9 @@ def prepare(
   would no longer resume.
 
   Args:
-    tokenizer: ``byte``, a ``tokenizer.json`` or a SentencePiece ``.model``; a file is
-      copied into ``out`` so the prepared set is self-contained.
+    tokenizer: ``byte``, a ``tokenizer.json``, a SentencePiece ``.model`` or a model folder;
+      a file is copied into ``out`` (a folder's tokenizer files into ``out/tokenizer/``)
+      so the prepared set is self-contained.
     train_bpe_vocab: if > 0, first train a byte-level BPE of this size on the inputs
       (``out/tokenizer.json``); ``tokenizer`` is then ignored.
     fmt: ``auto``, ``txt``, ``file``, ``jsonl`` or ``chat`` (as ``data.format``).
@@ -365,6 +370,11 @@ def _tokenizer_into(tmp, listings, fmt, tokenizer, train_bpe_vocab) -> tuple[Tok
     return tok, str(tmp / "tokenizer.json")
   if tokenizer == "byte":
     return ByteTokenizer(), "byte"
+  if pathlib.Path(tokenizer).is_dir():  # the folder's tokenizer files, in a folder of their own
+    (tmp / "tokenizer").mkdir()
+    for file in hf_folder.tokenizer_files(tokenizer):
+      shutil.copyfile(file, tmp / "tokenizer" / file.name)
+    return load_tokenizer(str(tmp / "tokenizer")), str(tmp / "tokenizer")
   name = "tokenizer.json" if tokenizer.endswith(".json") else "tokenizer.model"
   shutil.copyfile(tokenizer, tmp / name)
   return load_tokenizer(str(tmp / name)), str(tmp / name)

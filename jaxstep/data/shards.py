@@ -3,11 +3,12 @@ fixed-length windows (samples) cut from it at read time.
 
 A window holds ``seq_len + 1`` tokens: ``inputs = w[:-1]``, ``targets = w[1:]``,
 ``loss_mask = flags[1:]``, where a token's flag says whether it may be a target (chat: the
-stored flags; text: every token but BOS, so the target that would predict across an EOS
-into the next document is masked). Windows advance by ``seq_len``, so every flagged token is
-a target exactly once; the last window of a stream (or of a document) is padded with PAD
-tokens whose flag is 0. Packed (``pack=True``): windows run over the whole stream;
-otherwise each document starts its own windows.
+stored flags; text: every token but each document's first, its BOS, found by position, so
+the target that would predict across an EOS into the next document is masked). Windows
+advance by ``seq_len``, so every flagged token is a target exactly once; the last window of
+a stream (or of a document) is padded with PAD tokens whose flag is 0. Packed
+(``pack=True``): windows run over the whole stream; otherwise each document starts its own
+windows.
 
 Nothing is read until a window is asked for, so start-up time and memory do not grow with
 the corpus: the only arrays built up front are the document offsets (unpacked windows).
@@ -59,11 +60,11 @@ class Windows:
     stream: the split's tokens.
     seq_len: S, input tokens per sample.
     pack: windows over the whole stream, or each document on its own windows.
-    pad_id, bos_id: the tokenizer's PAD (fills) and BOS (never a target, for text).
+    pad_id: the tokenizer's PAD (fills; never a target).
   """
 
-  def __init__(self, stream: TokenStream, seq_len: int, pack: bool, pad_id: int, bos_id: int):
-    self.stream, self.seq_len, self.pad_id, self.bos_id = stream, seq_len, pad_id, bos_id
+  def __init__(self, stream: TokenStream, seq_len: int, pack: bool, pad_id: int):
+    self.stream, self.seq_len, self.pad_id = stream, seq_len, pad_id
     total = len(stream)
     if pack:  # window i starts at i·S and may run to the stream's end: nothing to store
       self.count = max(0, -(-(total - 1) // seq_len))
@@ -87,12 +88,22 @@ class Windows:
     else:
       start, end = int(self.starts[i]), int(self.ends[i])
     tokens, flags = self.stream.read(start, min(start + self.seq_len + 1, end))
-    flags = (tokens != self.bos_id) if flags is None else flags
+    flags = self._text_flags(start, len(tokens)) if flags is None else flags
     pad = self.seq_len + 1 - len(tokens)
     return (
       np.concatenate([tokens, np.full(pad, self.pad_id, np.int32)]),
       np.concatenate([flags.astype(np.int32), np.zeros(pad, np.int32)]),
     )
+
+  def _text_flags(self, start: int, length: int) -> np.ndarray:
+    """Text: every token is a target but each document's first (its BOS), found by position,
+    not by id: a model folder without a start token begins documents with EOS, which the
+    previous document's end must still learn."""
+    flags = np.ones(length, bool)
+    starts = self.stream.doc_starts
+    lo, hi = np.searchsorted(starts, [start, start + length])
+    flags[starts[lo:hi] - start] = False
+    return flags
 
   def rows(self, index: np.ndarray, num_rows: int, pad_id: int) -> dict[str, np.ndarray]:
     """The windows at ``index`` as ``{"inputs", "targets", "loss_mask"}``, ``int32[rows,

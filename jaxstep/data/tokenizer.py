@@ -213,17 +213,22 @@ def _describe(tok, file: str | None) -> dict:
 
 
 def load_tokenizer(spec: str, base: pathlib.Path | None = None) -> Tokenizer:
-  """``byte``, a ``tokenizer.json`` or a SentencePiece ``.model`` (relative paths are
-  taken from ``base`` when given)."""
+  """``byte``, a ``tokenizer.json``, a SentencePiece ``.model``, or a model folder (its
+  tokenizer with the special tokens it declares: ``jaxstep.data.hf_folder``); relative
+  paths are taken from ``base`` when given."""
   if spec == "byte":
     return ByteTokenizer()
   path = pathlib.Path(spec)
   if base is not None and not path.is_absolute():
     path = base / path
+  if path.is_dir():
+    from jaxstep.data import hf_folder  # it builds on this module's tokenizers
+
+    return hf_folder.folder_tokenizer(path)
   if path.suffix not in (".json", ".model"):
     raise ConfigError(
-      f"tokenizer {spec!r}: use 'byte', a tokenizer.json (Hugging Face tokenizers) or a "
-      f"SentencePiece .model file"
+      f"tokenizer {spec!r}: use 'byte', a tokenizer.json (Hugging Face tokenizers), a "
+      f"SentencePiece .model file or a model folder holding one"
     )
   if not path.is_file():
     raise DataError(f"tokenizer file {path} does not exist")

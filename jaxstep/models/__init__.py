@@ -24,6 +24,7 @@ from jaxstep.models.llama import Llama, LlamaConfig
 
 __all__ = [
   "GPT",
+  "FAMILIES",
   "Decoder",
   "GPTConfig",
   "Llama",
@@ -31,10 +32,20 @@ __all__ = [
   "Model",
   "build",
   "decoder",
+  "family_of",
   "from_linen",
   "from_nnx",
   "num_params",
 ]
+
+
+# ``model.family`` in a config: which model a model section builds
+FAMILIES = {"gpt": GPTConfig, "llama": LlamaConfig}
+
+
+def family_of(model_config: GPTConfig | LlamaConfig) -> str:
+  """The ``model.family`` name of a model config."""
+  return next(name for name, cls in FAMILIES.items() if isinstance(model_config, cls))
 
 
 def _module(model_config: GPTConfig | LlamaConfig) -> type[GPT] | type[Llama]:

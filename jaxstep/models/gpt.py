@@ -49,6 +49,7 @@ class GPTConfig:
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
+  init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
 
   def __post_init__(self):
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -78,6 +79,11 @@ class GPTConfig:
   def kv_cache_width(self) -> int:
     """Floats per token per block in each of the key and the value cache."""
     return self.d_model
+
+  @property
+  def mlp_hidden(self) -> int:
+    """Width of each block's MLP hidden layer."""
+    return self.mlp_ratio * self.d_model
 
   def matmul_params(self) -> int:
     """Weights that take part in a matmul per token (all blocks + the output head)."""

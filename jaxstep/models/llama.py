@@ -63,6 +63,7 @@ class LlamaConfig:
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
+  init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
 
   def __post_init__(self):
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
@@ -103,6 +104,11 @@ class LlamaConfig:
     """Floats per token per block in each of the key and the value cache (``n_kv_heads``
     heads: grouped-query attention's saving)."""
     return self.resolved_kv_heads * self.resolved_head_dim
+
+  @property
+  def mlp_hidden(self) -> int:
+    """Width of each block's MLP hidden layer (SwiGLU's gate and up outputs)."""
+    return self.intermediate_size
 
   def matmul_params(self) -> int:
     """Weights that take part in a matmul per token (all blocks + the output head)."""

@@ -15,7 +15,7 @@ from jaxstep import data, models, parallel
 from jaxstep._version import __version__
 from jaxstep.core.state import TrainState
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import steps, text_samples
+from jaxstep.trainer import init_from, steps, text_samples
 from jaxstep.trainer.plan import make_plan
 from jaxstep.trainer.run_state import RunState
 
@@ -52,7 +52,11 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
-  apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(t.seed))
+  apply_fn, params = models.build(
+    cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
+  )
+  if cfg.model.init_from:
+    params = init_from.initial_params(cfg.model, mesh)
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
   state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)

@@ -25,7 +25,7 @@ from jaxstep.core.optim import OptimConfig
 from jaxstep.core.precision import PRECISIONS
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
-from jaxstep.models import GPTConfig
+from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of
 from jaxstep.trainer import profiling
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 
@@ -194,7 +194,7 @@ class MeshConfig:
 class Config:
   """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
 
-  model: GPTConfig = GPTConfig(vocab_size=0)  # the vocabulary follows the tokenizer
+  model: GPTConfig | LlamaConfig = GPTConfig(vocab_size=0)  # model.family picks the class
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   optim: OptimConfig = OptimConfig()
@@ -207,7 +207,7 @@ class Config:
       raise ConfigError("run_dir is empty; name the folder for the run's outputs")
     if not self.data.path.strip():
       raise ConfigError("data.path is empty; name a prepared folder, file, directory or glob")
-    if self.train.seq_len > self.model.max_seq_len:
+    if self.train.seq_len > self.model.max_seq_len and not self.model.init_from:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
         f"{self.model.max_seq_len}; raise model.max_seq_len"
@@ -220,21 +220,28 @@ def _key(field: dataclasses.Field) -> str:
 
 
 def to_dict(cfg) -> dict[str, Any]:
-  """Nested plain dict (YAML/JSON-able) of a config dataclass, keyed by config keys."""
-  return {
-    _key(f): (
-      to_dict(v)
-      if dataclasses.is_dataclass(v := getattr(cfg, f.name))
-      else list(v)
-      if isinstance(v, tuple)
-      else v
+  """Nested plain dict (YAML/JSON-able) of a config dataclass, keyed by config keys; a
+  model section starts with its ``family``."""
+  tree = {"family": family_of(cfg)} if isinstance(cfg, tuple(FAMILIES.values())) else {}
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    tree[_key(f)] = (
+      to_dict(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
     )
-    for f in dataclasses.fields(cfg)
-  }
+  return tree
+
+
+def model_keys(family: str) -> list[str]:
+  """The keys a model section of ``family`` takes (``family`` itself among them)."""
+  return ["family", *(_key(f) for f in dataclasses.fields(FAMILIES[family]))]
 
 
 def valid_keys(cls=Config, prefix="") -> list[str]:
-  """Every dotted key of the schema, e.g. ``train.global_batch_size``."""
+  """Every dotted key of the schema, e.g. ``train.global_batch_size``; the model section's
+  are those of every family."""
+  if cls is Config and not prefix:
+    model = dict.fromkeys(k for family in FAMILIES for k in model_keys(family))
+    return [f"model.{k}" for k in model] + valid_keys(_Sections)
   keys = []
   for f in dataclasses.fields(cls):
     sub = typing.get_type_hints(cls)[f.name]
@@ -243,6 +250,18 @@ def valid_keys(cls=Config, prefix="") -> list[str]:
     else:
       keys.append(f"{prefix}{_key(f)}")
   return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sections:
+  """``Config`` without its model section: the schema ``valid_keys`` walks."""
+
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  optim: OptimConfig = OptimConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+  run_dir: str = ""
 
 
 def _unknown(key: str) -> ConfigError:
@@ -301,6 +320,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return number
     elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
       return str(value)
+    elif dataclasses.is_dataclass(t):
+      if isinstance(value, str) and value.lstrip().startswith("{"):  # on the command line
+        value = yaml.safe_load(value)
+      if isinstance(value, dict):
+        return value  # a nested setting (model.rope_scaling): its owner converts and checks it
   names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
   raise ConfigError(f"config key {key!r}: expected {names}, got {_quoted(value)}")
 
@@ -317,7 +341,9 @@ def _build(default, values: dict[str, Any], prefix: str = ""):
     if config_key not in names:
       raise _unknown(key)
     name = names[config_key]
-    if dataclasses.is_dataclass(hints[name]):
+    if key == "model":
+      kwargs[name] = _build_model(default.model, value)
+    elif dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
         raise ConfigError(
           f"config key {key!r} is a section; give it a mapping, got {_quoted(value)}"
@@ -326,6 +352,26 @@ def _build(default, values: dict[str, Any], prefix: str = ""):
     else:
       kwargs[name] = _coerce(key, value, hints[name])
   return dataclasses.replace(default, **kwargs)
+
+
+def _build_model(default, values: Any):
+  """The model section: ``model.family`` (default: the family of ``default``) picks the
+  config class; the other keys must be that family's."""
+  if not isinstance(values, dict):
+    raise ConfigError(f"config key 'model' is a section; give it a mapping, got {_quoted(values)}")
+  values = dict(values)
+  family = str(values.pop("family", family_of(default)))
+  if family not in FAMILIES:
+    raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {family!r}")
+  cls = FAMILIES[family]
+  foreign = [k for k in values if k not in model_keys(family) and f"model.{k}" in valid_keys()]
+  if foreign:
+    owners = [name for name in FAMILIES if foreign[0] in model_keys(name)]
+    raise ConfigError(
+      f"model.{foreign[0]} is a setting of model.family {' or '.join(owners)}, not of "
+      f"{family}; set model.family or drop the key"
+    )
+  return _build(default if isinstance(default, cls) else cls(vocab_size=0), values, "model.")
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -412,7 +458,8 @@ def _expand_paths(cfg: Config) -> Config:
     path=_expand("data.path", cfg.data.path),
     tokenizer=_expand("data.tokenizer", cfg.data.tokenizer),
   )
-  return dataclasses.replace(cfg, run_dir=_expand("run_dir", cfg.run_dir), data=data)
+  model = dataclasses.replace(cfg.model, init_from=_expand("model.init_from", cfg.model.init_from))
+  return dataclasses.replace(cfg, run_dir=_expand("run_dir", cfg.run_dir), data=data, model=model)
 
 
 def dump(cfg: Config) -> str:

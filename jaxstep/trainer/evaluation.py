@@ -103,10 +103,10 @@ def eval_bytes(model, rows: int, seq_len: int) -> int:
                     + D            the fp32 residual stream
                     + max(V, r·D)) the fp32 logits, or a block's MLP hidden layer
 
-  (V the vocabulary, D = ``d_model``, r = ``mlp_ratio``). A forward pass without a backward
+  (V the vocabulary, D = ``d_model``, r·D the MLP's hidden width). A forward pass without a backward
   one frees each block's activations before the next and the last before the logits, so
   only the larger of the two counts, and the depth adds nothing."""
-  widest = max(model.vocab_size, model.mlp_ratio * model.d_model)
+  widest = max(model.vocab_size, model.mlp_hidden)
   return rows * seq_len * 4 * (3 + model.d_model + widest)
 
 

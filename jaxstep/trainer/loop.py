@@ -33,7 +33,7 @@ from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, Reported
 from jaxstep.trainer.perf import peak_flops_per_device
 from jaxstep.trainer.run_state import RunState
-from jaxstep.trainer.saved_run import save_tokenizer
+from jaxstep.trainer.saved_run import save_base_config, save_tokenizer
 from jaxstep.trainer.signals import stop_on_signals
 from jaxstep.trainer.text_samples import TextSamples
 
@@ -141,6 +141,7 @@ def _first_writes(run: Run, run_dir: pathlib.Path, ckpt: Checkpointer, state) ->
     run_dir_lib.write_config(run_dir, config_lib.dump(run.cfg))
     if jax.process_index() == 0:
       save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
+      save_base_config(run_dir, run.cfg.model)  # what export writes back out
   except (RunIOError, RunDirError):
     ckpt.close()
     raise

@@ -4,6 +4,7 @@ CPU device split — reads the plan instead of deriving it again.
 
 Derived values, in the order they depend on each other:
 
+- the model section of a ``model.init_from`` folder (``init_from.resolve``);
 - the devices: a CPU-only host is split into virtual devices before JAX starts
   (``configure_devices``; K counts as 1 while ``auto`` is unresolved, since any K the search
   may choose also has to divide G over those devices);
@@ -29,8 +30,8 @@ from jax.sharding import Mesh
 from jaxstep import data, parallel
 from jaxstep.core import device_memory, geometry
 from jaxstep.errors import ConfigError, DataError
-from jaxstep.models import GPTConfig
-from jaxstep.trainer import auto_accum, steps
+from jaxstep.models import GPTConfig, LlamaConfig
+from jaxstep.trainer import auto_accum, init_from, steps
 from jaxstep.trainer import config as config_lib
 
 log = logging.getLogger("jaxstep")
@@ -115,11 +116,13 @@ def total_update_steps(train_cfg: config_lib.TrainConfig, steps_per_epoch: int |
   return min(limits)
 
 
-def approx_num_params(model: GPTConfig) -> int:
-  """The GPT's parameter count from its shape alone (matmul weights, the token and position
-  embeddings; LayerNorm scales and biases left out: under 0.1 % at any real size)."""
+def approx_num_params(model: GPTConfig | LlamaConfig) -> int:
+  """The model's parameter count from its shape alone (matmul weights, the token embeddings
+  and the GPT's position embeddings; norm scales and biases left out: under 0.1 % at any
+  real size)."""
   untied = 0 if model.tie_embeddings else model.vocab_size * model.d_model
-  return model.matmul_params() + model.max_seq_len * model.d_model + untied
+  positions = model.max_seq_len * model.d_model if isinstance(model, GPTConfig) else 0
+  return model.matmul_params() + positions + untied
 
 
 def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
@@ -186,6 +189,7 @@ def make_plan(
   """Resolves ``cfg`` on this host's devices and ``dataset``'s tokenizer and size. Without a
   ``dataset`` the data of ``cfg.data`` is read here when ``read_data`` is set or a derived
   value needs it (after the mesh is checked, so a config error comes first)."""
+  cfg = init_from.resolve(cfg)
   t = cfg.train
   mesh = mesh_for(cfg)
   memory = device_memory.device_memory_bytes()

@@ -21,19 +21,6 @@ from jaxstep.data import hf_folder
 from jaxstep.errors import ConfigError
 from jaxstep.models import LlamaConfig, hf_config, hf_export, hf_weights
 
-# what a model folder holds besides its config and weights, copied along by ``save``
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer.model",
-  "vocab.json",
-  "merges.txt",
-  "added_tokens.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "generation_config.json",
-  "chat_template.jinja",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
@@ -62,9 +49,9 @@ class Pretrained:
       base_config=self.hf_config,
       **kwargs,
     )
-    for name in TOKENIZER_FILES:
-      if (self.path / name).is_file() and self.path.resolve() != out.resolve():
-        shutil.copy2(self.path / name, out / name)
+    if self.path.resolve() != out.resolve():
+      for file in hf_folder.tokenizer_files(self.path):
+        shutil.copy2(file, out / file.name)
     return out
 
 

@@ -27,7 +27,8 @@ log = logging.getLogger("jaxstep")
 HARMLESS_MODEL_KEYS = ("dropout",)
 # Model keys that choose kernels or memory layout only: the same parameters and the same
 # math (a different block layout is converted at restore), so a change is simply taken.
-KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers")
+KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers", "init_from")  # init_from: the
+# folder the first params came from; a resume reads them from the checkpoint instead
 # Train-state leaves outside the model whose shape a config key sets: the leaf → the key and
 # its value read back from the leaf's shape, so a checkpoint that does not fit names the key.
 STATE_SHAPE_KEYS = {"recent_losses": ("train.spike_window", lambda shape: shape[0])}
@@ -36,10 +37,11 @@ STATE_SHAPE_KEYS = {"recent_losses": ("train.spike_window", lambda shape: shape[
 def _model_changes(saved: dict, current: RunState) -> dict:
   """``{key: (old, new)}`` of the model keys that differ from the checkpoint's, kernel
   choices left out."""
+  before = {"family": "gpt", **saved["model"]}  # checkpoints older than model.family: GPTs
   return {
     k: (old, v)
     for k, v in current.model.items()
-    if k not in KERNEL_MODEL_KEYS and (old := saved["model"].get(k)) != v
+    if k not in KERNEL_MODEL_KEYS and (old := before.get(k)) != v
   }
 
 

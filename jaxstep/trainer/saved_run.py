@@ -24,7 +24,8 @@ from jaxstep.trainer import checkpoint_read, records
 from jaxstep.trainer import config as config_lib
 
 log = logging.getLogger("jaxstep")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+BASE_CONFIG = "hf_config.json"
+TOKENIZER_FILES = ("tokenizer", "tokenizer.json", "tokenizer.model")  # "tokenizer": a folder's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +37,34 @@ class SavedRun:
 
 
 def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
-  """Copies the dataset's tokenizer file (if it has one) into ``run_dir``, atomically: a
-  kill during the copy leaves the previous copy, never a cut one generate would fail on."""
+  """Copies the dataset's tokenizer file (if it has one; a model folder's tokenizer files
+  into ``run_dir/tokenizer/``) into ``run_dir``, each file atomically: a kill during the
+  copy leaves the previous copy, never a cut one generate would fail on."""
   entry = dataset.manifest["tokenizer"]
-  if entry["file"] is not None:
+  source = None if entry["file"] is None else dataset.folder / entry["file"]
+  if source is not None and source.is_dir():
+    (run_dir / "tokenizer").mkdir(exist_ok=True)
+    for file in source.iterdir():
+      records.write_atomic(run_dir / "tokenizer" / file.name, file.read_bytes())
+  elif source is not None:
     suffix = pathlib.Path(entry["file"]).suffix
     copy = (dataset.folder / entry["file"]).read_bytes()
     records.write_atomic(run_dir / f"tokenizer{suffix}", copy)
 
 
+def save_base_config(run_dir: pathlib.Path, model_cfg) -> None:
+  """A run started from a model folder keeps that folder's ``config.json`` as
+  ``run_dir/hf_config.json`` (atomically): an export writes its fields jaxstep does not
+  know (token ids, generation settings) back out, whatever became of the folder."""
+  if model_cfg.init_from:
+    source = pathlib.Path(model_cfg.init_from) / "config.json"
+    records.write_atomic(run_dir / BASE_CONFIG, source.read_bytes())
+
+
 def saved_tokenizer_file(run_dir: pathlib.Path) -> pathlib.Path | None:
   """The copy of the tokenizer that ``save_tokenizer`` left in ``run_dir`` (None: bytes, or
   a run trained before runs kept one)."""
-  return next((run_dir / n for n in TOKENIZER_FILES if (run_dir / n).is_file()), None)
+  return next((run_dir / n for n in TOKENIZER_FILES if (run_dir / n).exists()), None)
 
 
 def run_tokenizer(run_dir: pathlib.Path, cfg: config_lib.Config):

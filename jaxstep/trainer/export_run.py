@@ -1,0 +1,72 @@
+"""A run directory's checkpoint written out as a Hugging Face model folder (``jaxstep
+export``): ``config.json``, safetensors weights (sharded with an index past a size) and the
+run's tokenizer files — its chat template and generation config among them — so
+``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` load the folder
+as it is.
+
+The architecture is the one the run was imported as (its ``hf_config.json``, whose other
+fields are kept), else the one a Llama-family model's settings name: q/k norms → Qwen3,
+q/k/v biases → Qwen2, neither → Llama. The bundled GPT has no Hugging Face counterpart
+here: exporting it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+from jaxstep.data import hf_folder
+from jaxstep.errors import ConfigError
+from jaxstep.models import LlamaConfig, hf_config, hf_export
+from jaxstep.trainer import saved_run
+
+
+def architecture_of(model_cfg: LlamaConfig, base: dict | None) -> str:
+  """The base's architecture, else the one ``model_cfg``'s q/k/v settings name."""
+  if base is not None:
+    return hf_config.architecture(base, saved_run.BASE_CONFIG)
+  if model_cfg.qk_norm:
+    return "Qwen3ForCausalLM"
+  return "Qwen2ForCausalLM" if model_cfg.attention_bias else "LlamaForCausalLM"
+
+
+def export_run(
+  run_dir: str | pathlib.Path,
+  out: str | pathlib.Path,
+  *,
+  step: int | None = None,
+  dtype: str = "float32",
+  max_shard_bytes: int = 5 * 2**30,
+) -> tuple[pathlib.Path, int]:
+  """Writes update step ``step`` (default: the newest valid checkpoint) of the run at
+  ``run_dir`` as a model folder at ``out``; returns ``(out, step)``. ``out`` must be new,
+  empty or a model folder (``hf_export.save_pretrained``'s rule)."""
+  run_dir = pathlib.Path(run_dir)
+  cfg = saved_run.read_config(run_dir)
+  if not isinstance(cfg.model, LlamaConfig):
+    raise ConfigError(
+      f"{run_dir} trains the bundled GPT (model.family gpt), which has no Hugging Face "
+      f"architecture to export to; export takes runs of model.family llama"
+    )
+  base_file = run_dir / saved_run.BASE_CONFIG
+  base = json.loads(base_file.read_text()) if base_file.is_file() else None
+  arch = architecture_of(cfg.model, base)
+  hf_export.check_architecture(cfg.model, arch)  # before the checkpoint is read
+  saved = saved_run.load_run(run_dir, step)
+  out = hf_export.save_pretrained(
+    out,
+    cfg.model,
+    saved.params,
+    architecture=arch,
+    dtype=dtype,
+    max_shard_bytes=max_shard_bytes,
+    base_config=base,
+  )
+  tokenizer = saved_run.saved_tokenizer_file(run_dir)
+  if tokenizer is not None and tokenizer.is_dir():
+    for file in hf_folder.tokenizer_files(tokenizer):
+      shutil.copy2(file, out / file.name)
+  elif tokenizer is not None and tokenizer.suffix in (".json", ".model"):
+    shutil.copy2(tokenizer, out / tokenizer.name)
+  return out, saved.step

@@ -1,0 +1,232 @@
+"""``model.init_from``: a run that starts from a local Hugging Face model folder, and
+``jaxstep export`` back out; checked against transformers on tiny random models saved
+locally (nothing is downloaded)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import read_lines
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
+
+import jaxstep
+from jaxstep import data, trainer
+from jaxstep.cli import run as run_command
+from jaxstep.errors import ConfigError
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer import init_from
+from jaxstep.trainer.plan import make_plan
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+G, K, S = 8, 2, 32
+
+
+def corpus(tmp_path, docs=120):
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  path = tmp_path / "corpus.txt"
+  rng = np.random.default_rng(0)
+  path.write_text(
+    "\n\n".join(f"the {a} and {b}: {a + b}." for a, b in rng.integers(0, 50, (docs, 2)))
+  )
+  return path
+
+
+def run_cfg(tmp_path, hf, *overrides):
+  return config_lib.load(
+    None,
+    [
+      f"model.init_from={hf}",
+      f"data.path={corpus(tmp_path)}",
+      f"run_dir={tmp_path / 'run'}",
+      f"train.global_batch_size={G}",
+      f"train.grad_accum_steps={K}",
+      f"train.seq_len={S}",
+      "train.schedule_steps=8",
+      "train.eval_every=0",
+      "mesh.cpu_devices=1",
+      *overrides,
+    ],
+  )
+
+
+def torch_loss(model, batch) -> float:
+  """The mean next-token NLL over the loss-masked targets, computed by transformers."""
+  with torch.no_grad():
+    logits = model(torch.tensor(batch["inputs"], dtype=torch.long)).logits.double()
+  nll = torch.nn.functional.cross_entropy(
+    logits.reshape(-1, logits.shape[-1]),
+    torch.tensor(batch["targets"], dtype=torch.long).reshape(-1),
+    reduction="none",
+  )
+  mask = torch.tensor(batch["loss_mask"], dtype=torch.float64).reshape(-1)
+  return float((nll * mask).sum() / mask.sum())
+
+
+def test_the_config_takes_its_model_and_tokenizer_from_the_folder(folder, tmp_path):  # noqa: F811
+  path, _ = folder
+  cfg = init_from.resolve(run_cfg(tmp_path, path, "model.remat=block", "model.dropout=0.1"))
+  assert isinstance(cfg.model, jaxstep.models.LlamaConfig)
+  assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.head_dim) == (320, 32, 8)
+  assert cfg.model.qk_norm and cfg.model.remat == "block" and cfg.model.dropout == 0.1
+  assert cfg.data.tokenizer == str(path)
+  loaded = config_lib.load(None, [])
+  text = config_lib.dump(cfg)
+  (tmp_path / "resolved.yaml").write_text(text)
+  assert config_lib.load(tmp_path / "resolved.yaml") == cfg != loaded  # config.yaml reads back
+
+
+@pytest.mark.parametrize(
+  "override, message",
+  [
+    ("model.d_model=64", "model.d_model 64 contradicts"),
+    ("train.seq_len=100", "exceeds the 64 positions"),
+    ("model.mlp_ratio=2", "model.mlp_ratio 2 contradicts"),
+  ],
+)
+def test_settings_that_contradict_the_folder_are_one_line_and_nothing_is_written(
+  folder,  # noqa: F811
+  tmp_path,
+  capsys,
+  override,
+  message,
+):
+  path, _ = folder
+  with pytest.raises(ConfigError, match=message):
+    init_from.resolve(run_cfg(tmp_path, path, override))
+  code = run_command("train", [f"model.init_from={path}", f"run_dir={tmp_path / 'cli'}", override])
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert code == 2 and len(errors) == 1 and message in errors[0], err
+  assert not (tmp_path / "cli").exists()
+
+
+def test_a_folder_without_config_json_is_one_line_exit_2(tmp_path, capsys):
+  code = run_command("train", [f"model.init_from={tmp_path}", f"run_dir={tmp_path / 'run'}"])
+  err = capsys.readouterr().err
+  assert code == 2 and "has no config.json" in err and not (tmp_path / "run").exists()
+
+
+def test_a_run_starts_from_the_folders_weights_and_exports_what_transformers_loads(
+  folder,  # noqa: F811
+  tmp_path,
+  capsys,
+):
+  path, model = folder
+  cfg = run_cfg(tmp_path, path, "train.max_steps=2", "train.log_every=1")
+  first = make_plan(cfg, read_data=True)
+  batch = data.global_batch(first.dataset.train, 0, 0, 0, G, first.dataset.pad_id)
+  trainer.train(cfg)
+  logged = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
+  assert logged["step"] == 1
+  assert abs(logged["loss"] - torch_loss(model, batch)) < 1e-5  # the folder's weights, its ids
+
+  assert run_command("export", [str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+  out = tmp_path / "out"
+  assert {p.name for p in out.iterdir()} >= {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+  }
+  before = safetensors_numpy.load_file(path / "model.safetensors")
+  after = safetensors_numpy.load_file(out / "model.safetensors")
+  assert {k: v.shape for k, v in before.items()} == {k: v.shape for k, v in after.items()}
+  assert any(not np.array_equal(before[k], after[k]) for k in before)  # it trained
+
+  saved = jaxstep.load_run(tmp_path / "run")
+  exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  tokens = np.asarray(batch["inputs"][:2])
+  with torch.no_grad():
+    theirs = exported(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  apply_fn = jaxstep.models.decoder(saved.cfg.model).apply_fn
+  ours = np.asarray(apply_fn(saved.params, tokens))
+  np.testing.assert_allclose(ours, theirs, atol=1e-4)
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template
+  assert saved.tokenizer.EOS == tok.eos_token_id  # the run reads the folder's tokenizer copy
+
+
+def test_export_refuses_a_gpt_run_and_a_foreign_out_folder(folder, tmp_path, capsys):  # noqa: F811
+  from conftest import make_cfg
+
+  trainer.train(
+    make_cfg(
+      tmp_path / "gpt", "train.max_steps=1", "train.global_batch_size=8", "train.grad_accum_steps=2"
+    )
+  )
+  code = run_command("export", [str(tmp_path / "gpt" / "run"), "--out", str(tmp_path / "o")])
+  assert code == 2 and "bundled GPT" in capsys.readouterr().err
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_from_a_folder_equals_the_straight_run(folder, tmp_path):  # noqa: F811
+  """The second half starts from the checkpoint, not again from the folder's weights."""
+  from conftest import restore_state_arrays
+
+  path, _ = folder
+  straight = run_cfg(tmp_path / "a", path, "train.max_steps=4")
+  trainer.train(straight)
+  half = run_cfg(tmp_path / "b", path, "train.max_steps=2")
+  trainer.train(half)
+  trainer.train(run_cfg(tmp_path / "b", path, "train.max_steps=4"))
+  import jax
+
+  _, a = restore_state_arrays(tmp_path / "a" / "run")
+  _, b = restore_state_arrays(tmp_path / "b" / "run")
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  assert all(np.array_equal(x, y) for x, y in pairs)
+
+
+FSDP_SCRIPT = """
+import sys, jax, numpy as np
+from jaxstep import parallel, load_pretrained
+from jaxstep.trainer import config as config_lib, init_from
+cfg = init_from.resolve(config_lib.load(None, [f"model.init_from={sys.argv[1]}",
+                                                "train.global_batch_size=4", "train.seq_len=32"]))
+mesh = parallel.make_mesh(data=1, fsdp=4)
+params = init_from.initial_params(cfg.model, mesh)
+reference = load_pretrained(sys.argv[1]).params
+leaves, ref = jax.tree.leaves(params), jax.tree.leaves(reference)
+assert len(leaves) == len(ref)
+assert all(np.array_equal(np.asarray(x), y) for x, y in zip(leaves, ref))
+big = [x for x in leaves if x.ndim == 2]
+assert all(x.sharding.spec != jax.sharding.PartitionSpec() for x in big)
+assert all(max(s.data.size for s in x.addressable_shards) == x.size // 4 for x in big)
+print("ok", len(leaves))
+"""
+
+
+def test_a_four_device_fsdp_import_equals_one_device_and_is_sharded(folder, tmp_path):  # noqa: F811
+  path, _ = folder
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  proc = subprocess.run(
+    [sys.executable, "-c", FSDP_SCRIPT, str(path)], env=env, capture_output=True, text=True
+  )
+  assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+
+
+def test_text_from_a_folder_without_bos_masks_document_starts_by_position(folder, tmp_path):  # noqa: F811
+  """Qwen declares no BOS: documents start with EOS, the id that ends the previous one; the
+  ending EOS is a target, the starting one is not."""
+  path, _ = folder
+  cfg = run_cfg(tmp_path, path, "train.max_steps=1", "data.pack=true", "data.eval_fraction=0")
+  dataset = make_plan(cfg, read_data=True).dataset
+  tok = dataset.tokenizer
+  assert not tok.has_bos and tok.BOS == tok.EOS
+  windows = dataset.train
+  tokens, flags = windows.stream.read(0, len(windows.stream))
+  starts = set(windows.stream.doc_starts.tolist())
+  got = np.concatenate([windows.window(i)[1][:-1] for i in range(len(windows))])
+  got = got[: len(tokens) - 1]  # the last window's padding lies past the stream
+  expected = np.array([i not in starts for i in range(len(got))], np.int32)
+  assert np.array_equal(got, expected[: len(got)])
+  eos_at = np.flatnonzero(tokens[: len(got)] == tok.EOS)
+  assert {bool(got[i]) for i in eos_at} == {True, False}  # ends learned, starts not
