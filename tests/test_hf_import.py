@@ -42,6 +42,8 @@ FAMILIES = {
   "mistral": ("MistralConfig", {"sliding_window": None}),
   "qwen2": ("Qwen2Config", {}),
   "qwen3": ("Qwen3Config", {"head_dim": 12}),
+  "gpt2": ("GPT2Config", {"layer_norm_epsilon": 1e-5}),
+  "gpt2-untied": ("GPT2Config", {"tie_word_embeddings": False}),
 }
 
 

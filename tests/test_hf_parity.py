@@ -49,7 +49,7 @@ def one_error(capsys) -> str:
   return err[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt2"])
 def test_an_unmodified_folder_passes_every_stage(tiny, tmp_path, family):
   from jaxstep.trainer.hf_parity import parity_report
 

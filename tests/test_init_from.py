@@ -2,6 +2,7 @@
 ``jaxstep export`` back out; checked against transformers on tiny random models saved
 locally (nothing is downloaded)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -153,17 +154,59 @@ def test_a_run_starts_from_the_folders_weights_and_exports_what_transformers_loa
   assert saved.tokenizer.EOS == tok.eos_token_id  # the run reads the folder's tokenizer copy
 
 
-def test_export_refuses_a_gpt_run_and_a_foreign_out_folder(folder, tmp_path, capsys):  # noqa: F811
+def test_a_bundled_gpt_run_exports_as_gpt2_and_a_foreign_out_folder_is_refused(tmp_path, capsys):
   from conftest import make_cfg
 
-  trainer.train(
-    make_cfg(
-      tmp_path / "gpt", "train.max_steps=1", "train.global_batch_size=8", "train.grad_accum_steps=2"
-    )
-  )
-  code = run_command("export", [str(tmp_path / "gpt" / "run"), "--out", str(tmp_path / "o")])
-  assert code == 2 and "bundled GPT" in capsys.readouterr().err
-  assert not (tmp_path / "o").exists()
+  trainer.train(make_cfg(tmp_path / "gpt", "train.max_steps=1", "train.global_batch_size=8"))
+  run_dir, out = tmp_path / "gpt" / "run", tmp_path / "o"
+  assert run_command("export", [str(run_dir), "--out", str(out)]) == 0
+  exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(exported).__name__ == "GPT2LMHeadModel"
+  saved = jaxstep.load_run(run_dir)
+  tokens = np.random.default_rng(0).integers(0, 259, size=(2, 16))
+  with torch.no_grad():
+    theirs = exported(torch.tensor(tokens)).logits.numpy()
+  ours = np.asarray(jaxstep.models.decoder(saved.cfg.model).apply_fn(saved.params, tokens))
+  np.testing.assert_allclose(ours, theirs, atol=1e-4)
+  (tmp_path / "foreign").mkdir()
+  (tmp_path / "foreign" / "notes.txt").write_text("mine")
+  capsys.readouterr()
+  code = run_command("export", [str(run_dir), "--out", str(tmp_path / "foreign")])
+  assert code == 2 and capsys.readouterr().err.count("error:") == 1
+  assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["notes.txt"]
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
+  """A tiny random GPT-2 whose tokenizer declares ``<|endoftext|>`` as BOS and EOS, as
+  GPT-2's does (and prepends nothing)."""
+  import shutil
+
+  shape = {"vocab_size": 320, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+  cfg = transformers.GPT2Config(**shape, bos_token_id=7, eos_token_id=7)  # <|endoftext|>
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+  model.save_pretrained(tmp_path / "gpt2")
+  shutil.copy(tokenizer_files["plain"], tmp_path / "gpt2" / "tokenizer.json")
+  specials = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+  (tmp_path / "gpt2" / "tokenizer_config.json").write_text(json.dumps(specials))
+  return tmp_path / "gpt2", model
+
+
+def test_a_gpt2_folder_trains_as_the_bundled_gpt_and_exports_the_same_names(gpt2_folder, tmp_path):
+  path, model = gpt2_folder
+  cfg = run_cfg(tmp_path, path, "train.max_steps=1")
+  plan = make_plan(cfg, read_data=True)
+  assert isinstance(plan.cfg.model, jaxstep.models.GPTConfig)
+  assert (plan.cfg.model.layer_norm_eps, plan.cfg.model.vocab_size) == (1e-5, 320)
+  batch = data.global_batch(plan.dataset.train, 0, 0, 0, G, plan.dataset.pad_id)
+  trainer.train(cfg)
+  logged = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
+  assert abs(logged["loss"] - torch_loss(model, batch)) < 1e-5
+  assert run_command("export", [str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+  before = safetensors_numpy.load_file(path / "model.safetensors")
+  after = safetensors_numpy.load_file(tmp_path / "out" / "model.safetensors")
+  assert {k: v.shape for k, v in before.items()} == {k: v.shape for k, v in after.items()}
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ class GPTConfig:
   mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
   dropout: float = 0.0  # dropout rate on attention output, MLP output and embeddings
   tie_embeddings: bool = True  # output head reuses the token embedding table
+  layer_norm_eps: float = 1e-6  # LayerNorm epsilon (GPT-2 checkpoints: 1e-5)
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
@@ -65,6 +66,8 @@ class GPTConfig:
       )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+    if not self.layer_norm_eps > 0:
+      raise ConfigError(f"model.layer_norm_eps must be > 0, got {self.layer_norm_eps}")
     if self.attention not in backends.ATTENTION_BACKENDS:
       raise ConfigError(
         f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
@@ -113,10 +116,10 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     d, (dense, layer_norm) = cfg.d_model, platform_kernels()
     self.n_heads, self.attention_kernel = cfg.n_heads, cfg.attention
-    self.ln1 = layer_norm(d, rngs=rngs)
+    self.ln1 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
     self.qkv = nnx.Linear(d, 3 * d, **dense, rngs=rngs)
     self.proj = nnx.Linear(d, d, **dense, rngs=rngs)
-    self.ln2 = layer_norm(d, rngs=rngs)
+    self.ln2 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
     self.fc = nnx.Linear(d, cfg.mlp_ratio * d, **dense, rngs=rngs)
     self.out = nnx.Linear(cfg.mlp_ratio * d, d, **dense, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
@@ -161,7 +164,7 @@ class GPT(DecoderStack):
     blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
     # Built one by one either way, so a seed gives the same model in both layouts.
     self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
-    self.ln_f = layer_norm(cfg.d_model, rngs=rngs)
+    self.ln_f = layer_norm(cfg.d_model, epsilon=cfg.layer_norm_eps, rngs=rngs)
     self.head = (
       None
       if cfg.tie_embeddings

@@ -9,6 +9,7 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
   sequence (``check_sliding_window``): then it changes nothing.
 - ``Qwen2ForCausalLM``: biases on the q/k/v projections.
 - ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
+- ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).
 
 Both folder layouts found in the wild are read: the older one keeps ``rope_theta`` and
 ``rope_scaling`` at the top level, the one transformers 5 writes keeps them in
@@ -22,6 +23,8 @@ import json
 import pathlib
 
 from jaxstep.errors import ConfigError
+from jaxstep.models import hf_gpt2
+from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.llama import LlamaConfig
 
 CONFIG = "config.json"
@@ -33,6 +36,7 @@ ARCHITECTURES = {
   "Qwen3ForCausalLM": (False, True),
 }
 ROPE_TYPES = ("default", "llama3")
+SUPPORTED = (*ARCHITECTURES, hf_gpt2.ARCHITECTURE)  # GPT-2: the bundled GPT (hf_gpt2.py)
 
 
 def read_config(folder: str | pathlib.Path) -> dict:
@@ -57,9 +61,9 @@ def architecture(hf: dict, where: str = CONFIG) -> str:
   """The supported architecture ``hf`` names, else ``ConfigError`` listing the supported."""
   names = hf.get("architectures") or []
   name = names[0] if isinstance(names, list) and names else None
-  if name not in ARCHITECTURES:
+  if name not in SUPPORTED:
     raise ConfigError(
-      f"{where}: architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+      f"{where}: architecture {name!r} is not supported; supported: {', '.join(SUPPORTED)}"
     )
   return name
 
@@ -95,10 +99,13 @@ def rope_settings(hf: dict, where: str = CONFIG) -> tuple[float, tuple | None]:
   return float(theta), tuple((k, float(scaling[k])) for k in keys)
 
 
-def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig:
-  """The ``LlamaConfig`` of a supported ``config.json``; ``options`` set what the folder
-  does not decide (``attention``, ``remat``, ``scan_layers``, ``max_seq_len``, ``dropout``)."""
+def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTConfig:
+  """The model config of a supported ``config.json`` (``GPTConfig`` for GPT-2, else a
+  ``LlamaConfig``); ``options`` set what the folder does not decide (``attention``,
+  ``remat``, ``scan_layers``, ``max_seq_len``, ``dropout``, ``init_from``)."""
   name = architecture(hf, where)
+  if name == hf_gpt2.ARCHITECTURE:
+    return hf_gpt2.model_config(hf, where, **options)
   forced_bias, qk_norm = ARCHITECTURES[name]
   act = hf.get("hidden_act", "silu")
   if act != "silu":

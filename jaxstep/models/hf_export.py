@@ -1,4 +1,5 @@
-"""A Llama-family model's params written out as a Hugging Face model folder: ``config.json``
+"""A Llama-family model's (or the bundled GPT's, as GPT-2: ``hf_gpt2.py``) params written
+out as a Hugging Face model folder: ``config.json``
 plus ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors`` and
 ``model.safetensors.index.json``), the layout transformers' ``save_pretrained`` writes and
 ``from_pretrained`` reads.
@@ -32,7 +33,8 @@ import numpy as np
 
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import layers
+from jaxstep.models import hf_gpt2, layers
+from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, rope_settings
 from jaxstep.models.hf_weights import INDEX, SINGLE, expected_shapes, hf_names
 from jaxstep.models.llama import LlamaConfig
@@ -64,7 +66,7 @@ class Tensor(NamedTuple):
 
 def save_pretrained(
   folder: str | pathlib.Path,
-  cfg: LlamaConfig,
+  cfg: LlamaConfig | GPTConfig,
   params: dict,
   *,
   architecture: str,
@@ -108,9 +110,14 @@ def save_pretrained(
   return folder
 
 
-def check_architecture(cfg: LlamaConfig, architecture: str) -> None:
+def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
   """``ConfigError`` unless ``architecture`` is supported and has exactly ``cfg``'s q/k/v
-  biases and q/k norms (otherwise transformers would build other tensors than those written)."""
+  biases and q/k norms (otherwise transformers would build other tensors than those written);
+  the bundled GPT is ``GPT2LMHeadModel``."""
+  if isinstance(cfg, GPTConfig) or architecture == hf_gpt2.ARCHITECTURE:
+    if not (isinstance(cfg, GPTConfig) and architecture == hf_gpt2.ARCHITECTURE):
+      raise ConfigError(f"the bundled GPT exports as {hf_gpt2.ARCHITECTURE} and only as it")
+    return
   if architecture not in ARCHITECTURES:
     raise ConfigError(
       f"architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -125,7 +132,11 @@ def check_architecture(cfg: LlamaConfig, architecture: str) -> None:
 
 
 def export_config(
-  cfg: LlamaConfig, architecture: str, *, dtype: str = "float32", base_config: dict | None = None
+  cfg: LlamaConfig | GPTConfig,
+  architecture: str,
+  *,
+  dtype: str = "float32",
+  base_config: dict | None = None,
 ) -> dict:
   """The ``config.json`` dict of ``cfg``'s model: ``base_config`` (left unchanged) with the
   fields jaxstep knows updated, else one built from ``cfg`` alone.
@@ -136,6 +147,8 @@ def export_config(
   top-level ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters``
   (transformers 5), which agree."""
   check_architecture(cfg, architecture)
+  if isinstance(cfg, GPTConfig):
+    return hf_gpt2.export_config(cfg, dtype=dtype, base_config=copy.deepcopy(base_config))
   hf = copy.deepcopy(base_config) if base_config else _fresh(architecture)
   longest = max(cfg.max_seq_len, int(hf.get("max_position_embeddings") or 0))
   hf.update(
@@ -196,7 +209,7 @@ def _set_rope(hf: dict, cfg: LlamaConfig, *, fresh: bool) -> None:
     hf["rope_theta"], hf["rope_scaling"] = theta, old
 
 
-def tensors_of(cfg: LlamaConfig, params: dict) -> list[Tensor]:
+def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict) -> list[Tensor]:
   """Every tensor of the export, in ``hf_names`` order, checked against ``cfg``'s shapes
   (nothing is gathered yet). ``params``' layout (per block or stacked) is read from the
   tree itself."""

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxstep.errors import ConfigError, first_line
+from jaxstep.models import hf_gpt2
+from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.llama import LlamaConfig
 
 SINGLE = "model.safetensors"
@@ -51,9 +53,12 @@ def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
   )
 
 
-def hf_names(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, bool]]:
+def hf_names(cfg: LlamaConfig | GPTConfig, names=()) -> Iterator[tuple[tuple, str, bool]]:
   """``(params path, HF tensor name, transposed)`` for every parameter of ``cfg``'s model in
-  the per-block layout."""
+  the per-block layout (GPT-2: spelled as the checkpoint tensor ``names`` are, if given)."""
+  if isinstance(cfg, GPTConfig):
+    yield from hf_gpt2.hf_names(cfg, hf_gpt2.prefix_of(names) if names else hf_gpt2.PREFIX)
+    return
   yield ("embed_tokens", "embedding"), "model.embed_tokens.weight", False
   for i in range(cfg.n_layers):
     hf, ours = f"model.layers.{i}.", ("blocks", i)
@@ -105,7 +110,7 @@ def read_params(
   folder = pathlib.Path(folder)
   files = weight_files(folder)
   shapes = expected_shapes(cfg)
-  wanted = list(hf_names(cfg))
+  wanted = list(hf_names(cfg, files))
   missing = [name for _, name, _ in wanted if name not in files]
   if missing:
     raise ConfigError(
@@ -158,7 +163,13 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 def unused_tensors(folder: str | pathlib.Path, cfg: LlamaConfig) -> list[str]:
   """Tensors in the folder that no parameter of ``cfg`` takes (known buffers left out)."""
-  used = {name for _, name, _ in hf_names(cfg)}
+  files = weight_files(folder)
+  used = {name for _, name, _ in hf_names(cfg, files)}
+  gpt = isinstance(cfg, GPTConfig)
   return sorted(
-    n for n in weight_files(folder) if n not in used and not n.endswith(IGNORED_SUFFIXES)
+    n
+    for n in files
+    if n not in used
+    and not n.endswith(IGNORED_SUFFIXES)
+    and not (gpt and hf_gpt2.is_ignored(n, cfg))
   )

@@ -5,9 +5,10 @@ run's tokenizer files — its chat template and generation config among them —
 as it is.
 
 The architecture is the one the run was imported as (its ``hf_config.json``, whose other
-fields are kept), else the one a Llama-family model's settings name: q/k norms → Qwen3,
-q/k/v biases → Qwen2, neither → Llama. The bundled GPT has no Hugging Face counterpart
-here: exporting it is refused.
+fields are kept), else the one the model's settings name: the bundled GPT is GPT-2; a
+Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
+A run on the byte tokenizer has no tokenizer file to write: the folder then holds the model
+alone.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import pathlib
 import shutil
 
 from jaxstep.data import hf_folder
-from jaxstep.errors import ConfigError
-from jaxstep.models import LlamaConfig, hf_config, hf_export
+from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_gpt2
 from jaxstep.trainer import saved_run
 
 
-def architecture_of(model_cfg: LlamaConfig, base: dict | None) -> str:
-  """The base's architecture, else the one ``model_cfg``'s q/k/v settings name."""
+def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> str:
+  """The base's architecture, else the one ``model_cfg``'s settings name."""
   if base is not None:
     return hf_config.architecture(base, saved_run.BASE_CONFIG)
+  if isinstance(model_cfg, GPTConfig):
+    return hf_gpt2.ARCHITECTURE
   if model_cfg.qk_norm:
     return "Qwen3ForCausalLM"
   return "Qwen2ForCausalLM" if model_cfg.attention_bias else "LlamaForCausalLM"
@@ -44,11 +46,6 @@ def export_run(
   empty or a model folder (``hf_export.save_pretrained``'s rule)."""
   run_dir = pathlib.Path(run_dir)
   cfg = saved_run.read_config(run_dir)
-  if not isinstance(cfg.model, LlamaConfig):
-    raise ConfigError(
-      f"{run_dir} trains the bundled GPT (model.family gpt), which has no Hugging Face "
-      f"architecture to export to; export takes runs of model.family llama"
-    )
   base_file = run_dir / saved_run.BASE_CONFIG
   base = json.loads(base_file.read_text()) if base_file.is_file() else None
   arch = architecture_of(cfg.model, base)

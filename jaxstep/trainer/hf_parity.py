@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxstep.core.check import Stage
 from jaxstep.errors import ConfigError
-from jaxstep.models import Llama, hf_config, hf_weights
+from jaxstep.models import GPT, GPTConfig, Llama, hf_config, hf_gpt2, hf_weights
 
 TOLERANCE = 1e-4  # max |jaxstep - transformers| / max |transformers| per stage, fp32
 DEFAULT_SHAPE = (2, 16)  # rows × ids of the default batch
@@ -101,7 +101,8 @@ def read_model(folder: pathlib.Path, seq_len: int):
   ids, a missing, mis-shaped or unused tensor), without its tokenizer: the comparison
   needs none, so a folder of weights alone can be checked."""
   hf, where = hf_config.read_config(folder), str(folder / hf_config.CONFIG)
-  config = hf_config.model_config(hf, where, max_seq_len=seq_len)
+  gpt = hf_config.architecture(hf, where) == hf_gpt2.ARCHITECTURE  # positions are weights
+  config = hf_config.model_config(hf, where, **({} if gpt else {"max_seq_len": seq_len}))
   hf_config.check_sliding_window(hf, seq_len, where)
   if unused := hf_weights.unused_tensors(folder, config):
     raise ConfigError(
@@ -114,7 +115,8 @@ def read_model(folder: pathlib.Path, seq_len: int):
 def jaxstep_stages(config, params, tokens) -> list[np.ndarray]:
   """The embeddings, each block's output, the final norm and the logits of ``tokens``
   through the model of ``config`` with ``params`` (a ``load_pretrained``'s), no dropout."""
-  abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  module = GPT if isinstance(config, GPTConfig) else Llama
+  abstract = nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest = nnx.to_pure_dict(rest)
 
@@ -126,7 +128,8 @@ def jaxstep_stages(config, params, tokens) -> list[np.ndarray]:
     for block in model._block_list():
       x = block(x, rng=None, train=False)
       stages.append(x)
-    return [*stages, model.norm(x), model(ids)]  # the logits: the whole forward pass
+    final_norm = model.ln_f if module is GPT else model.norm
+    return [*stages, final_norm(x), model(ids)]  # the logits: the whole forward pass
 
   with jax.default_matmul_precision("highest"):  # fp32 dots, not TF32 on a GPU
     stages = run(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens))
@@ -154,8 +157,12 @@ def transformers_stages(folder, tokens) -> tuple[list[np.ndarray], str]:
     if bars:
       transformers.utils.logging.enable_progress_bar()
   model = model.to(torch.float32).eval()  # a bf16 folder is widened exactly, as jaxstep's
-  decoder = model.model
-  modules = [decoder.embed_tokens, *decoder.layers, decoder.norm]
+  if hasattr(model, "transformer"):  # GPT-2: token + position embeddings, then dropout
+    decoder = model.transformer
+    modules = [decoder.drop, *decoder.h, decoder.ln_f]
+  else:
+    decoder = model.model
+    modules = [decoder.embed_tokens, *decoder.layers, decoder.norm]
   caught: dict[int, np.ndarray] = {}
 
   def catch(i):

@@ -19,14 +19,14 @@ import numpy as np
 
 from jaxstep.data import hf_folder
 from jaxstep.errors import ConfigError
-from jaxstep.models import LlamaConfig, hf_config, hf_export, hf_weights
+from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_weights
 
 
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
   """What ``load_pretrained`` read from a folder."""
 
-  config: LlamaConfig  # the model's shape, plus the kernel options given to load_pretrained
+  config: LlamaConfig | GPTConfig  # the model's shape, plus the kernel options given
   params: dict  # per-block layout unless scan_layers; leaves as ``place`` returned them
   tokenizer: object  # jaxstep.data.hf_folder's tokenizer: the folder's special ids, stop ids
   chat_template: str | None  # the jinja2 template (render with jaxstep.data.hf_folder.render_chat)

@@ -1,0 +1,113 @@
+"""Hugging Face's ``GPT2LMHeadModel`` as the bundled GPT, both ways.
+
+The bundled GPT is GPT-2's network: learned position embeddings, pre-LayerNorm blocks with
+one fused q/k/v projection laid out ``[q | k | v]`` (heads contiguous inside each), the
+tanh-approximated GELU (GPT-2's ``gelu_new``), biases on every projection and LayerNorm, a
+final LayerNorm and a head tied to the token embeddings. GPT-2's ``Conv1D`` stores its
+weights ``[in, out]`` as flax does, so no kernel is transposed; only an untied
+``lm_head.weight`` (a PyTorch ``Linear``) is. ``layer_norm_epsilon`` becomes
+``model.layer_norm_eps``, ``n_positions`` ``model.max_seq_len`` (the position embedding's
+rows); the vocabulary is exactly the checkpoint's.
+
+Checkpoints name their tensors with a ``transformer.`` prefix (what ``save_pretrained``
+writes) or without one (the original OpenAI conversion); both are read, the prefix is
+written. Settings this network does not compute (another activation,
+``scale_attn_by_inverse_layer_idx``, cross-attention) are refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jaxstep.errors import ConfigError
+from jaxstep.models.gpt import GPTConfig
+
+ARCHITECTURE = "GPT2LMHeadModel"
+PREFIX = "transformer."
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are GELU's tanh approximation
+# Causal-mask buffers older GPT-2 checkpoints carry beside the parameters.
+BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+def model_config(hf: dict, where: str, **options) -> GPTConfig:
+  """The ``GPTConfig`` of a GPT-2 ``config.json``; ``options`` as ``hf_config.model_config``'s."""
+  act = hf.get("activation_function", "gelu_new")
+  if act not in ACTIVATIONS:
+    raise ConfigError(f"{where}: activation_function {act!r} is not supported (gelu_new only)")
+  for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+    if hf.get(key):
+      raise ConfigError(f"{where}: {key}=true is not supported for {ARCHITECTURE}")
+  if hf.get("scale_attn_weights") is False:
+    raise ConfigError(f"{where}: scale_attn_weights=false is not supported for {ARCHITECTURE}")
+  d_model = int(hf.get("n_embd", 768))
+  inner = int(hf.get("n_inner") or 4 * d_model)
+  if inner % d_model:
+    raise ConfigError(f"{where}: n_inner {inner} is not a multiple of n_embd {d_model}")
+  fields = {
+    "vocab_size": int(hf.get("vocab_size", 50257)),
+    "max_seq_len": int(hf.get("n_positions", 1024)),
+    "d_model": d_model,
+    "n_layers": int(hf.get("n_layer", 12)),
+    "n_heads": int(hf.get("n_head", 12)),
+    "mlp_ratio": inner // d_model,
+    "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    "layer_norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+  }
+  return GPTConfig(**{**fields, **options})
+
+
+def hf_names(cfg: GPTConfig, prefix: str = PREFIX) -> Iterator[tuple[tuple, str, bool]]:
+  """``(params path, HF tensor name, transposed)`` for every parameter of the GPT in the
+  per-block layout; ``prefix``: the checkpoint's (``transformer.`` or none)."""
+  yield ("embed", "embedding"), f"{prefix}wte.weight", False
+  yield ("pos_embed", "embedding"), f"{prefix}wpe.weight", False
+  for i in range(cfg.n_layers):
+    hf, ours = f"{prefix}h.{i}.", ("blocks", i)
+    for mine, theirs in (
+      ("ln1", "ln_1"),
+      ("qkv", "attn.c_attn"),
+      ("proj", "attn.c_proj"),
+      ("ln2", "ln_2"),
+      ("fc", "mlp.c_fc"),
+      ("out", "mlp.c_proj"),
+    ):
+      weight = "scale" if mine.startswith("ln") else "kernel"
+      yield (*ours, mine, weight), f"{hf}{theirs}.weight", False
+      yield (*ours, mine, "bias"), f"{hf}{theirs}.bias", False
+  yield ("ln_f", "scale"), f"{prefix}ln_f.weight", False
+  yield ("ln_f", "bias"), f"{prefix}ln_f.bias", False
+  if not cfg.tie_embeddings:
+    yield ("head", "kernel"), "lm_head.weight", True
+
+
+def prefix_of(names) -> str:
+  """The prefix a checkpoint's tensor names use."""
+  return PREFIX if any(n.startswith(PREFIX) for n in names) else ""
+
+
+def is_ignored(name: str, cfg: GPTConfig) -> bool:
+  """A tensor that is not a parameter here: a mask buffer, or a tied head's copy."""
+  return name.endswith(BUFFERS) or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def export_config(cfg: GPTConfig, *, dtype: str, base_config: dict | None) -> dict:
+  """``config.json`` of the GPT as ``GPT2LMHeadModel``: ``base_config`` updated, or fresh."""
+  hf = dict(base_config or {})
+  hf.update(
+    architectures=[ARCHITECTURE],
+    model_type="gpt2",
+    vocab_size=cfg.vocab_size,
+    n_positions=cfg.max_seq_len,  # the rows of the position embedding
+    n_embd=cfg.d_model,
+    n_layer=cfg.n_layers,
+    n_head=cfg.n_heads,
+    n_inner=cfg.mlp_ratio * cfg.d_model,
+    activation_function="gelu_new",
+    layer_norm_epsilon=cfg.layer_norm_eps,
+    tie_word_embeddings=cfg.tie_embeddings,
+    scale_attn_weights=True,
+    scale_attn_by_inverse_layer_idx=False,
+  )
+  for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
+    hf[key] = dtype
+  return hf
