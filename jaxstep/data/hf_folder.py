@@ -24,25 +24,22 @@ Special ids, and why:
   EOS (and maybe PAD) are one id, so code that tells them apart by id must ask ``has_bos``.
 
 ``encode`` adds no special token and keeps special-token text as text, like every jaxstep
-tokenizer. ``render_chat`` renders a chat template exactly as transformers'
-``apply_chat_template`` does (same sandboxed Jinja environment and helpers).
+tokenizer; ``encode_rendered`` reads a rendered chat template's special tokens as their ids.
+The tokenizer carries the folder's ``chat_template`` (None: it has none), which chat data is
+rendered with (``jaxstep.data.samples``). ``render_chat`` (from ``jaxstep.data.chat_template``)
+renders a template exactly as transformers' ``apply_chat_template`` does.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import pathlib
 import re
-from collections.abc import Mapping
-from datetime import datetime
 
-import jinja2
 import numpy as np
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jaxstep.data.chat_template import render_chat  # noqa: F401 - re-exported
 from jaxstep.data.tokenizer import HFTokenizer, SentencePieceTokenizer, _describe
 from jaxstep.errors import DataError
 
@@ -52,8 +49,6 @@ SPECIAL_MAP = "special_tokens_map.json"
 GENERATION = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 ROLES = ("bos", "eos", "pad", "unk")
-# transformers' named special tokens: a template sees only those that are set.
-TOKEN_KEYS = {f"{r}_token" for r in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")}
 # every file of a model folder that belongs to its tokenizer, special tokens or chat template
 FILES = (
   *TOKENIZER_FILES,
@@ -96,14 +91,19 @@ def folder_tokenizer(folder: str | pathlib.Path) -> FolderHFTokenizer | FolderSP
     raise DataError(f"{folder} has neither {' nor '.join(TOKENIZER_FILES)}: not a model folder")
   declared = _declared(folder)
   cls = FolderHFTokenizer if path.suffix == ".json" else FolderSPTokenizer
-  return cls(path, declared)
+  tok = cls(path, declared)
+  tok.chat_template = chat_template(folder)
+  return tok
 
 
 class _FolderSpecials:
   """The folder's special ids on top of a loaded tokenizer (``vocab_size`` already set):
   ``PAD``/``BOS``/``EOS`` as every jaxstep tokenizer has them, and ``bos_id`` (None: the
   folder declares none), ``has_bos``, ``stop_ids`` (EOS first), ``template_tokens`` (the
-  declared ``bos_token``… strings, for ``render_chat``) and ``files`` (name → SHA-256)."""
+  declared ``bos_token``… strings, for ``render_chat``), ``files`` (name → SHA-256) and
+  ``chat_template`` (set by ``folder_tokenizer``)."""
+
+  chat_template: str | None = None
 
   def _set_specials(self, declared: dict, token_to_id, prepends_bos) -> None:
     ids = {role: self._lookup(declared, role, token_to_id) for role in ROLES[:3]}
@@ -170,15 +170,18 @@ class FolderHFTokenizer(_FolderSpecials, HFTokenizer):
     unk = getattr(self._tok.model, "unk_token", None)
     self.unknown_id = self._tok.token_to_id(unk) if unk else None
 
-  def encode_rendered(self, text: str) -> np.ndarray:
+  def encode_rendered(self, text: str, offsets: bool = False):
     """Ids of a rendered chat template (``render_chat``'s text): the special tokens written
     in it (``<|im_start|>``, ``<|eot_id|>``, …) become their own ids, as transformers'
-    ``apply_chat_template(tokenize=True)`` gives; ``encode`` keeps such text as text."""
+    ``apply_chat_template(tokenize=True)`` gives; ``encode`` keeps such text as text. With
+    ``offsets``: ``(ids, int64[n, 2])``, each token's character range in ``text``."""
     self._tok.encode_special_tokens = False
     try:
-      return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+      encoding = self._tok.encode(text, add_special_tokens=False)
     finally:
       self._tok.encode_special_tokens = True
+    ids = np.asarray(encoding.ids, np.int32)
+    return (ids, np.asarray(encoding.offsets, np.int64).reshape(-1, 2)) if offsets else ids
 
   def _prepends(self, bos_id: int) -> bool:
     """Whether the post-processor starts an encoding with ``bos_id``."""
@@ -202,19 +205,38 @@ class FolderSPTokenizer(_FolderSpecials, SentencePieceTokenizer):
     self._set_specials(declared, self._piece_id, lambda bos_id: True)
     self.unknown_id = self._sp.unk_id() if self._sp.unk_id() >= 0 else None
 
-  def encode_rendered(self, text: str) -> np.ndarray:
+  def encode_rendered(self, text: str, offsets: bool = False):
     """Ids of a rendered chat template: each declared special token written in it (BOS,
-    EOS, PAD) becomes its id; the text between is encoded as text."""
+    EOS, PAD) becomes its id; the text between is encoded as text. With ``offsets``: ``(ids,
+    int64[n, 2])``, each token's character range in ``text``."""
     specials = {t: i for t, i in self._special_strings().items() if t}
-    if not specials:
-      return self.encode(text)
-    pattern = "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")"
-    ids = []
-    for part in re.split(pattern, text):
-      ids.extend(
-        [specials[part]] if part in specials else self.encode(part).tolist() if part else []
-      )
-    return np.asarray(ids, np.int32)
+    parts = [text]
+    if specials:
+      pattern = "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")"
+      parts = re.split(pattern, text)
+    ids, spans, at = [], [], 0
+    for part in parts:
+      if part in specials:
+        ids.append(specials[part])
+        spans.append((at, at + len(part)))
+      elif part:
+        got = self._pieces_at(part) if offsets else [(i, 0, 0) for i in self.encode(part)]
+        ids.extend(i for i, _, _ in got)
+        spans.extend((at + a, at + b) for _, a, b in got)
+      at += len(part)
+    ids = np.asarray(ids, np.int32)
+    return (ids, np.asarray(spans, np.int64).reshape(-1, 2)) if offsets else ids
+
+  def _pieces_at(self, text: str) -> list[tuple[int, int, int]]:
+    """``(id, start, end)`` per piece of ``text``, as character offsets (SentencePiece
+    reports bytes)."""
+    from sentencepiece import sentencepiece_pb2
+
+    serialized = self._sp.encode(text, out_type="serialized_proto")
+    proto = sentencepiece_pb2.SentencePieceText.FromString(serialized)
+    sizes = [len(c.encode("utf-8")) for c in text]
+    char_at = np.cumsum([0, *sizes]) if sizes else np.zeros(1, np.int64)  # byte → char
+    return [(p.id, *map(int, np.searchsorted(char_at, [p.begin, p.end]))) for p in proto.pieces]
 
   def _special_strings(self) -> dict:
     roles = {"bos_token": self.bos_id, "eos_token": self.EOS, "pad_token": self.PAD}
@@ -295,141 +317,3 @@ def chat_template(folder: str | pathlib.Path) -> str | None:
   if "default" not in named:
     raise DataError(f"{folder / CONFIG} has chat templates {sorted(named)} but no 'default'")
   return named["default"]
-
-
-def render_chat(
-  template: str,
-  messages: list[dict],
-  *,
-  bos_token: str | None,
-  eos_token: str | None,
-  add_generation_prompt: bool = False,
-  **extra,
-) -> str:
-  """``messages`` rendered by ``template`` as transformers' ``apply_chat_template(...,
-  tokenize=False)`` renders them: message keys whose value is None dropped, reasoning also
-  under ``thinking``/``reasoning_content``, all data copied to plain types, a None special
-  token left undefined (``{{ bos_token }}`` renders nothing for Qwen), ``tools`` and
-  ``documents`` None unless ``extra`` gives them. ``DataError`` when the template is not
-  valid Jinja or refuses the messages (``raise_exception``)."""
-  given = {"bos_token": bos_token, "eos_token": eos_token, **extra}
-  kwargs = _plain({k: v for k, v in given.items() if v is not None or k not in TOKEN_KEYS})
-  tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-  chat = _alias_reasoning(_plain([{k: v for k, v in m.items() if v is not None} for m in messages]))
-  try:
-    return _compile(template).render(
-      messages=chat,
-      tools=tools,
-      documents=documents,
-      add_generation_prompt=add_generation_prompt,
-      **kwargs,
-    )
-  except jinja2.TemplateError as e:
-    raise DataError(f"chat template: {type(e).__name__}: {e}") from None
-
-
-# The names a message's reasoning goes by; templates read the first.
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning(chat: list[dict]) -> list[dict]:
-  """Each message's reasoning also under ``thinking`` and ``reasoning_content``."""
-  out = []
-  for m in chat:
-    reasoning = next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)
-    if reasoning is not None:
-      m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-    out.append(m)
-  return out
-
-
-def _plain(value):
-  """``value`` rebuilt from plain JSON-like types (subclasses cut back to their base); any
-  other object becomes ``"<TypeName>"``, so a template never reaches an object's methods."""
-  if value is None or type(value) in (str, int, float, bool):
-    return value
-  for base in (str, int, float):
-    if isinstance(value, base):
-      return base(value)
-  if isinstance(value, Mapping):
-    return {_plain(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v) for v in value]
-  if isinstance(value, tuple):
-    return tuple(_plain(v) for v in value)
-  if isinstance(value, np.generic):
-    return _plain(value.item())
-  return f"<{type(value).__name__}>"
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-  """``template`` compiled in transformers' chat-template environment: sandboxed, immutable,
-  ``trim_blocks``/``lstrip_blocks``, loop controls, and its globals and ``tojson``."""
-  env = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
-  )
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-  env.globals["dict"] = _TemplateDict()
-  env.globals["namespace"] = _Namespace
-  return env.from_string(template)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-  """transformers' ``tojson``: ``json.dumps``, without Jinja's HTML escaping."""
-  return json.dumps(
-    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-  )
-
-
-def _raise_exception(message):
-  raise jinja2.exceptions.TemplateError(message)
-
-
-class _TemplateDict:
-  """``dict(...)`` and ``dict.fromkeys(...)`` in a template, and nothing else of the type."""
-
-  def __call__(self, *args, **kwargs):
-    return dict(*args, **kwargs)
-
-  def fromkeys(self, *args, **kwargs):
-    return dict.fromkeys(*args, **kwargs)
-
-
-def _check_name(name) -> None:
-  if isinstance(name, str) and name.startswith("_"):
-    raise jinja2.exceptions.SecurityError(
-      f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}"
-    )
-
-
-class _Namespace(jinja2.utils.Namespace):
-  """Jinja's ``namespace``, refusing underscore names (a way into CPython internals)."""
-
-  def __init__(*args, **kwargs):  # Jinja's signature trick: ``namespace(self=...)`` works
-    self, args = args[0], args[1:]
-    attrs = dict(*args, **kwargs)
-    for name in attrs:
-      _check_name(name)
-    jinja2.utils.Namespace.__init__(self, attrs)
-
-  def __setitem__(self, name, value):
-    _check_name(name)
-    jinja2.utils.Namespace.__setitem__(self, name, value)
-
-
-class _Generation(Extension):
-  """``{% generation %}…{% endgeneration %}``, which marks assistant text for transformers'
-  assistant masks: renders its body unchanged."""
-
-  tags = {"generation"}
-
-  def parse(self, parser):
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-  def _body(self, caller):
-    return caller()

@@ -7,10 +7,12 @@ the current shard of its split; memory holds one batch of documents, never the c
 ``out/`` then holds, per split (``train``, ``eval``):
 
 - ``<split>-00000.bin`` …: the token stream, uint16 when the vocabulary fits, else uint32.
-  A text document is ``BOS tokens EOS``; a chat document ``BOS`` then per message
-  ``<|role|>\\n content EOS`` (as ``samples.encode_chat`` writes it).
+  A text document is ``BOS tokens EOS``; a chat document is rendered by the model folder's
+  chat template when the tokenizer has one, else ``BOS`` then per message
+  ``<|role|>\\n content EOS`` (``samples.encode_chat``).
 - ``<split>-00000.flags.bin`` … (chat only): uint8, 1 where the token may be a target
-  (assistant content and its EOS). Text needs none: every token but BOS is a target.
+  (the assistant's tokens, its end-of-turn token among them). Text needs none: every token
+  but each document's first is a target.
 - ``<split>.docs.bin``: uint64 offsets where each document starts in the stream.
 
 and ``manifest.json``: the format version, the tokenizer (kind, file, size, special ids),
