@@ -273,3 +273,24 @@ def test_text_from_a_folder_without_bos_masks_document_starts_by_position(folder
   assert np.array_equal(got, expected[: len(got)])
   eos_at = np.flatnonzero(tokens[: len(got)] == tok.EOS)
   assert {bool(got[i]) for i in eos_at} == {True, False}  # ends learned, starts not
+
+
+def test_the_sft_hf_config_fine_tunes_a_model_folder_on_chat_and_exports(
+  folder,  # noqa: F811
+  tmp_path,
+  monkeypatch,
+  capsys,
+):
+  from test_chat_sft import CHATML
+
+  path, _ = folder
+  (path / "chat_template.jinja").write_text(CHATML)  # renders turns incrementally
+  monkeypatch.setenv("HF_MODEL", str(path))
+  run_dir = tmp_path / "sft"
+  args = ["--config", "sft-hf", f"run_dir={run_dir}", "train.max_steps=2", "train.seq_len=64"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "mesh.cpu_devices=1"]
+  assert run_command("train", args) == 0, capsys.readouterr().err
+  cfg = jaxstep.load_run(run_dir).cfg
+  assert cfg.model.init_from == str(path) and cfg.data.format == "chat"
+  assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+  assert (tmp_path / "hf" / "chat_template.jinja").read_text() == CHATML
