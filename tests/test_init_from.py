@@ -210,22 +210,38 @@ def test_a_gpt2_folder_trains_as_the_bundled_gpt_and_exports_the_same_names(gpt2
 
 
 @pytest.mark.slow
-def test_a_resumed_run_from_a_folder_equals_the_straight_run(folder, tmp_path):  # noqa: F811
-  """The second half starts from the checkpoint, not again from the folder's weights."""
+def test_a_run_from_a_folder_killed_with_sigkill_resumes_bitwise(folder, tmp_path):  # noqa: F811
+  """The resumed half starts from its checkpoint, not again from the folder's weights."""
+  import signal
+  import time
+
+  import jax
   from conftest import restore_state_arrays
 
   path, _ = folder
-  straight = run_cfg(tmp_path / "a", path, "train.max_steps=4")
-  trainer.train(straight)
-  half = run_cfg(tmp_path / "b", path, "train.max_steps=2")
-  trainer.train(half)
-  trainer.train(run_cfg(tmp_path / "b", path, "train.max_steps=4"))
-  import jax
+  corpus(tmp_path)
+  args = [f"model.init_from={path}", f"data.path={tmp_path / 'corpus.txt'}"]
+  args += [f"train.global_batch_size={G}", f"train.grad_accum_steps={K}", f"train.seq_len={S}"]
+  args += ["train.max_steps=8", "train.eval_every=0", "checkpoint.every=2", "mesh.cpu_devices=1"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
-  _, a = restore_state_arrays(tmp_path / "a" / "run")
-  _, b = restore_state_arrays(tmp_path / "b" / "run")
+  def command(name):
+    return [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / name}"]
+
+  done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
+  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while not (tmp_path / "killed" / "checkpoints" / "4").exists() and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0 and "resumed from the checkpoint of update step" in done.stderr
+  (step_a, a), (step_b, b) = (restore_state_arrays(tmp_path / n) for n in ("straight", "killed"))
+  assert step_a == step_b == 8
   pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  assert all(np.array_equal(x, y) for x, y in pairs)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
 
 
 FSDP_SCRIPT = """
