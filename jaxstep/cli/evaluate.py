@@ -1,7 +1,14 @@
-"""``jaxstep evaluate RUN_DIR --data PATH``: a trained run's loss, perplexity and bits per
-byte on any data — text, JSONL or chat files, a directory, a glob, ``bundled:…`` or a
-prepared folder — with the run's tokenizer, window length, packing and loss masks, and raw
-input read in the run's data format unless ``--format`` says otherwise.
+"""``jaxstep evaluate PATH --data DATA``: a trained run's (or a Hugging Face model
+folder's) loss, perplexity and bits per byte on any data — text, JSONL or chat files, a
+directory, a glob, ``bundled:…`` or a prepared folder — with the run's tokenizer, window
+length, packing and loss masks, and raw input read in the run's data format unless
+``--format`` says otherwise.
+
+``PATH`` is a run directory (``--step N`` picks a checkpoint) or a model folder
+(``config.json`` and no ``config.yaml``): its weights and tokenizer, with the defaults a run
+started from it would have: windows of ``train.seq_len`` 128 tokens (fewer when the model
+takes fewer positions), ``train.global_batch_size`` 32 windows a batch (``--batch-size``),
+never more than the windows there are.
 
 Bits per byte = the nats of all targets ÷ (ln 2 × the UTF-8 bytes they stand for); it does
 not depend on the tokenizer, so runs with different vocabularies compare on one text.
@@ -39,7 +46,9 @@ def parser() -> argparse.ArgumentParser:
     help="how raw input becomes documents (default: the format the run's data was read in)",
   )
   p.add_argument("--split", default="all", choices=SPLITS, help="a prepared folder's split")
-  p.add_argument("--batch-size", type=_count, default=0, help="windows per batch (0: the run's G)")
+  p.add_argument(
+    "--batch-size", type=_count, default=0, help="windows per batch (0: train.global_batch_size)"
+  )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   return p
 
@@ -67,8 +76,9 @@ def evaluate(args) -> int:
   if args.json:
     print(records.dumps(result))
   else:
+    source = "model folder" if saved.model_folder else f"update step {result['step']}"
     print(
-      f"update step {result['step']} on {args.data} (format {fmt}): loss {result['loss']:.4f}  ppl "
+      f"{source} on {args.data} (format {fmt}): loss {result['loss']:.4f}  ppl "
       f"{result['ppl']:.3f}  bits/byte {result['bpb']:.4f}  ({result['tokens']} tokens, "
       f"{result['bytes']} bytes, {result['windows']} windows)"
     )

@@ -1,10 +1,15 @@
-"""``jaxstep generate RUN_DIR``: continue text prompts with a trained run's model.
+"""``jaxstep generate PATH``: continue text prompts (or answer them, ``--chat``) with a
+trained run's model or a Hugging Face model folder's.
 
-Reads the run's ``config.yaml``, its tokenizer and the params of its newest valid checkpoint
-(``--step N`` for another), on whatever devices are here. Prompts come from ``--prompt``
-(repeatable), ``--prompts-file`` (one per line) or, with neither, the run's
-``train.sample_prompts``. Each prompt starts a document (BOS first, as in training); a row
-stops at EOS, after ``--max-new-tokens``, or at the model's ``max_seq_len``.
+``PATH`` is a run directory (its ``config.yaml``, its tokenizer and the params of its newest
+valid checkpoint, ``--step N`` for another) or a model folder (``config.json`` and no
+``config.yaml``: its weights, tokenizer and chat template; no ``--step``), read onto this
+process's first device. Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (one
+per line) or, with neither, ``train.sample_prompts``. Each prompt starts a document (BOS
+first, as in training, unless the model's tokenizer starts texts with none); with ``--chat``
+each is one user message rendered by the model's chat template with the assistant's turn
+opened, and only the reply is printed. A row stops at a stop id (EOS, and a model folder's
+end-of-turn ids), after ``--max-new-tokens``, or at the model's ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
   p.add_argument("--no-cache", action="store_true", help="recompute everything per token")
   p.add_argument("--json", action="store_true", help="one JSON object per sample per line")
+  p.add_argument(
+    "--chat", action="store_true", help="each prompt is a user message for the chat template"
+  )
   return p
 
 
@@ -52,6 +60,34 @@ def read_prompts(args, default: tuple[str, ...]) -> list[str]:
   return prompts or list(default)
 
 
+def chat_prompt_ids(saved, prompts: list[str], where) -> list:
+  """Each prompt as one user message rendered by the model's chat template with the
+  assistant's turn opened (``add_generation_prompt``), tokenized as transformers'
+  ``apply_chat_template(tokenize=True)`` does (``encode_rendered``: the template writes its
+  own start token). ``ConfigError`` when ``where`` has no chat template."""
+  from jaxstep.data.hf_folder import render_chat
+
+  if saved.chat_template is None:
+    raise ConfigError(
+      f"{where} has no chat template (chat_template.jinja, or chat_template in "
+      f"tokenizer_config.json): --chat needs one"
+    )
+  tokenizer, out = saved.tokenizer, []
+  for i, prompt in enumerate(prompts):
+    if not prompt:
+      raise PromptError(f"prompt {i + 1} is empty; give a message")
+    try:
+      prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise PromptError(f"prompt {i + 1} is not valid text ({e.reason})") from None
+    chat = [{"role": "user", "content": prompt}]
+    text = render_chat(
+      saved.chat_template, chat, add_generation_prompt=True, **tokenizer.template_tokens
+    )
+    out.append(tokenizer.encode_rendered(text))
+  return out
+
+
 def main(argv=None) -> int:
   return run_dir_command(generate, parser().parse_args(argv))
 
@@ -65,6 +101,7 @@ def generate(args) -> int:
   check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.num_samples)
   saved = load_run(args.run_dir, args.step)
   prompts = read_prompts(args, saved.cfg.train.sample_prompts)
+  encoded = chat_prompt_ids(saved, prompts, args.run_dir) if args.chat else None
   dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
   gen = Generator(
     saved.cfg.model, saved.params, saved.tokenizer, dtype=dtype, use_cache=not args.no_cache
@@ -74,6 +111,7 @@ def generate(args) -> int:
     max_new_tokens=args.max_new_tokens,
     num_samples=args.num_samples,
     option="--num-samples",
+    encoded=encoded,
   )
   start = time.perf_counter()
   samples = gen.generate(
@@ -84,6 +122,7 @@ def generate(args) -> int:
     top_p=args.top_p,
     seed=args.seed,
     num_samples=args.num_samples,
+    encoded=encoded,
   )
   seconds = time.perf_counter() - start
   for i, s in enumerate(samples):
@@ -92,8 +131,9 @@ def generate(args) -> int:
         {"prompt": s.prompt, "text": s.text, "tokens": s.tokens, "stop_reason": s.stop_reason}
       ))  # fmt: skip
     else:
-      print(f"--- sample {i + 1} (update step {saved.step}, stop: {s.stop_reason})")
-      print(s.prompt + s.text)
+      source = "model folder" if saved.model_folder else f"update step {saved.step}"
+      print(f"--- sample {i + 1} ({source}, stop: {s.stop_reason})")
+      print(s.text if args.chat else s.prompt + s.text)
   sys.stdout.flush()
   new = sum(len(s.tokens) for s in samples)
   log.info("%d samples, %d new tokens in %.2f s (compile included)", len(samples), new, seconds)

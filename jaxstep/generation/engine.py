@@ -10,7 +10,9 @@ again for every token (``use_cache=False`` forces that for the GPT too).
 
 A row stops at a stop id (EOS, and a pretrained model folder's other ``stop_ids``), after
 ``max_new_tokens``, or when prompt + continuation fill the model's ``max_seq_len``;
-``Sample.stop_reason`` says which ("eos" for any stop id). Row ``b``'s draw at step ``i``
+``Sample.stop_reason`` says which ("eos" for any stop id). Prompts are text (encoded by
+``encode_prompt``) or, with ``encoded=``, ids already made (a chat template rendered and
+tokenized with ``encode_rendered``: it writes its own start token). Row ``b``'s draw at step ``i``
 uses ``fold_in(fold_in(PRNGKey(seed), b), i)``, so output is a pure function of the seed,
 the row and the settings.
 """
@@ -137,10 +139,13 @@ class Generator:
     top_p: float = 1.0,
     seed: int = 0,
     num_samples: int = 1,
+    encoded: Sequence[Sequence[int]] | None = None,
   ) -> list[Sample]:
-    """``num_samples`` continuations of each prompt (prompt-major order), in one batch."""
+    """``num_samples`` continuations of each prompt (prompt-major order), in one batch.
+    ``encoded``: each prompt's ids, used as they are (no BOS added; ``check_prompt_ids``),
+    the prompts then only naming the samples (e.g. a chat's user message)."""
     check_settings(max_new_tokens, temperature, top_k, top_p, num_samples)
-    encoded = self._encode_all(prompts)
+    encoded = self._encode_all(prompts, encoded)
     self._refuse_unfit(encoded, max_new_tokens, num_samples, "num_samples")
     rows = [ids for ids in encoded for _ in range(num_samples)]
     ids, reasons = self.generate_ids(
@@ -160,16 +165,37 @@ class Generator:
     max_new_tokens: int,
     num_samples: int = 1,
     option: str = "num_samples",
+    encoded: Sequence[Sequence[int]] | None = None,
   ) -> None:
     """``ConfigError`` naming ``option`` when ``num_samples`` continuations of each prompt
     would not fit one device (``generation_bytes`` beside the params), so that a command can
-    refuse its own option's value before anything is allocated."""
-    self._refuse_unfit(self._encode_all(prompts), max_new_tokens, num_samples, option)
+    refuse its own option's value before anything is allocated. ``encoded``: as for
+    ``generate``."""
+    self._refuse_unfit(self._encode_all(prompts, encoded), max_new_tokens, num_samples, option)
 
-  def _encode_all(self, prompts: Sequence[str]) -> list[np.ndarray]:
+  def check_prompt_ids(self, ids: Sequence[int], index: int = 0) -> np.ndarray:
+    """``ids`` (a prompt encoded elsewhere) as int32, used as they are; ``PromptError`` for
+    no ids, an id outside the model's vocabulary, or no room left to generate."""
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    if not len(ids):
+      raise PromptError(f"prompt {index + 1} encodes to no tokens; give some text to continue")
+    if self._vocab is not None and not np.all((ids >= 0) & (ids < self._vocab)):
+      raise PromptError(f"prompt {index + 1} has ids outside the model's {self._vocab} ids")
+    if len(ids) >= self.max_seq_len:
+      raise PromptError(
+        f"prompt {index + 1} is {len(ids)} tokens; the model's max_seq_len is "
+        f"{self.max_seq_len}: shorten it to at most {self.max_seq_len - 1} tokens"
+      )
+    return ids
+
+  def _encode_all(self, prompts: Sequence[str], encoded=None) -> list[np.ndarray]:
     if isinstance(prompts, str) or not prompts:
       raise PromptError("give a list of one or more prompts")
-    return [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+    if encoded is None:
+      return [self.encode_prompt(p, i) for i, p in enumerate(prompts)]
+    if len(encoded) != len(prompts):
+      raise PromptError(f"{len(encoded)} encoded prompts for {len(prompts)} prompts: give one each")
+    return [self.check_prompt_ids(ids, i) for i, ids in enumerate(encoded)]
 
   def _refuse_unfit(self, encoded, max_new_tokens: int, num_samples: int, option: str) -> None:
     """The memory check of ``check_fits`` on prompts already encoded."""

@@ -1,9 +1,12 @@
-"""A saved run's model scored on any data: token-weighted loss, perplexity, bits per byte.
+"""A saved run's model (or a Hugging Face model folder's: ``saved_run.load_model_folder``)
+scored on any data: token-weighted loss, perplexity, bits per byte.
 
 The data is cut into windows exactly as training cuts them (the run's ``train.seq_len``
 and ``data.pack``, the same loss masks: text targets every token but BOS, chat only the
 assistant's); raw files are prepared with the run's own tokenizer first (cached like
-training data). Every window is scored once, in order.
+training data; a model folder's: the folder's). Every window is scored once, in order,
+``batch_size`` windows a batch (default ``train.global_batch_size``), never more than the
+windows there are, so a short text does not pay for a batch of padding.
 
 Bits per byte is tokenizer-independent: the nats of every masked target divided by
 ``ln 2 ×`` the UTF-8 bytes those targets stand for (EOS counts its nats and no bytes), so
@@ -24,7 +27,7 @@ from jaxstep import data, models
 from jaxstep.core import device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.errors import DataError
-from jaxstep.trainer.saved_run import SavedRun, saved_tokenizer_file
+from jaxstep.trainer.saved_run import SavedRun, is_model_folder, saved_tokenizer_file
 from jaxstep.trainer.steps import make_eval_step
 
 SPLITS = ("all", "train", "eval")
@@ -44,7 +47,10 @@ def eval_record(nll: float, tokens: float, num_bytes: float, prefix: str = "eval
 
 
 def _tokenizer_spec(run_dir: pathlib.Path) -> str:
-  """How ``prepare`` loads the run's tokenizer: its saved file, else bytes."""
+  """How ``prepare`` loads the run's tokenizer: a model folder itself, the run's saved
+  file, else bytes."""
+  if is_model_folder(run_dir):
+    return str(run_dir)
   saved = saved_tokenizer_file(run_dir)
   return "byte" if saved is None else str(saved)
 
@@ -145,7 +151,7 @@ def evaluate(
       lambda p, x, train: apply_fn(p, x), saved.tokenizer.token_bytes(), saved.cfg.model.vocab_size
     )
   )
-  rows = batch_size or saved.cfg.train.global_batch_size
+  rows = min(batch_size or saved.cfg.train.global_batch_size, max(1, *map(len, windows)))
   sums = np.zeros(3)
   for w in windows:
     for batch in data.eval_batches(w, rows, dataset.pad_id):

@@ -1,12 +1,19 @@
-"""A finished (or running) run directory read back for use: its config, its tokenizer and
-the params of one checkpoint — what ``jaxstep generate`` and ``jaxstep evaluate`` need.
+"""A finished (or running) run directory — or a Hugging Face model folder — read back for
+use: its config, its tokenizer, its chat template and the params of one checkpoint — what
+``jaxstep generate`` and ``jaxstep evaluate`` need.
 
 Only the ``params`` of the checkpoint are read (``checkpoint_read`` with ``params_only``:
 the optimizer state stays on disk), onto this process's first device, whatever mesh wrote
 them, and verified as a resume would (checksums, finiteness); the source is never written
 to. The tokenizer
 is the copy ``train`` leaves in the run directory (``tokenizer.json`` / ``tokenizer.model``;
-none for bytes), so a deleted data cache does not orphan a run.
+none for bytes; a model folder's tokenizer files in ``tokenizer/``), so a deleted data cache
+does not orphan a run.
+
+A folder with ``config.json`` and no ``config.yaml`` is a model folder (``load_model_folder``):
+its config is what a run started from it would record (``model.init_from``; the other
+sections at their defaults), its params are its weights (update step 0) and its tokenizer
+and chat template are its own.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 import jax
 
 from jaxstep import data, models
-from jaxstep.errors import CheckpointError, RunDirError
+from jaxstep.errors import CheckpointError, ConfigError, RunDirError
 from jaxstep.trainer import checkpoint_read, records
 from jaxstep.trainer import config as config_lib
 
@@ -33,7 +40,9 @@ class SavedRun:
   cfg: config_lib.Config  # the run's config.yaml (the vocabulary resolved)
   tokenizer: Any
   params: Any  # on this process's first device
-  step: int  # the update step of the checkpoint read
+  step: int  # the update step of the checkpoint read (0: a model folder's weights)
+  chat_template: str | None = None  # the model folder's (or a run's copy of it), if any
+  model_folder: bool = False  # read from a Hugging Face model folder, not a run directory
 
 
 def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
@@ -91,14 +100,77 @@ def read_config(run_dir: str | pathlib.Path) -> config_lib.Config:
   return cfg
 
 
+def is_model_folder(path: str | pathlib.Path) -> bool:
+  """Whether ``path`` is a Hugging Face model folder: ``config.json`` and no ``config.yaml``."""
+  path = pathlib.Path(path)
+  return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+
+
 def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
   """The run's config, tokenizer and the params of update step ``step`` (default: the
-  newest checkpoint that restores; a newer damaged one is skipped with a warning)."""
+  newest checkpoint that restores; a newer damaged one is skipped with a warning). A model
+  folder is read by ``load_model_folder`` (it has no steps: ``step`` must be None)."""
   run_dir = pathlib.Path(run_dir)
+  if is_model_folder(run_dir):
+    if step is not None:
+      raise ConfigError(
+        f"{run_dir} is a Hugging Face model folder (config.json, no config.yaml): it has no "
+        f"checkpoints to pick a step from; drop --step"
+      )
+    return load_model_folder(run_dir)
+  if run_dir.is_dir() and not (run_dir / "config.yaml").is_file():
+    raise RunDirError(
+      f"{run_dir} has neither config.yaml (a run directory: train into it first) nor "
+      f"config.json (a Hugging Face model folder)"
+    )
   cfg = read_config(run_dir)
   tokenizer = run_tokenizer(run_dir, cfg)
   params, found = restore_params(run_dir / "checkpoints", cfg.model, step)
-  return SavedRun(cfg, tokenizer, params, found)
+  folder = run_dir / "tokenizer"  # a model folder's tokenizer files, template included
+  template = None
+  if folder.is_dir():
+    from jaxstep.data import hf_folder  # jinja2: only for runs trained from a model folder
+
+    template = hf_folder.chat_template(folder)
+  return SavedRun(cfg, tokenizer, params, found, chat_template=template)
+
+
+def load_model_folder(path: str | pathlib.Path) -> SavedRun:
+  """A Hugging Face model folder as a ``SavedRun``: the config a run started from it would
+  record (``model.init_from`` resolved; ``data.tokenizer`` the folder; ``train`` at its
+  defaults, ``train.seq_len`` at most the positions the model takes), its fp32 weights on
+  this process's first device (step 0), its tokenizer and chat template. ``ConfigError``
+  for a folder ``load_pretrained`` refuses (no config.json, another architecture, …)."""
+  from jaxstep.models import hf_config
+  from jaxstep.trainer import init_from
+  from jaxstep.trainer.pretrained import load_pretrained
+
+  folder = pathlib.Path(path)
+  hf = hf_config.read_config(folder)
+  longest = _usable_positions(hf, hf_config.model_config(hf, str(folder / hf_config.CONFIG)))
+  cfg = config_lib.load(None)
+  train = dataclasses.replace(cfg.train, seq_len=min(cfg.train.seq_len, longest))
+  model = dataclasses.replace(cfg.model, init_from=str(folder))
+  cfg = init_from.resolve(dataclasses.replace(cfg, model=model, train=train))
+  model = dataclasses.replace(cfg.model, max_seq_len=longest)
+  cfg = dataclasses.replace(cfg, model=model)
+  device = jax.local_devices()[0]
+  pre = load_pretrained(
+    folder,
+    place=lambda _, array: jax.device_put(array, device),
+    max_seq_len=longest,
+    attention=model.attention,
+  )
+  return SavedRun(cfg, pre.tokenizer, pre.params, 0, pre.chat_template, model_folder=True)
+
+
+def _usable_positions(hf: dict, model_cfg) -> int:
+  """The longest sequence the model attends over exactly: ``max_position_embeddings``, or a
+  shorter sliding window it uses (this attention is not windowed)."""
+  window = hf.get("sliding_window")
+  if window is not None and hf.get("use_sliding_window", True):
+    return min(model_cfg.max_seq_len, int(window))
+  return model_cfg.max_seq_len
 
 
 def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None):
