@@ -136,7 +136,7 @@ def run_dir_parser(prog: str, doc: str) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  p.add_argument("run_dir")
+  p.add_argument("run_dir", metavar="PATH", help="a run directory (or a model folder)")
   p.add_argument("--step", type=int, default=None, help="checkpoint (default: newest valid)")
   return p
 
