@@ -310,3 +310,30 @@ def test_the_sft_hf_config_fine_tunes_a_model_folder_on_chat_and_exports(
   assert cfg.model.init_from == str(path) and cfg.data.format == "chat"
   assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
   assert (tmp_path / "hf" / "chat_template.jinja").read_text() == CHATML
+
+
+@pytest.mark.slow
+def test_every_model_option_trains_an_imported_model_alike(folder, tmp_path):  # noqa: F811
+  """Three updates of the imported Qwen3 on one device; on an fsdp mesh of 4 devices; with
+  the xla attention, scanned blocks and remat: the same losses (to fp32 reduction order)."""
+  path, _ = folder
+  corpus(tmp_path)
+  args = [f"model.init_from={path}", f"data.path={tmp_path / 'corpus.txt'}", "train.log_every=1"]
+  args += [f"train.global_batch_size={G}", f"train.grad_accum_steps={K}", f"train.seq_len={S}"]
+  args += ["train.max_steps=3", "train.eval_every=0"]
+  variants = {
+    "one": ["mesh.cpu_devices=1"],
+    "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4", "mesh.data=1"],
+    "kernels": ["mesh.cpu_devices=1", "model.attention=xla", "model.scan_layers=true"]
+    + ["model.remat=block"],
+  }
+  losses = {}
+  for name, extra in variants.items():
+    run_dir = tmp_path / name
+    command = [sys.executable, "-m", "jaxstep.train", *args, *extra, f"run_dir={run_dir}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses[name] = [r["loss"] for r in read_lines(run_dir / "metrics.jsonl")]
+  assert len(losses["one"]) == 3
+  np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=2e-5)
+  np.testing.assert_allclose(losses["kernels"], losses["one"], rtol=2e-5)
