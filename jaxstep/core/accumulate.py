@@ -20,6 +20,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxstep.core.freeze import combine
 from jaxstep.core.layout import AXES, tree_specs
 from jaxstep.core.precision import cast_floating
 
@@ -52,6 +53,7 @@ def micro_gradients(
   compute_dtype=None,
   loss_scale=1.0,
   model_state=None,
+  frozen=None,
 ):
   """Gradient of one micro-batch's share of the global objective.
 
@@ -74,6 +76,8 @@ def micro_gradients(
     loss_scale: the objective is multiplied by it before differentiation (fp16), so the
       returned grads are scaled; the reported loss is not.
     model_state: the model's non-parameter state, or None for a model without any.
+    frozen: the frozen part of the params (``core.freeze.partition``; ``params`` is then
+      the trainable part): the loss sees both, only ``params`` is differentiated.
 
   Returns:
     ``(grads, (loss_sum, extra_loss, aux, model_state))`` with fp32 grads shaped like params
@@ -81,9 +85,10 @@ def micro_gradients(
   """
 
   micro_batch = cast_floating(micro_batch, compute_dtype)  # data, not differentiated
+  frozen = cast_floating(frozen, compute_dtype)
 
   def objective(p):
-    p = cast_floating(p, compute_dtype)
+    p = combine(cast_floating(p, compute_dtype), frozen)
     if model_state is None:
       loss_sum, aux = loss_fn(p, micro_batch, rng)
       new_model_state = None
@@ -111,6 +116,7 @@ def accumulate(
   unroll: int = 1,
   loss_scale=1.0,
   model_state=None,
+  frozen=None,
 ):
   """Sums the K micro-gradients with ``lax.scan`` into an fp32 accumulator.
 
@@ -124,6 +130,8 @@ def accumulate(
     unroll: ``lax.scan`` unroll factor (a speed knob; the result is the same).
     loss_scale: multiplies every micro-objective (fp16); the caller unscales the sum.
     model_state: the model's non-parameter state before micro-step 0, or None.
+    frozen: the frozen part of the params, or None (``micro_gradients``); the accumulator
+      holds the trainable part only.
 
   Returns:
     ``(grads, loss, extra_loss, aux, model_state)``: ``grads = Σ_k grad(loss_sum_k / N +
@@ -142,6 +150,7 @@ def accumulate(
     compute_dtype=compute_dtype,
     loss_scale=loss_scale,
     model_state=ms,
+    frozen=frozen,
   )
   first = jax.tree.map(lambda x: x[0], micro_batches)
   _, (_, _, aux_shape, _) = jax.eval_shape(grad_fn, first, step_rng, model_state)
@@ -190,6 +199,7 @@ def sharded_accumulate(
   unroll: int = 1,
   loss_scale=1.0,
   model_state=None,
+  frozen=None,
 ):
   """``accumulate`` with device-local accumulators and ONE reduction per update step.
 
@@ -210,11 +220,14 @@ def sharded_accumulate(
     units: global N (float32, ≥ 1), computed on the global batch outside.
     param_specs: ``PartitionSpec`` per parameter leaf (see ``jaxstep.core.layout``).
     model_state: the model's non-parameter state, or None.
+    frozen: the frozen part of the params (laid out by ``core.layout``'s rule), gathered
+      once per update like the trainable part, never reduced.
   """
   devices = mesh.devices.size
   state_specs = tree_specs(model_state, mesh)
+  frozen_specs = tree_specs(frozen, mesh)
 
-  def local(params, batch, units, step_rng, loss_scale, model_state):
+  def local(params, batch, units, step_rng, loss_scale, model_state, frozen):
     full = jax.tree.map(_gather, params, param_specs)
     grads, loss, extra, aux, model_state = accumulate(
       loss_fn,
@@ -227,11 +240,12 @@ def sharded_accumulate(
       unroll=unroll,
       loss_scale=loss_scale,
       model_state=jax.tree.map(_gather, model_state, state_specs),
+      frozen=jax.tree.map(_gather, frozen, frozen_specs),
     )
     grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs)
     return grads, loss, extra, aux, jax.tree.map(_average, model_state, state_specs)
 
-  specs = (param_specs, P(AXES), P(), P(), P(), state_specs)
+  specs = (param_specs, P(AXES), P(), P(), P(), state_specs, frozen_specs)
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
   # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
   return jax.shard_map(
@@ -240,7 +254,7 @@ def sharded_accumulate(
     in_specs=specs,
     out_specs=(param_specs, P(), P(), P(), state_specs),
     check_vma=False,
-  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32), model_state)
+  )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32), model_state, frozen)
 
 
 def _fsdp_dim(spec: P) -> int | None:

@@ -31,6 +31,7 @@ class OptimConfig:
   b1: float = 0.9  # Adam first-moment decay
   b2: float = 0.95  # Adam second-moment decay
   eps: float = 1e-8  # Adam epsilon
+  trainable: tuple[str, ...] = ()  # regexes of the params that train (empty: all); see freeze.py
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from jaxstep.core import freeze
 from jaxstep.core.loss_scale import LossScaleState, fixed_state
 from jaxstep.errors import ConfigError
 
@@ -86,6 +87,7 @@ class TrainState:
     loss_scale: float | LossScaleState = 1.0,
     loss_window: int = 32,
     model_state: Any = None,
+    trainable=None,
   ) -> TrainState:
     """Builds the state at update step 0 from exactly what it is given.
 
@@ -101,6 +103,8 @@ class TrainState:
       loss_window: length of ``recent_losses`` (the spike guard's running window).
       model_state: the model's non-parameter state, or None; an empty one (``{}``, as
         ``from_linen`` returns for a stateless module) is None.
+      trainable: ``(name, leaf) -> bool`` (``jaxstep.core.freeze``); the optimizer state
+        covers the trainable leaves only. None: every leaf trains.
 
     Returns:
       A ``TrainState`` with ``step == 0`` and ``skipped == 0``.
@@ -108,7 +112,7 @@ class TrainState:
     return cls(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      opt_state=optimizer.init(params),
+      opt_state=optimizer.init(freeze.partition(params, trainable)[0]),
       rng=raw_key(rng),
       skipped=jnp.zeros((), jnp.int32),
       loss_scale=loss_scale if isinstance(loss_scale, LossScaleState) else fixed_state(loss_scale),

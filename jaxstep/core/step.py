@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxstep.core import geometry
+from jaxstep.core import freeze, geometry
 from jaxstep.core.accumulate import LossFn, accumulate, sharded_accumulate, split_micro_batches
 from jaxstep.core.layout import tree_shardings, tree_specs
 from jaxstep.core.loss_scale import DynamicLossScale
@@ -98,7 +98,12 @@ NO_INJECTED_LR = (
 
 
 def apply_update(
-  optimizer: optax.GradientTransformation, state: TrainState, grads, ok: jax.Array, lr=None
+  optimizer: optax.GradientTransformation,
+  state: TrainState,
+  grads,
+  ok: jax.Array,
+  lr=None,
+  trainable: freeze.Trainable | None = None,
 ) -> TrainState:
   """Applies the optax chain once to the accumulated gradient, or skips.
 
@@ -113,8 +118,12 @@ def apply_update(
   ``ConfigError`` at trace time. An update whose ``lr_sched`` is 0 (the first step of a
   warmup from 0) is all zeros and no rescaling reaches another lr: it is skipped (counted
   in ``skipped``), never applied as NaN.
+
+  ``trainable``: the optimizer sees (and ``grads`` hold) the trainable leaves only; the
+  frozen ones are put back unchanged.
   """
-  updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params, frozen = freeze.partition(state.params, trainable)
+  updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
   if lr is not None:
     scheduled = injected_lr(new_opt_state)
     if scheduled is None:
@@ -124,10 +133,10 @@ def apply_update(
     ratio = jnp.where(rescalable, lr / jnp.where(rescalable, scheduled, 1.0), 0.0)
     updates = optax.tree.scale(ratio, updates)
     ok = ok & rescalable
-  new_params = optax.apply_updates(state.params, updates)
+  new_params = optax.apply_updates(params, updates)
   return state.replace(
     step=state.step + 1,
-    params=optax.tree.where(ok, new_params, state.params),
+    params=freeze.combine(optax.tree.where(ok, new_params, params), frozen),
     opt_state=optax.tree.where(ok, new_opt_state, state.opt_state),
     skipped=state.skipped + jnp.logical_not(ok).astype(jnp.int32),
   )
@@ -184,6 +193,7 @@ def make_train_step(
   loss_scale: DynamicLossScale | None = None,
   spike_factor: float = 0.0,
   spike_window: int = 32,
+  trainable: freeze.Trainable | None = None,
 ) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict]]:
   """Builds ``train_step(state, batch) -> (state, metrics)`` for one global batch, and
   ``train_step.init(params, rng)``, the state that step needs.
@@ -213,6 +223,10 @@ def make_train_step(
     spike_factor: if > 0, skip an update whose loss exceeds ``spike_factor`` × the median
       loss of the last ``spike_window`` applied updates (once the window is half full).
     spike_window: applied updates in the spike guard's window.
+    trainable: ``(name, leaf) -> bool`` on each params leaf (its path ``"a/b/0/c"``;
+      ``jaxstep.core.freeze.by_patterns`` builds one from regexes). Only those leaves
+      train: the frozen ones get no optimizer state, no accumulator slot, no share of
+      ``grad_norm`` and the clip, and stay bitwise unchanged. None: every leaf trains.
 
   Returns:
     A pure function; jit it yourself (``donate_argnums=0`` is safe: ``init`` copies
@@ -232,24 +246,26 @@ def make_train_step(
   devices = mesh.devices.size if mesh is not None else 1
 
   def accumulated(state: TrainState, batch, units, step_rng):
+    params, frozen = freeze.partition(state.params, trainable)
     options = dict(
       compute_dtype=compute_dtype,
       unroll=scan_unroll,
       loss_scale=state.loss_scale.scale if scaler else 1.0,
       model_state=state.model_state,
+      frozen=frozen if trainable is not None else None,
     )
     if mesh is None:
       micro = split_micro_batches(batch, grad_accum_steps)
-      return accumulate(loss_fn, state.params, micro, units, step_rng, **options)
+      return accumulate(loss_fn, params, micro, units, step_rng, **options)
     return sharded_accumulate(
       loss_fn,
-      state.params,
+      params,
       batch,
       units,
       step_rng,
       grad_accum_steps=grad_accum_steps,
       mesh=mesh,
-      param_specs=tree_specs(state.params, mesh),
+      param_specs=tree_specs(params, mesh),
       **options,
     )
 
@@ -265,7 +281,7 @@ def make_train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(extra) & jnp.isfinite(grad_norm)
     spike = _loss_spike(state.recent_losses, loss, spike_factor)
     ok = (units > 0) & finite & ~spike
-    new_state = apply_update(optimizer, state, grads, ok)
+    new_state = apply_update(optimizer, state, grads, ok, trainable=trainable)
     window = state.recent_losses.shape[0]
     new_state = new_state.replace(
       recent_losses=jnp.where(
@@ -308,6 +324,7 @@ def make_train_step(
       loss_scale=scaler.init() if scaler else 1.0,
       loss_window=spike_window,
       model_state=copy(model_state),
+      trainable=trainable,
     )
     return state if mesh is None else jax.device_put(state, tree_shardings(state, mesh))
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import data, models, parallel
 from jaxstep._version import __version__
+from jaxstep.core import freeze
 from jaxstep.core.state import TrainState
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import init_from, steps, text_samples
@@ -57,6 +58,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   )
   if cfg.model.init_from:
     params = init_from.initial_params(cfg.model, mesh)
+  freeze.check_patterns(params, cfg.optim.trainable)
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
   state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)
@@ -86,5 +88,6 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     seed=t.seed,
     schedule_steps=plan.schedule_steps,
     model=config_lib.to_dict(cfg.model),
+    trainable=list(cfg.optim.trainable),
   )
   return run, state, run_state

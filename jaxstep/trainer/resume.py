@@ -253,6 +253,13 @@ def _blame_a_changed_key(directory, step, state, current: RunState, error, way_o
     if shaping := {k: v for k, v in model.items() if k not in HARMLESS_MODEL_KEYS}:
       diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in shaping.items())
       raise CheckpointError(f"{error} (changed since the checkpoint: {diff})") from None
+    old = (run or {}).get("trainable", [])
+    if old != current.trainable:
+      raise CheckpointError(
+        f"optim.trainable changed since the checkpoint of update step {s} ({old} → "
+        f"{current.trainable}): it decides which parameters have optimizer state; resume "
+        f"with the old value{way_out}"
+      ) from None
     return
 
 

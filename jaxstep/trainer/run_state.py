@@ -23,6 +23,8 @@ class RunState:
     seed: ``train.seed`` (data order, init, dropout).
     schedule_steps: update steps the lr schedule was planned for.
     model: the resolved ``model`` config section.
+    trainable: ``optim.trainable``, the patterns of the leaves that train (the optimizer
+      state holds those leaves only).
   """
 
   step: int = 0
@@ -37,6 +39,7 @@ class RunState:
   seed: int = 0
   schedule_steps: int = 0
   model: dict = dataclasses.field(default_factory=dict)
+  trainable: list = dataclasses.field(default_factory=list)
 
   def advanced(self, *, steps_per_epoch: int, num_samples: int) -> RunState:
     """The position after consuming one global batch (one update step)."""

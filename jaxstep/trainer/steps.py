@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import models, parallel
+from jaxstep.core import freeze
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.losses import masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
@@ -54,6 +55,7 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     spike_factor=t.spike_factor,
     spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
+    trainable=freeze.by_patterns(cfg.optim.trainable) if cfg.optim.trainable else None,
   )
 
 
