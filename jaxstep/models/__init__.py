@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends
+from jaxstep.models import backends, lora
 from jaxstep.models.adapters import Model, from_linen, from_nnx
 from jaxstep.models.gpt import GPT, GPTConfig
 from jaxstep.models.llama import Llama, LlamaConfig
@@ -70,7 +70,10 @@ def build(
   def apply_fn(params, inputs, *, rng=None, train=False):
     return model.apply_fn(params, inputs, rng=rng, train=train)[0]
 
-  return apply_fn, model.params
+  params = model.params
+  if model_config.lora.rank and not abstract:  # adapters from a stream of their own
+    params = lora.initialised(params, lora.adapter_key(rng))
+  return apply_fn, params
 
 
 class Decoder(NamedTuple):

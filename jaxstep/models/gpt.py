@@ -22,6 +22,7 @@ decodes together (``docs/generation.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -29,9 +30,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers
+from jaxstep.models import backends, layers, lora
 from jaxstep.models.cpu_kernels import LayerNorm, dense_dot_general
+from jaxstep.models.lora import LoraConfig
 from jaxstep.models.stack import DecoderStack
+
+PROJECTIONS = ("qkv", "proj", "fc", "out")  # each block's, by attribute name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +55,10 @@ class GPTConfig:
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
+  lora: LoraConfig = LoraConfig()  # low-rank adapters on PROJECTIONS (the rest frozen)
 
   def __post_init__(self):
+    self.lora.check_targets(PROJECTIONS)
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -117,11 +123,12 @@ class Block(nnx.Module):
     d, (dense, layer_norm) = cfg.d_model, platform_kernels()
     self.n_heads, self.attention_kernel = cfg.n_heads, cfg.attention
     self.ln1 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
-    self.qkv = nnx.Linear(d, 3 * d, **dense, rngs=rngs)
-    self.proj = nnx.Linear(d, d, **dense, rngs=rngs)
+    linear = functools.partial(lora.linear, cfg.lora, **dense, rngs=rngs)
+    self.qkv = linear("qkv", d, 3 * d)
+    self.proj = linear("proj", d, d)
     self.ln2 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
-    self.fc = nnx.Linear(d, cfg.mlp_ratio * d, **dense, rngs=rngs)
-    self.out = nnx.Linear(cfg.mlp_ratio * d, d, **dense, rngs=rngs)
+    self.fc = linear("fc", d, cfg.mlp_ratio * d)
+    self.out = linear("out", cfg.mlp_ratio * d, d)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def attention(self, x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers
+from jaxstep.models import backends, layers, lora
 from jaxstep.models.gpt import platform_kernels
 from jaxstep.models.llama_parts import (
   RMSNorm,
@@ -38,7 +38,10 @@ from jaxstep.models.llama_parts import (
   rope_scaling_of,
   rope_tables,
 )
+from jaxstep.models.lora import LoraConfig
 from jaxstep.models.stack import DecoderStack
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,10 @@ class LlamaConfig:
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
+  lora: LoraConfig = LoraConfig()  # low-rank adapters on PROJECTIONS (the rest frozen)
 
   def __post_init__(self):
+    self.lora.check_targets(PROJECTIONS)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "intermediate_size"):
       if getattr(self, name) <= 0:
@@ -150,19 +155,19 @@ class LlamaBlock(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
-    linear = functools.partial(nnx.Linear, use_bias=False, **dense, rngs=rngs)
+    linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
     self.cfg = cfg
     self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-    self.q_proj = linear(d, h * dh, use_bias=cfg.attention_bias)
-    self.k_proj = linear(d, kv * dh, use_bias=cfg.attention_bias)
-    self.v_proj = linear(d, kv * dh, use_bias=cfg.attention_bias)
-    self.o_proj = linear(h * dh, d)
+    self.q_proj = linear("q_proj", d, h * dh, use_bias=cfg.attention_bias)
+    self.k_proj = linear("k_proj", d, kv * dh, use_bias=cfg.attention_bias)
+    self.v_proj = linear("v_proj", d, kv * dh, use_bias=cfg.attention_bias)
+    self.o_proj = linear("o_proj", h * dh, d)
     self.q_norm = RMSNorm(dh, cfg.rms_norm_eps) if cfg.qk_norm else None
     self.k_norm = RMSNorm(dh, cfg.rms_norm_eps) if cfg.qk_norm else None
     self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-    self.gate_proj = linear(d, cfg.intermediate_size)
-    self.up_proj = linear(d, cfg.intermediate_size)
-    self.down_proj = linear(cfg.intermediate_size, d)
+    self.gate_proj = linear("gate_proj", d, cfg.intermediate_size)
+    self.up_proj = linear("up_proj", d, cfg.intermediate_size)
+    self.down_proj = linear("down_proj", cfg.intermediate_size, d)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def qkv(self, x: jax.Array, positions: jax.Array):

@@ -57,7 +57,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
   )
   if cfg.model.init_from:
-    params = init_from.initial_params(cfg.model, mesh)
+    params = init_from.initial_params(cfg.model, mesh, t.seed)
   freeze.check_patterns(params, cfg.optim.trainable)
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
   state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))

@@ -232,8 +232,9 @@ def to_dict(cfg) -> dict[str, Any]:
 
 
 def model_keys(family: str) -> list[str]:
-  """The keys a model section of ``family`` takes (``family`` itself among them)."""
-  return ["family", *(_key(f) for f in dataclasses.fields(FAMILIES[family]))]
+  """The keys a model section of ``family`` takes (``family`` itself among them; a nested
+  section's as ``lora.rank``)."""
+  return ["family", *valid_keys(FAMILIES[family])]
 
 
 def valid_keys(cls=Config, prefix="") -> list[str]:
@@ -364,7 +365,8 @@ def _build_model(default, values: Any):
   if family not in FAMILIES:
     raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {family!r}")
   cls = FAMILIES[family]
-  foreign = [k for k in values if k not in model_keys(family) and f"model.{k}" in valid_keys()]
+  tops = {k.split(".")[0] for k in model_keys(family)}
+  foreign = [k for k in values if k not in tops and f"model.{k}" in valid_keys()]
   if foreign:
     owners = [name for name in FAMILIES if foreign[0] in model_keys(name)]
     raise ConfigError(

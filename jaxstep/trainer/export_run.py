@@ -8,17 +8,18 @@ The architecture is the one the run was imported as (its ``hf_config.json``, who
 fields are kept), else the one the model's settings name: the bundled GPT is GPT-2; a
 Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
 A run on the byte tokenizer has no tokenizer file to write: the folder then holds the model
-alone.
+alone. A LoRA run's adapters are merged into the weights (``W + (α/r)·A·B``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
 
 from jaxstep.data import hf_folder
-from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_gpt2
+from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_gpt2, lora
 from jaxstep.trainer import saved_run
 
 
@@ -51,10 +52,14 @@ def export_run(
   arch = architecture_of(cfg.model, base)
   hf_export.check_architecture(cfg.model, arch)  # before the checkpoint is read
   saved = saved_run.load_run(run_dir, step)
+  model_cfg, params = cfg.model, saved.params
+  if model_cfg.lora.rank:  # adapters folded in: the folder is a plain model
+    params = lora.merged(params, model_cfg.lora.scale)
+    model_cfg = dataclasses.replace(model_cfg, lora=lora.LoraConfig())
   out = hf_export.save_pretrained(
     out,
-    cfg.model,
-    saved.params,
+    model_cfg,
+    params,
     architecture=arch,
     dtype=dtype,
     max_shard_bytes=max_shard_bytes,

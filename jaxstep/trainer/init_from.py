@@ -22,13 +22,14 @@ import pathlib
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxstep import models
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_config
+from jaxstep.models import hf_config, lora
 from jaxstep.trainer import config as config_lib
 
 # model keys the folder does not decide: they stay as the config sets them
-OPTION_KEYS = ("dropout", "attention", "remat", "scan_layers", "init_from")
+OPTION_KEYS = ("dropout", "attention", "remat", "scan_layers", "init_from", "lora")
 
 
 def resolve(cfg: config_lib.Config) -> config_lib.Config:
@@ -65,7 +66,7 @@ def _refuse_contradictions(model, resolved, where: str) -> None:
       )
 
 
-def initial_params(model_cfg, mesh: Mesh) -> dict:
+def initial_params(model_cfg, mesh: Mesh, seed: int = 0) -> dict:
   """The folder's weights as fp32 params in ``model_cfg``'s layout, each tensor on its
   ``core.layout`` sharding as it is read (stacked layers: read, stacked, then placed)."""
   from jaxstep.trainer.pretrained import load_pretrained
@@ -76,7 +77,7 @@ def initial_params(model_cfg, mesh: Mesh) -> dict:
     return jax.device_put(array, NamedSharding(mesh, layout.leaf_spec(array.shape, fsdp)))
 
   scanned = model_cfg.scan_layers
-  options = {k: getattr(model_cfg, k) for k in ("dropout", "attention", "remat")}
+  options = {k: getattr(model_cfg, k) for k in ("dropout", "attention", "remat")}  # no lora
   loaded = load_pretrained(
     model_cfg.init_from,
     place=None if scanned else place,
@@ -87,4 +88,18 @@ def initial_params(model_cfg, mesh: Mesh) -> dict:
   params = loaded.params
   if scanned:
     params = jax.device_put(params, layout.tree_shardings(params, mesh))
+  if model_cfg.lora.rank:
+    params = _with_adapters(model_cfg, params, mesh, seed)
   return params
+
+
+def _with_adapters(model_cfg, params, mesh: Mesh, seed: int) -> dict:
+  """The folder's params plus freshly initialised adapters (``models.lora``), placed."""
+  _, abstract = models.build(model_cfg, 0, abstract=True)
+  adapters = lora.init_adapters(abstract, lora.adapter_key(jax.random.PRNGKey(seed)))
+  fsdp = mesh.shape["fsdp"]
+  adapters = {
+    name: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp)))
+    for name, a in adapters.items()
+  }
+  return lora.with_adapters(params, abstract, adapters)

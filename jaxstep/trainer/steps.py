@@ -16,6 +16,7 @@ from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.losses import masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
 from jaxstep.core.step import make_train_step
+from jaxstep.models import lora
 from jaxstep.trainer import config as config_lib
 
 
@@ -55,8 +56,17 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     spike_factor=t.spike_factor,
     spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
-    trainable=freeze.by_patterns(cfg.optim.trainable) if cfg.optim.trainable else None,
+    trainable=trainable(cfg),
   )
+
+
+def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
+  """Which params train: with LoRA the adapters plus ``optim.trainable``'s matches, else
+  ``optim.trainable``'s (None: all)."""
+  patterns = cfg.optim.trainable
+  if cfg.model.lora.rank:
+    patterns = (lora.ADAPTER, *patterns)
+  return freeze.by_patterns(patterns) if patterns else None
 
 
 def jit_step(step, state_shardings, mesh: Mesh):

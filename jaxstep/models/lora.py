@@ -1,0 +1,149 @@
+"""Low-rank adapters (LoRA) on the projections of the bundled models.
+
+A targeted projection computes ``y = x·W + b + (α/r)·(x·A)·B`` with ``A`` ``[in, r]`` and
+``B`` ``[r, out]`` (flax's ``nnx.LoRALinear``, whose params sit beside the projection's as
+``…/lora/lora_a`` and ``…/lora/lora_b``, plus PEFT's ``α/r`` scale). ``A`` starts uniform
+in ``±1/√in`` (PEFT's Kaiming-uniform with ``a = √5``) and ``B`` at zero, so the first
+forward pass is the base model's exactly. With ``model.lora.rank > 0`` everything but the
+adapters is frozen (``optim.trainable`` may add leaves back).
+
+``merged`` folds the adapters into the base weights (``W + (α/r)·A·B``) for an export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxstep.core.trees import path_name
+from jaxstep.errors import ConfigError
+
+ADAPTER = r"/lora/lora_[ab]$"  # the names of adapter leaves (core.freeze patterns)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the model's projections (rank 0: none)."""
+
+  rank: int = 0  # adapter rank r (0 = off: the whole model trains)
+  alpha: float = 16.0  # scale α: the adapter's output is multiplied by α / r
+  targets: tuple[str, ...] = ()  # projection names to adapt (empty: every projection)
+
+  def __post_init__(self):
+    if self.rank < 0:
+      raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {self.rank}")
+    if not (math.isfinite(self.alpha) and self.alpha > 0):
+      raise ConfigError(f"model.lora.alpha must be > 0, got {self.alpha}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank if self.rank else 0.0
+
+  def check_targets(self, available: tuple[str, ...]) -> None:
+    """``ConfigError`` for a target that names no projection of the model."""
+    unknown = [t for t in self.targets if t not in available]
+    if unknown:
+      raise ConfigError(
+        f"model.lora.targets: {', '.join(map(repr, unknown))} is not a projection of this "
+        f"model; its projections are {', '.join(available)}"
+      )
+
+  def adapts(self, name: str) -> bool:
+    return bool(self.rank) and (not self.targets or name in self.targets)
+
+
+def a_init(key, shape, dtype=jnp.float32):
+  """``A``'s initial values: uniform in ``±1/√in`` (``in`` = ``shape[-2]``)."""
+  bound = 1.0 / math.sqrt(shape[-2])
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRALinear(nnx.Linear):
+  """``nnx.Linear`` plus flax's ``nnx.LoRA`` beside it, scaled by PEFT's ``α/r``. The adapter
+  draws nothing from ``rngs`` (its ``A`` is set by ``init_adapters`` once the model is
+  built), so a seed initialises the same base weights with or without adapters."""
+
+  def __init__(self, in_features: int, out_features: int, *, lora: LoraConfig, rngs, **kwargs):
+    super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+    self.lora = nnx.LoRA(in_features, lora.rank, out_features, rngs=nnx.Rngs(0))
+    self.scale = lora.scale
+
+  def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
+    y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)
+    return y + self.scale * self.lora(x).astype(y.dtype)
+
+
+def linear(lora: LoraConfig, name: str, in_features: int, out_features: int, **kwargs):
+  """The projection ``name``: a ``LoRALinear`` if ``lora`` adapts it, else ``nnx.Linear``."""
+  if lora.adapts(name):
+    return LoRALinear(in_features, out_features, lora=lora, **kwargs)
+  return nnx.Linear(in_features, out_features, **kwargs)
+
+
+def has_adapters(params) -> bool:
+  return any(_is_adapter(path_name(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def _is_adapter(name: str) -> bool:
+  return name.endswith(("/lora/lora_a", "/lora/lora_b"))
+
+
+def adapter_key(rng) -> jax.Array:
+  """The adapters' key for a model built from ``rng`` (an int seed or a key): a stream of
+  its own, so the base weights do not depend on whether adapters are there."""
+  key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+  return jax.random.fold_in(key, 0x10A)
+
+
+def initialised(params, rng):
+  """``params`` with every adapter set by ``init_adapters`` (the base leaves unchanged)."""
+  return with_adapters(params, params, init_adapters(params, rng))
+
+
+def init_adapters(abstract, rng) -> dict:
+  """Concrete adapters for the adapter leaves of ``abstract`` (a params tree of shapes):
+  ``A`` by ``a_init`` from ``fold_in(rng, i)`` (i: the leaf's index), ``B`` zeros. Returns
+  ``{name: array}`` (``"a/b/lora/lora_a"`` names)."""
+  out = {}
+  for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(abstract)[0]):
+    name = path_name(path)
+    if name.endswith("/lora/lora_a"):
+      out[name] = a_init(jax.random.fold_in(rng, i), leaf.shape, leaf.dtype)
+    elif name.endswith("/lora/lora_b"):
+      out[name] = jnp.zeros(leaf.shape, leaf.dtype)
+  return out
+
+
+def with_adapters(base, abstract, adapters: dict):
+  """``abstract``'s tree filled with ``base``'s leaves (a params tree without adapters) and
+  ``adapters`` (``init_adapters``)."""
+
+  def fill(path, leaf):
+    name = path_name(path)
+    if name in adapters:
+      return adapters[name]
+    node = base
+    for key in path:
+      node = node[getattr(key, "key", getattr(key, "idx", key))]
+    return node
+
+  return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+def merged(params, scale: float):
+  """``params`` with every adapter folded in: each module holding ``lora`` gets ``kernel +
+  scale·A·B`` (over a leading layer axis too) and loses its ``lora`` entry."""
+  if isinstance(params, dict):
+    out = {k: merged(v, scale) for k, v in params.items() if k != "lora"}
+    if "lora" in params and "kernel" in params:
+      a, b = params["lora"]["lora_a"], params["lora"]["lora_b"]
+      delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+      out["kernel"] = (params["kernel"].astype(jnp.float32) + scale * delta).astype(
+        params["kernel"].dtype
+      )
+    return out
+  return params

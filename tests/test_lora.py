@@ -1,0 +1,148 @@
+"""LoRA (``model.lora``): adapters that start as the base model, train alone, and fold into
+the weights on export."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL, make_cfg, read_lines
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
+
+import jaxstep
+from jaxstep import models, trainer
+from jaxstep.cli import run as run_command
+from jaxstep.core.trees import path_name
+from jaxstep.models.lora import LoraConfig, merged
+
+IDS = np.random.default_rng(0).integers(0, 64, size=(2, 12))
+LLAMA = models.LlamaConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=48)
+GPT = models.GPTConfig(vocab_size=64, d_model=32, n_heads=4)
+
+
+def names(tree):
+  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [LLAMA, GPT, dataclasses.replace(LLAMA, scan_layers=True, remat="block")],
+  ids=["llama", "gpt", "llama-scanned"],
+)
+def test_adapters_at_init_leave_the_base_models_logits_and_weights(cfg):
+  base_fn, base = models.build(cfg, 3)
+  lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=4, alpha=8.0))
+  lora_fn, params = models.build(lora_cfg, 3)
+  assert np.array_equal(base_fn(base, IDS), lora_fn(params, IDS))
+  adapters = {n: x for n, x in names(params).items() if "/lora/" in n}
+  assert adapters and all(
+    np.array_equal(x, names(base)[n]) for n, x in names(params).items() if n not in adapters
+  )
+  assert all(not np.any(x) for n, x in adapters.items() if n.endswith("lora_b"))
+  a = [x for n, x in adapters.items() if n.endswith("lora_a")]
+  assert all(np.any(x) for x in a) and not np.array_equal(a[0], a[-1])
+
+
+def test_merged_weights_compute_what_the_adapters_do():
+  cfg = dataclasses.replace(LLAMA, lora=LoraConfig(rank=4, alpha=8.0))
+  apply_fn, params = models.build(cfg, 0)
+  rng = np.random.default_rng(1)
+  params = jax.tree_util.tree_map_with_path(  # B non-zero, as after training
+    lambda p, x: (
+      rng.normal(size=x.shape).astype(np.float32) * 0.1 if path_name(p).endswith("lora_b") else x
+    ),
+    params,
+  )
+  base_fn, _ = models.build(dataclasses.replace(cfg, lora=LoraConfig()), 0, abstract=True)
+  got = base_fn(merged(params, cfg.lora.scale), IDS)
+  np.testing.assert_allclose(got, apply_fn(params, IDS), atol=1e-5)
+  assert not np.allclose(base_fn(merged(params, 0.0), IDS), got, atol=1e-3)
+
+
+def test_a_lora_run_trains_only_the_adapters(tmp_path):
+  cfg = make_cfg(tmp_path, "train.max_steps=3", "model.lora.rank=4", "optim.lr=1e-2")
+  trainer.train(cfg)
+  saved = jaxstep.load_run(tmp_path / "run")
+  _, init = models.build(saved.cfg.model, jax.random.PRNGKey(saved.cfg.train.seed))
+  before, after = names(init), names(saved.params)
+  changed = {n for n in before if not np.array_equal(before[n], after[n])}
+  assert changed and all(n.endswith("/lora/lora_a") or n.endswith("/lora/lora_b") for n in changed)
+  assert any(n.endswith("lora_b") for n in changed)
+
+
+def test_generate_decodes_a_lora_run_with_the_cache_as_without(tmp_path):
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2", "model.lora.rank=2", "optim.lr=1e-2"))
+  saved = jaxstep.load_run(tmp_path / "run")
+  outs = []
+  for cache in (True, False):
+    gen = jaxstep.Generator(saved.cfg.model, saved.params, saved.tokenizer, use_cache=cache)
+    outs.append(gen.generate(["12 + "], max_new_tokens=6, temperature=0.0)[0].tokens)
+  assert outs[0] == outs[1]
+
+
+def test_the_accumulation_check_passes_with_lora(tmp_path, capsys):
+  make_cfg(tmp_path)
+  args = [*SMALL_MODEL, f"data.path={tmp_path / 'corpus.txt'}", "model.lora.rank=4"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=4"]
+  code = run_command("check", args)
+  out = capsys.readouterr().out
+  assert code == 0 and "FAIL" not in out, out
+
+
+@pytest.mark.parametrize(
+  "override, message",
+  [
+    ("model.lora.rank=-1", "model.lora.rank must be >= 0"),
+    ("model.lora.targets=[q_proj]", "its projections are qkv, proj, fc, out"),
+    ("model.lora.alpha=0", "model.lora.alpha must be > 0"),
+  ],
+)
+def test_bad_lora_settings_are_one_line_exit_2(tmp_path, capsys, override, message):
+  code = run_command("train", [override, f"run_dir={tmp_path / 'run'}"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("error:") == 1 and message in err, err
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_an_fsdp_mesh_trains_as_on_one_device(tmp_path):
+  import subprocess
+  import sys
+
+  make_cfg(tmp_path)
+  common = [*SMALL_MODEL, f"data.path={tmp_path / 'corpus.txt'}", "model.lora.rank=4"]
+  common += ["train.max_steps=3", "train.log_every=1", "train.eval_every=0", "optim.lr=1e-2"]
+  common += ["train.global_batch_size=8", "train.grad_accum_steps=2"]
+  meshes = {"one": ["mesh.cpu_devices=1"], "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4"]}
+  losses = {}
+  for name, mesh in meshes.items():
+    command = [sys.executable, "-m", "jaxstep.train", *common, *mesh, f"run_dir={tmp_path / name}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses[name] = [r["loss"] for r in read_lines(tmp_path / name / "metrics.jsonl")]
+  np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=2e-5)
+
+
+def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
+  tmp_path,
+  folder,  # noqa: F811 - the imported fixture
+):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from test_init_from import run_cfg
+
+  path, _ = folder
+  cfg = run_cfg(tmp_path, path, "model.lora.rank=4", "train.max_steps=2", "optim.lr=1e-2")
+  trainer.train(cfg)
+  saved = jaxstep.load_run(tmp_path / "run")
+  base = names(jaxstep.load_pretrained(path).params)
+  for name, leaf in names(saved.params).items():
+    assert ("/lora/" in name) or np.array_equal(leaf, base[name]), name
+  assert run_command("export", [str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  ids = np.random.default_rng(0).integers(0, 320, size=(2, 12))
+  with torch.no_grad():
+    theirs = exported(torch.tensor(ids)).logits.numpy()
+  ours = np.asarray(models.decoder(saved.cfg.model).apply_fn(saved.params, ids))
+  np.testing.assert_allclose(ours, theirs, atol=1e-4)
