@@ -146,3 +146,75 @@ def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
     theirs = exported(torch.tensor(ids)).logits.numpy()
   ours = np.asarray(models.decoder(saved.cfg.model).apply_fn(saved.params, ids))
   np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def lora_args(tmp_path, path, *extra):
+  import test_init_from
+
+  test_init_from.corpus(tmp_path)
+  args = [f"model.init_from={path}", f"data.path={tmp_path / 'corpus.txt'}", "model.lora.rank=4"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "train.seq_len=32"]
+  args += ["train.schedule_steps=8", "train.eval_every=0", "optim.lr=1e-2", "mesh.cpu_devices=1"]
+  return [*args, *extra]
+
+
+def test_a_lora_checkpoint_holds_the_adapters_only_and_a_changed_base_is_refused(
+  tmp_path,
+  folder,  # noqa: F811 - the imported fixture
+  capsys,
+):
+  from safetensors.numpy import load_file, save_file
+
+  from jaxstep.trainer.checkpoint_read import saved_shapes, step_dirs
+
+  path, _ = folder
+  run_dir = tmp_path / "run"
+  args = lora_args(tmp_path, path, f"run_dir={run_dir}")
+  assert run_command("train", [*args, "train.max_steps=2"]) == 0
+  (_, step_dir), *_ = step_dirs(run_dir / "checkpoints")
+  params = [n for n in saved_shapes(step_dir) if n.startswith("params/")]
+  assert params and all("/lora/lora_" in n for n in params)
+  assert run_command("generate", [str(run_dir), "--prompt", "the", "--max-new-tokens", "2"]) == 0
+  tensors = load_file(path / "model.safetensors")
+  tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+  save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+  capsys.readouterr()
+  assert run_command("train", [*args, "train.max_steps=4"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("error:") == 1 and "changed since the checkpoint" in err, err
+  assert run_command("generate", [str(run_dir), "--prompt", "the"]) == 2
+  assert "changed since this run's checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_with_sigkill_resumes_bitwise(
+  tmp_path,
+  folder,  # noqa: F811 - the imported fixture
+):
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  path, _ = folder
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  args = lora_args(tmp_path, path, "train.max_steps=6", "checkpoint.every=2")
+
+  def command(name):
+    return [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / name}"]
+
+  done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
+  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while not (tmp_path / "killed" / "checkpoints" / "2").exists() and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0 and "resumed from the checkpoint" in done.stderr, done.stderr
+  a, b = (jaxstep.load_run(tmp_path / n) for n in ("straight", "killed"))
+  assert a.step == b.step == 6
+  pairs = zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)

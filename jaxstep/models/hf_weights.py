@@ -79,6 +79,26 @@ def hf_names(cfg: LlamaConfig | GPTConfig, names=()) -> Iterator[tuple[tuple, st
     yield ("lm_head", "kernel"), "lm_head.weight", True
 
 
+def fingerprint(folder: str | pathlib.Path, sample: int = 1 << 16, every: int = 1 << 26) -> str:
+  """sha256 over the folder's weight files: each file's name, size, safetensors header
+  (every tensor's name, dtype, shape and offsets) and ``sample`` bytes of every ``every``
+  bytes of its data and of its end. Any edit that changes a shape, a name or the size, and
+  any edit of the sampled bytes, changes it; reading a 16 GiB folder takes a few MB."""
+  import hashlib
+
+  h = hashlib.sha256()
+  for file in sorted(set(weight_files(folder).values())):
+    size = file.stat().st_size
+    h.update(f"{file.name}\0{size}\0".encode())
+    with open(file, "rb") as f:
+      header = int.from_bytes(f.read(8), "little")
+      h.update(f.read(min(header, size)))
+      for offset in [*range(8 + header, size, every), max(size - sample, 0)]:
+        f.seek(offset)
+        h.update(f.read(sample))
+  return h.hexdigest()[:16]
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[tuple, tuple]:
   """Each params path's shape, from the model built abstractly (nothing allocated)."""
   import jax

@@ -15,6 +15,7 @@ from jaxstep import data, models, parallel
 from jaxstep._version import __version__
 from jaxstep.core import freeze
 from jaxstep.core.state import TrainState
+from jaxstep.models import hf_weights
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import init_from, steps, text_samples
 from jaxstep.trainer.plan import make_plan
@@ -40,6 +41,14 @@ class Run:
 
 def config_digest(cfg: config_lib.Config) -> str:
   return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
+
+
+def _base_identity(cfg: config_lib.Config) -> dict:
+  """The identity of the weights a run reloads at every start (``RunState.base``)."""
+  if steps.stored(cfg) is None:
+    return {}
+  folder = cfg.model.init_from
+  return {"path": folder, "fingerprint": hf_weights.fingerprint(folder)}
 
 
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
@@ -89,5 +98,6 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     schedule_steps=plan.schedule_steps,
     model=config_lib.to_dict(cfg.model),
     trainable=list(cfg.optim.trainable),
+    base=_base_identity(cfg),
   )
   return run, state, run_state

@@ -6,6 +6,11 @@ metadata of yours) and ``verify`` (the checksums of both). orbax writes each ste
 temporary directory and renames it when complete, so a killed process leaves at worst a
 ``*.orbax-checkpoint-tmp*`` directory, which the next start removes.
 
+A run that reloads its frozen parameters from elsewhere (a LoRA run's base model, read
+from ``model.init_from`` at every start) stores only the parameters that train
+(``stored``): the frozen leaves are left out of every save and filled back in from the
+target at restore.
+
 Reading is ``checkpoint_read``'s: restore takes the newest step that verifies. A newer one
 that does not is reported loudly and moved to ``run_dir/checkpoints.corrupt/`` (never
 deleted), but only once an older one did restore; if none restores, ``CheckpointError`` —
@@ -27,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from jaxstep.core import freeze
 from jaxstep.errors import CheckpointError, RunDirError, RunIOError, first_line
 from jaxstep.trainer import checkpoint_read, integrity
 from jaxstep.trainer.checkpoint_read import RUN, STATE, VERIFY, step_dirs
@@ -78,6 +84,8 @@ class Checkpointer:
     keep: newest checkpoints kept; older ones are deleted after each save.
     async_save: write in a background thread.
     read_only: only restore (someone else's directory); never write or delete.
+    stored: ``(name, leaf) -> bool`` on the params of a ``TrainState``: only those leaves
+      are saved; at restore the others come from the target (None: every leaf).
 
   Example:
     >>> with Checkpointer("ckpt", keep=2) as ckpt:
@@ -86,8 +94,17 @@ class Checkpointer:
     >>> state, metadata, step = restored  # None if the directory holds no checkpoint
   """
 
-  def __init__(self, directory, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+  def __init__(
+    self,
+    directory,
+    *,
+    keep: int = 3,
+    async_save: bool = True,
+    read_only: bool = False,
+    stored: freeze.Trainable | None = None,
+  ):
     self.directory = pathlib.Path(directory).resolve()
+    self.stored = stored
     self.read_only = read_only
     self.pending: int | None = None  # the step of a background save not yet waited for
     if read_only:
@@ -126,6 +143,7 @@ class Checkpointer:
     step = int(step)
     if step in self.manager.all_steps():
       return False
+    state = self._stored_part(state)
     self.wait()  # orbax would wait for the previous save anyway; this names it if it failed
     self._check_room(f"the checkpoint of update step {step}", state)
     metadata = dict(metadata or {})
@@ -166,7 +184,13 @@ class Checkpointer:
         f"{self.directory} cannot be written ({e.strerror or e}); make room, make it "
         f"writable, or choose another run_dir"
       ) from None
-    self._check_room("a checkpoint", state)
+    self._check_room("a checkpoint", self._stored_part(state))
+
+  def _stored_part(self, state):
+    """``state`` with the params leaves that are not stored set to None."""
+    if self.stored is None:
+      return state
+    return state.replace(params=freeze.partition(state.params, self.stored)[0])
 
   def _check_room(self, what: str, state) -> None:
     """Refuses to start a save that cannot fit: the arrays' bytes plus a margin for orbax's
@@ -217,10 +241,14 @@ class Checkpointer:
     """
     if step is not None and not any(s == step for s, _ in step_dirs(self.directory)):
       raise CheckpointError(f"no checkpoint for update step {step} in {self.directory}")
-    read, skipped = checkpoint_read.newest(self.directory, target, step=step)
+    read, skipped = checkpoint_read.newest(self.directory, self._stored_part(target), step=step)
     if read is not None:
       self._quarantine(skipped)
-      return Restored(read.state, read.run, read.step)
+      state = read.state
+      if self.stored is not None:  # the frozen leaves: the target's own
+        frozen = freeze.partition(target.params, self.stored)[1]
+        state = state.replace(params=freeze.combine(state.params, frozen))
+      return Restored(state, read.run, read.step)
     if not skipped:
       return None
     details = "; ".join(f"step {r.step}: {r.problem}" for r in skipped)

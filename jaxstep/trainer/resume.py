@@ -14,7 +14,7 @@ import logging
 import pathlib
 
 from jaxstep.errors import CheckpointError
-from jaxstep.trainer import checkpoint_read
+from jaxstep.trainer import checkpoint_read, steps
 from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints, step_dirs
 from jaxstep.trainer.records import read_records
 from jaxstep.trainer.run_dir import archive_previous
@@ -57,6 +57,14 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
     diff = ", ".join(f"model.{k} {old} → {new}" for k, (old, new) in changed.items())
     raise CheckpointError(
       f"the model changed since the checkpoint ({diff}); set it back or start a new run_dir"
+    )
+  old, new = saved.get("base") or {}, current.base
+  if old and new and old.get("fingerprint") != new.get("fingerprint"):
+    raise CheckpointError(
+      f"the base weights in {new['path']} changed since the checkpoint (fingerprint "
+      f"{old.get('fingerprint')} → {new['fingerprint']}); its checkpoints hold the trained "
+      f"parameters only and need the base they were trained on: put it back or start a new "
+      f"run_dir"
     )
   if saved["seed"] != current.seed:
     raise CheckpointError(
@@ -166,6 +174,7 @@ def start(
   if not resume:
     archive_previous(run_dir)
   c, own = cfg.checkpoint, run_dir / "checkpoints"
+  kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters, not its base
   restored = None
   if resume_from:
     if step_dirs(own):
@@ -174,11 +183,12 @@ def start(
         f"run_dir (or --no-resume to set them aside)"
       )
     directory, step = _locate(resume_from)
-    source = Checkpointer(directory, read_only=True)
+    source = Checkpointer(directory, read_only=True, stored=kept)
     restored = _restore(source, state, step, run_state, way_out="")
   elif resume and step_dirs(own):
     way_out = ", or --no-resume to start over"
-    restored = _restore(Checkpointer(own, keep=c.keep), state, None, run_state, way_out=way_out)
+    own_ckpt = Checkpointer(own, keep=c.keep, stored=kept)
+    restored = _restore(own_ckpt, state, None, run_state, way_out=way_out)
   elif resume:
     _refuse_history_without_checkpoint(run_dir)
   if restored is not None:
@@ -197,7 +207,7 @@ def start(
       run_state.epoch,
       run_state.step_in_epoch,
     )
-  return Checkpointer(own, keep=c.keep, async_save=c.async_), state, run_state
+  return Checkpointer(own, keep=c.keep, async_save=c.async_, stored=kept), state, run_state
 
 
 def _refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:

@@ -25,6 +25,8 @@ class RunState:
     model: the resolved ``model`` config section.
     trainable: ``optim.trainable``, the patterns of the leaves that train (the optimizer
       state holds those leaves only).
+    base: ``{"path", "fingerprint"}`` of the ``model.init_from`` weights a run reloads
+      at every start because its checkpoints hold only the trainable parameters; else {}.
   """
 
   step: int = 0
@@ -40,6 +42,7 @@ class RunState:
   schedule_steps: int = 0
   model: dict = dataclasses.field(default_factory=dict)
   trainable: list = dataclasses.field(default_factory=list)
+  base: dict = dataclasses.field(default_factory=dict)
 
   def advanced(self, *, steps_per_epoch: int, num_samples: int) -> RunState:
     """The position after consuming one global batch (one update step)."""

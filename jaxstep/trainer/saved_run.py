@@ -26,8 +26,9 @@ from typing import Any
 import jax
 
 from jaxstep import data, models
+from jaxstep.core import freeze
 from jaxstep.errors import CheckpointError, ConfigError, RunDirError
-from jaxstep.trainer import checkpoint_read, records
+from jaxstep.trainer import checkpoint_read, records, steps
 from jaxstep.trainer import config as config_lib
 
 log = logging.getLogger("jaxstep")
@@ -125,7 +126,10 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
     )
   cfg = read_config(run_dir)
   tokenizer = run_tokenizer(run_dir, cfg)
-  params, found = restore_params(run_dir / "checkpoints", cfg.model, step)
+  kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
+  params, found, run = restore_params(run_dir / "checkpoints", cfg.model, step, stored=kept)
+  if kept is not None:
+    params = with_base(cfg, params, kept, run)
   folder = run_dir / "tokenizer"  # a model folder's tokenizer files, template included
   template = None
   if folder.is_dir():
@@ -173,8 +177,30 @@ def _usable_positions(hf: dict, model_cfg) -> int:
   return model_cfg.max_seq_len
 
 
-def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None):
-  """``(params, step)`` from the newest usable (or exactly ``step``) checkpoint, read-only."""
+def with_base(cfg, params, kept, run: dict | None):
+  """``params`` (the stored part) completed by the frozen leaves of ``model.init_from``'s
+  weights, once the folder is checked to hold the weights the run was trained on."""
+  from jaxstep import parallel
+  from jaxstep.models import hf_weights
+  from jaxstep.trainer import init_from
+
+  folder = cfg.model.init_from
+  recorded = ((run or {}).get("base") or {}).get("fingerprint")
+  if recorded and recorded != hf_weights.fingerprint(folder):
+    raise CheckpointError(
+      f"the base weights in {folder} changed since this run's checkpoint was written; "
+      f"its checkpoints hold the trained parameters only and need the base they were "
+      f"trained on"
+    )
+  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  base = init_from.initial_params(cfg.model, mesh, cfg.train.seed)
+  return freeze.combine(params, freeze.partition(base, kept)[1])
+
+
+def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None):
+  """``(params, step, run-state JSON)`` from the newest usable (or exactly ``step``)
+  checkpoint, read-only; ``stored``: the checkpoint holds only those params leaves (the
+  others come back None)."""
   directory = directory.resolve()
   if not any(step is None or s == step for s, _ in checkpoint_read.step_dirs(directory)):
     what = f"no checkpoint of update step {step}" if step is not None else "no checkpoint"
@@ -184,8 +210,10 @@ def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None):
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
     jax.eval_shape(lambda: models.build(model_cfg, 0)[1]),
   )
+  if stored is not None:
+    abstract = freeze.partition(abstract, stored)[0]
   read, skipped = checkpoint_read.newest(directory, abstract, step=step, params_only=True)
   if read is None:
     problems = "; ".join(f"step {r.step}: {r.problem}" for r in skipped)
     raise CheckpointError(f"no checkpoint in {directory} restores ({problems})")
-  return read.state, read.step
+  return read.state, read.step, read.run

@@ -69,6 +69,13 @@ def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
   return freeze.by_patterns(patterns) if patterns else None
 
 
+def stored(cfg: config_lib.Config) -> freeze.Trainable | None:
+  """Which params a checkpoint of ``cfg``'s run holds: a run from ``model.init_from`` with
+  frozen leaves (LoRA) stores its trainable ones only, since every start reads the frozen
+  ones from the folder again; any other run stores all (None)."""
+  return trainable(cfg) if cfg.model.init_from else None
+
+
 def jit_step(step, state_shardings, mesh: Mesh):
   """``step`` jitted: state donated and laid out by ``state_shardings``, the batch's samples
   over every device, metrics replicated."""
