@@ -218,3 +218,16 @@ def test_a_lora_run_killed_with_sigkill_resumes_bitwise(
   assert a.step == b.step == 6
   pairs = zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
   assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+
+
+def test_a_bf16_frozen_base_trains_resumes_and_keeps_its_dtype(tmp_path):
+  import jax.numpy as jnp
+
+  extra = ["model.lora.rank=4", "optim.frozen_dtype=bf16", "optim.lr=1e-2"]
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2", *extra))
+  trainer.train(make_cfg(tmp_path, "train.max_steps=3", *extra))  # resumes from step 2
+  saved = jaxstep.load_run(tmp_path / "run")
+  assert saved.step == 3
+  for name, leaf in names(saved.params).items():
+    assert leaf.dtype == (jnp.float32 if "/lora/" in name else jnp.bfloat16), name
+  assert len(read_lines(tmp_path / "run" / "metrics.jsonl")) >= 1

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import ConfigError
@@ -62,6 +63,23 @@ def combine(train, frozen):
   return jax.tree.map(
     lambda t, f: f if t is None else t, train, frozen, is_leaf=lambda x: x is None
   )
+
+
+def cast_frozen(params, trainable: Trainable | None, dtype):
+  """``params`` with the frozen floating leaves cast to ``dtype`` (the trainable ones, the
+  fp32 masters, unchanged); abstract leaves stay abstract."""
+  if trainable is None:
+    return params
+  train, frozen = partition(params, trainable)
+
+  def cast(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None))
+    return x.astype(dtype)
+
+  return combine(train, jax.tree.map(cast, frozen))
 
 
 def check_patterns(params, patterns: Sequence[str]) -> None:

@@ -15,6 +15,7 @@ from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine", "linear")
+FROZEN_DTYPES = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class OptimConfig:
   b2: float = 0.95  # Adam second-moment decay
   eps: float = 1e-8  # Adam epsilon
   trainable: tuple[str, ...] = ()  # regexes of the params that train (empty: all); see freeze.py
+  frozen_dtype: str = "fp32"  # fp32 | bf16: the dtype frozen params are kept in
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
@@ -53,6 +55,10 @@ class OptimConfig:
       raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
     if not 0 <= self.final_lr_fraction <= 1:
       raise ConfigError(f"optim.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}")
+    if self.frozen_dtype not in FROZEN_DTYPES:
+      raise ConfigError(
+        f"optim.frozen_dtype must be one of {', '.join(FROZEN_DTYPES)}, got {self.frozen_dtype!r}"
+      )
     if self.clip_grad_norm < 0:
       raise ConfigError(f"optim.clip_grad_norm must be >= 0, got {self.clip_grad_norm}")
 

@@ -68,6 +68,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   if cfg.model.init_from:
     params = init_from.initial_params(cfg.model, mesh, t.seed)
   freeze.check_patterns(params, cfg.optim.trainable)
+  params = steps.frozen_cast(cfg, params)
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
   state = init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)

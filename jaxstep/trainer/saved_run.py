@@ -127,7 +127,9 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
   cfg = read_config(run_dir)
   tokenizer = run_tokenizer(run_dir, cfg)
   kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
-  params, found, run = restore_params(run_dir / "checkpoints", cfg.model, step, stored=kept)
+  params, found, run = restore_params(
+    run_dir / "checkpoints", cfg.model, step, stored=kept, cast=lambda p: steps.frozen_cast(cfg, p)
+  )
   if kept is not None:
     params = with_base(cfg, params, kept, run)
   folder = run_dir / "tokenizer"  # a model folder's tokenizer files, template included
@@ -193,14 +195,16 @@ def with_base(cfg, params, kept, run: dict | None):
       f"trained on"
     )
   mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
-  base = init_from.initial_params(cfg.model, mesh, cfg.train.seed)
+  base = steps.frozen_cast(cfg, init_from.initial_params(cfg.model, mesh, cfg.train.seed))
   return freeze.combine(params, freeze.partition(base, kept)[1])
 
 
-def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None):
+def restore_params(
+  directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None, cast=None
+):
   """``(params, step, run-state JSON)`` from the newest usable (or exactly ``step``)
   checkpoint, read-only; ``stored``: the checkpoint holds only those params leaves (the
-  others come back None)."""
+  others come back None); ``cast``: the params' dtypes as the run keeps them (abstract)."""
   directory = directory.resolve()
   if not any(step is None or s == step for s, _ in checkpoint_read.step_dirs(directory)):
     what = f"no checkpoint of update step {step}" if step is not None else "no checkpoint"
@@ -210,6 +214,8 @@ def restore_params(directory: pathlib.Path, model_cfg, step: int | None = None, 
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
     jax.eval_shape(lambda: models.build(model_cfg, 0)[1]),
   )
+  if cast is not None:
+    abstract = cast(abstract)
   if stored is not None:
     abstract = freeze.partition(abstract, stored)[0]
   read, skipped = checkpoint_read.newest(directory, abstract, step=step, params_only=True)

@@ -69,6 +69,13 @@ def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
   return freeze.by_patterns(patterns) if patterns else None
 
 
+def frozen_cast(cfg: config_lib.Config, params):
+  """``params`` with the frozen leaves in ``optim.frozen_dtype``."""
+  if cfg.optim.frozen_dtype == "fp32":
+    return params
+  return freeze.cast_frozen(params, trainable(cfg), jnp.bfloat16)
+
+
 def stored(cfg: config_lib.Config) -> freeze.Trainable | None:
   """Which params a checkpoint of ``cfg``'s run holds: a run from ``model.init_from`` with
   frozen leaves (LoRA) stores its trainable ones only, since every start reads the frozen
@@ -114,6 +121,7 @@ def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
   only (nothing allocated: what ``memory`` and ``auto`` compile against). ``cfg.model``
   must have its vocabulary resolved."""
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(cfg.train.seed), abstract=True)
+  params = frozen_cast(cfg, params)
   step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
   state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
   return apply_fn, with_shardings(state, parallel.tree_shardings(state, mesh))
