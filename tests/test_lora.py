@@ -4,6 +4,7 @@ the weights on export."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL, make_cfg, read_lines
@@ -231,3 +232,41 @@ def test_a_bf16_frozen_base_trains_resumes_and_keeps_its_dtype(tmp_path):
   for name, leaf in names(saved.params).items():
     assert leaf.dtype == (jnp.float32 if "/lora/" in name else jnp.bfloat16), name
   assert len(read_lines(tmp_path / "run" / "metrics.jsonl")) >= 1
+
+
+def test_your_own_linen_model_gets_adapters_by_path_pattern():
+  import flax.linen as nn
+  import optax
+
+  from jaxstep.core import freeze
+  from jaxstep.models import lora
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+  x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+  y = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
+  params = MLP().init(jax.random.PRNGKey(0), x)["params"]
+  apply_fn = lora.merged_apply(lambda p, x: MLP().apply({"params": p}, x), 2.0)
+  adapted = lora.add_adapters(params, ["Dense_0"], rank=2, rng=jax.random.PRNGKey(1))
+  assert "lora" in adapted["Dense_0"] and "lora" not in adapted["Dense_1"]
+  assert "lora" not in params["Dense_0"]  # the caller's tree is left as it was
+  assert np.array_equal(apply_fn(adapted, x), MLP().apply({"params": params}, x))
+
+  def loss(p, batch, rng):
+    return jnp.sum((apply_fn(p, batch["x"]) - batch["y"]) ** 2), {}
+
+  trainable = freeze.by_patterns([lora.ADAPTER])
+  step = jaxstep.make_train_step(loss, optax.adam(1e-2), grad_accum_steps=2, trainable=trainable)
+  batch = {"x": x, "y": y, "loss_mask": np.ones(8)}
+  state = step.init(adapted, 0)
+  for _ in range(2):  # A's first gradient is 0 (B starts at 0): it moves from the second on
+    state, _ = jax.jit(step)(state, batch)
+  changed = {n for n, v in names(state.params).items() if not np.array_equal(v, names(adapted)[n])}
+  assert changed == {"Dense_0/lora/lora_a", "Dense_0/lora/lora_b"}
+  with pytest.raises(
+    jaxstep.ConfigError, match="matches no kernel; the kernels are Dense_0, Dense_1"
+  ):
+    lora.add_adapters(params, ["attn"], rank=2, rng=jax.random.PRNGKey(1))

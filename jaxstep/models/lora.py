@@ -8,6 +8,11 @@ forward pass is the base model's exactly. With ``model.lora.rank > 0`` everythin
 adapters is frozen (``optim.trainable`` may add leaves back).
 
 ``merged`` folds the adapters into the base weights (``W + (α/r)·A·B``) for an export.
+
+Your own model (any params tree whose projections are ``{"kernel": [in, out], …}``
+mappings, as flax's linen and NNX modules keep them): ``add_adapters`` puts adapters beside
+the kernels whose path matches a pattern, and ``merged_apply`` wraps your ``apply_fn`` so
+it computes with ``W + (α/r)·A·B``; train with ``trainable=freeze.by_patterns([ADAPTER])``.
 """
 
 from __future__ import annotations
@@ -132,6 +137,41 @@ def with_adapters(base, abstract, adapters: dict):
     return node
 
   return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+def add_adapters(params, patterns, *, rank: int, rng) -> dict:
+  """``params`` with an adapter (``lora: {lora_a, lora_b}``) beside every 2-D ``kernel``
+  whose module path (``"a/b/0/c"``) matches one of ``patterns`` (``re.search``); ``A`` as
+  ``a_init``, ``B`` zeros. ``ConfigError`` when a pattern matches no kernel (the kernels'
+  paths are named)."""
+  import re
+
+  if rank <= 0:
+    raise ConfigError(f"rank must be > 0, got {rank}")
+  kernels = [
+    (path[:-1], leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    if path_name(path[-1:]) == "kernel" and leaf.ndim == 2
+  ]
+  names = [path_name(p) for p, _ in kernels]
+  for pattern in patterns:
+    if not any(re.search(pattern, n) for n in names):
+      raise ConfigError(f"{pattern!r} matches no kernel; the kernels are {', '.join(names)}")
+  out = jax.tree.map(lambda x: x, params)  # a copy of the containers, the leaves shared
+  for i, ((path, kernel), name) in enumerate(zip(kernels, names, strict=True)):
+    if any(re.search(p, name) for p in patterns):
+      node = out
+      for key in path:
+        node = node[getattr(key, "key", getattr(key, "idx", key))]
+      a = a_init(jax.random.fold_in(rng, i), (kernel.shape[0], rank), kernel.dtype)
+      node["lora"] = {"lora_a": a, "lora_b": jnp.zeros((rank, kernel.shape[1]), kernel.dtype)}
+  return out
+
+
+def merged_apply(apply_fn, scale: float):
+  """``apply_fn`` of a model that has no adapters, taking params with adapters
+  (``add_adapters``): it computes with every kernel ``W + scale·A·B``."""
+  return lambda params, *args, **kwargs: apply_fn(merged(params, scale), *args, **kwargs)
 
 
 def merged(params, scale: float):
