@@ -88,7 +88,8 @@ def missing_files(path, text):
 
 
 def unknown_keys(path, text):
-  valid = set(config_lib.valid_keys())
+  keys = config_lib.valid_keys()
+  valid = set(keys) | {k.rsplit(".", 1)[0] for k in keys if k.count(".") > 1}  # + sections
   prose = PYTHON_BLOCK.sub("", TYPO_EXAMPLE.sub("", text))  # Python names variables
   named = names(KEY, prose)
   return [k for k in named if k not in valid and k.split(".")[1] not in FILE_SUFFIXES]
