@@ -103,3 +103,27 @@ def test_memory_cli_prints_the_auto_search_for_a_budget():
   assert "grad_accum_steps=auto, budget 0.080 GiB per device:" in proc.stdout
   assert "over" in proc.stdout and "fits" in proc.stdout and "chosen K = " in proc.stdout
   assert "predicted ÷ compiled peak" in proc.stdout
+
+
+def test_frozen_parameters_have_no_moments_or_accumulator_in_the_layout():
+  full = jaxstep_layout(1000)
+  lora = jaxstep_layout(1000, trainable=10, frozen_bytes=2)
+  assert lora == {
+    "trainable params fp32 (4T/F)": 40,
+    "frozen params bf16 (2(P−T)/F)": 1980,
+    "Adam moments fp32 (8T/F)": 80,
+    "grad accumulator fp32 (4T, during the update)": 40,
+  }
+  assert sum(lora.values()) < sum(full.values()) / 5
+  assert jaxstep_layout(1000, trainable=1000) == full
+
+
+def test_the_memory_command_shows_the_trainable_split_of_a_lora_config(capsys):
+  from jaxstep.cli import run as run_command
+
+  args = ["model.lora.rank=4", "optim.frozen_dtype=bf16", "train.global_batch_size=8"]
+  assert run_command("memory", [*args, "train.grad_accum_steps=2"]) == 0
+  out = capsys.readouterr().out
+  assert "train," in out and "frozen params bf16 (2(P−T)/F)" in out, out
+  compiled = [line for line in out.splitlines() if "arguments (state + batch)" in line]
+  assert compiled

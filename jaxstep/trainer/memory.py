@@ -8,7 +8,10 @@ not divided by D.
 
 jaxstep's layout: fp32 params 4P/F and Adam moments 8P/F persist (F = mesh.fsdp); during an
 update the fp32 gradient accumulator 4P is full-size per device, the fsdp-gathered params
-add 4P when F > 1, and bf16/fp16 compute adds a 2P cast copy.
+add 4P when F > 1, and bf16/fp16 compute adds a 2P cast copy. With frozen parameters
+(``optim.trainable``, LoRA) of T trainable ones: the trainable 4T/F, the frozen
+(P − T)·b/F (b = 4, or 2 with ``optim.frozen_dtype: bf16``), Adam 8T/F and the accumulator
+4T: the optimizer never sees a frozen parameter.
 
 The ledger's prediction adds an estimate of the step's temporaries (``activation_bytes``:
 activations kept for the backward pass, attention probabilities, logits, gradient buffers)
@@ -34,18 +37,42 @@ def textbook_state_bytes(num_params: int, *, zero_stage: int = 0, data_parallel:
   return replicated * p + math.ceil(sharded * p / d)
 
 
-def jaxstep_layout(num_params: int, *, precision: str = "fp32", fsdp: int = 1) -> dict[str, int]:
-  """jaxstep's bytes per device by role (persistent state, then update-time buffers)."""
+def jaxstep_layout(
+  num_params: int,
+  *,
+  precision: str = "fp32",
+  fsdp: int = 1,
+  trainable: int | None = None,
+  frozen_bytes: int = 4,
+) -> dict[str, int]:
+  """jaxstep's bytes per device by role (persistent state, then update-time buffers);
+  ``trainable``: how many of the parameters train (None: all), ``frozen_bytes`` per frozen
+  parameter (4 fp32, 2 bf16)."""
   p = num_params
+  if trainable is None or trainable == p:
+    rows = {
+      "params fp32 (4P/F)": math.ceil(4 * p / fsdp),
+      "Adam moments fp32 (8P/F)": math.ceil(8 * p / fsdp),
+      "grad accumulator fp32 (4P, during the update)": 4 * p,
+    }
+    if fsdp > 1:
+      rows["gathered params fp32 (4P, during the update)"] = 4 * p
+    if PRECISIONS[precision] is not None:
+      rows[f"{precision} compute copy (2P, during the update)"] = 2 * p
+    return rows
+  t, f, b = trainable, p - trainable, frozen_bytes
+  kind = "bf16" if b == 2 else "fp32"
   rows = {
-    "params fp32 (4P/F)": math.ceil(4 * p / fsdp),
-    "Adam moments fp32 (8P/F)": math.ceil(8 * p / fsdp),
-    "grad accumulator fp32 (4P, during the update)": 4 * p,
+    "trainable params fp32 (4T/F)": math.ceil(4 * t / fsdp),
+    f"frozen params {kind} ({b}(P−T)/F)": math.ceil(b * f / fsdp),
+    "Adam moments fp32 (8T/F)": math.ceil(8 * t / fsdp),
+    "grad accumulator fp32 (4T, during the update)": 4 * t,
   }
   if fsdp > 1:
-    rows["gathered params fp32 (4P, during the update)"] = 4 * p
+    rows[f"gathered params (4T + {b}(P−T), during the update)"] = 4 * t + b * f
   if PRECISIONS[precision] is not None:
-    rows[f"{precision} compute copy (2P, during the update)"] = 2 * p
+    cast = t + (f if b == 4 else 0)
+    rows[f"{precision} compute copy (2 × fp32 params, during the update)"] = 2 * cast
   return rows
 
 
@@ -56,6 +83,7 @@ def compiled_memory(cfg) -> dict:
   import jax
 
   from jaxstep import models
+  from jaxstep.core import freeze
   from jaxstep.trainer import auto_accum, steps
   from jaxstep.trainer.plan import make_plan
 
@@ -64,8 +92,10 @@ def compiled_memory(cfg) -> dict:
   apply_fn, state = steps.abstract_state(cfg, mesh, plan.schedule_steps)
   compiled = steps.compile_step(cfg, apply_fn, mesh, plan.schedule_steps, k, state)
   mem = compiled.memory_analysis()
+  trainable = steps.trainable(cfg)
   return {
     "num_params": models.num_params(state.params),
+    "trainable_params": None if trainable is None else freeze.count(state.params, trainable)[0],
     "state_bytes": sum(_shard_bytes(x) for x in jax.tree.leaves(state)),
     "argument_bytes": mem.argument_size_in_bytes,
     "output_bytes": mem.output_size_in_bytes,
@@ -142,17 +172,23 @@ def activation_bytes(model, rows: int, seq_len: int, num_params: int, precision:
   return int(sum(c * x for c, x in zip(COEFFICIENTS[estimate_mode(model)], sizes, strict=True)))
 
 
-def predicted_bytes(cfg, num_params: int, k: int, data: int, fsdp: int) -> dict[str, int]:
+def predicted_bytes(
+  cfg, num_params: int, k: int, data: int, fsdp: int, trainable: int | None = None
+) -> dict[str, int]:
   """The ledger's prediction per device for ``cfg`` with K = ``k`` on a data × fsdp mesh:
   persistent state, the batch, fsdp-gathered params, the estimated temporaries
   (``activation_bytes``); ``"peak"`` sums them."""
   t, devices = cfg.train, data * fsdp
-  layout = jaxstep_layout(num_params, precision=t.precision, fsdp=fsdp)
+  frozen_bytes = 2 if cfg.optim.frozen_dtype == "bf16" else 4
+  layout = jaxstep_layout(
+    num_params, precision=t.precision, fsdp=fsdp, trainable=trainable, frozen_bytes=frozen_bytes
+  )
+  grads = num_params if trainable is None else trainable
   rows = t.global_batch_size // (k * devices)
   out = {
     "state": sum(b for n, b in layout.items() if "during" not in n),
     "batch": 3 * t.global_batch_size // devices * t.seq_len * 4,
     "gathered": sum(b for n, b in layout.items() if "gathered" in n),
-    "activations": activation_bytes(cfg.model, rows, t.seq_len, num_params, t.precision),
+    "activations": activation_bytes(cfg.model, rows, t.seq_len, grads, t.precision),
   }
   return {**out, "peak": sum(out.values())}
