@@ -270,3 +270,23 @@ def test_your_own_linen_model_gets_adapters_by_path_pattern():
     jaxstep.ConfigError, match="matches no kernel; the kernels are Dense_0, Dense_1"
   ):
     lora.add_adapters(params, ["attn"], rank=2, rng=jax.random.PRNGKey(1))
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, dataclasses.replace(GPT, scan_layers=True, remat="block")])
+def test_adapter_dropout_acts_in_training_only_and_repeats_with_its_key(cfg):
+  cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=4, dropout=0.5))
+  apply_fn, params = models.build(cfg, 0)
+  rng = np.random.default_rng(2)
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: (
+      rng.normal(size=x.shape).astype(np.float32) if path_name(p).endswith("lora_b") else x
+    ),
+    params,
+  )
+  quiet_fn, _ = models.build(dataclasses.replace(cfg, lora=LoraConfig(rank=4)), 0, abstract=True)
+  key = jax.random.PRNGKey(5)
+  train = apply_fn(params, IDS, rng=key, train=True)
+  assert np.array_equal(train, apply_fn(params, IDS, rng=key, train=True))
+  assert not np.allclose(train, apply_fn(params, IDS, rng=jax.random.PRNGKey(6), train=True))
+  assert np.array_equal(apply_fn(params, IDS), quiet_fn(params, IDS))
+  assert not np.allclose(train, quiet_fn(params, IDS, rng=key, train=True))

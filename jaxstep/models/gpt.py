@@ -155,8 +155,9 @@ class Block(nnx.Module):
 
   def __call__(self, x, *, rng, train: bool):
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
-    x = x + self.dropout(self.attention(self.ln1(x)), deterministic=not train, rngs=keys[0])
-    mlp = self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+    with lora.dropout_keys(lora.block_key(rng, train)):
+      x = x + self.dropout(self.attention(self.ln1(x)), deterministic=not train, rngs=keys[0])
+      mlp = self.out(jax.nn.gelu(self.fc(self.ln2(x))))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 

@@ -211,9 +211,10 @@ class LlamaBlock(nnx.Module):
 
   def __call__(self, x, *, rng, train: bool):
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
-    attn = self.attention(self.input_layernorm(x))
-    x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
-    mlp = self.mlp(self.post_attention_layernorm(x))
+    with lora.dropout_keys(lora.block_key(rng, train)):
+      attn = self.attention(self.input_layernorm(x))
+      x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
+      mlp = self.mlp(self.post_attention_layernorm(x))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 

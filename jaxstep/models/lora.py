@@ -17,6 +17,8 @@ it computes with ``W + (α/r)·A·B``; train with ``trainable=freeze.by_patterns
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -36,11 +38,14 @@ class LoraConfig:
 
   rank: int = 0  # adapter rank r (0 = off: the whole model trains)
   alpha: float = 16.0  # scale α: the adapter's output is multiplied by α / r
+  dropout: float = 0.0  # dropout on the adapter's input x (training only), as PEFT's
   targets: tuple[str, ...] = ()  # projection names to adapt (empty: every projection)
 
   def __post_init__(self):
     if self.rank < 0:
       raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {self.rank}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
     if not (math.isfinite(self.alpha) and self.alpha > 0):
       raise ConfigError(f"model.lora.alpha must be > 0, got {self.alpha}")
 
@@ -75,11 +80,43 @@ class LoRALinear(nnx.Linear):
   def __init__(self, in_features: int, out_features: int, *, lora: LoraConfig, rngs, **kwargs):
     super().__init__(in_features, out_features, rngs=rngs, **kwargs)
     self.lora = nnx.LoRA(in_features, lora.rank, out_features, rngs=nnx.Rngs(0))
-    self.scale = lora.scale
+    self.scale, self.rate = lora.scale, lora.dropout
 
   def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
     y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)
-    return y + self.scale * self.lora(x).astype(y.dtype)
+    return y + self.scale * self.lora(_dropped(x, self.rate)).astype(y.dtype)
+
+
+_DROPOUT = contextvars.ContextVar("lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def dropout_keys(rng):
+  """Inside: each adapter called drops its input with a key of its own, folded from
+  ``rng`` (None: no dropout, as at inference). A block opens it around its own forward
+  pass with its dropout key, so the keys follow the block under ``scan`` and remat."""
+  token = _DROPOUT.set(None if rng is None else [rng, 0])
+  try:
+    yield
+  finally:
+    _DROPOUT.reset(token)
+
+
+def block_key(rng, train: bool):
+  """The adapters' dropout key in a block called with ``rng`` (None when not training):
+  folded from it, so the block's own dropout keys stay what they were."""
+  return jax.random.fold_in(rng, 2) if train and rng is not None else None
+
+
+def _dropped(x: jax.Array, rate: float) -> jax.Array:
+  """``x`` with inverted dropout at ``rate`` when ``dropout_keys`` is open with a key."""
+  state = _DROPOUT.get()
+  if not rate or state is None:
+    return x
+  key = jax.random.fold_in(state[0], state[1])
+  state[1] += 1
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def linear(lora: LoraConfig, name: str, in_features: int, out_features: int, **kwargs):
