@@ -87,7 +87,7 @@ def test_the_config_takes_its_model_and_tokenizer_from_the_folder(folder, tmp_pa
   [
     ("model.d_model=64", "model.d_model 64 contradicts"),
     ("train.seq_len=100", "exceeds the 64 positions"),
-    ("model.mlp_ratio=2", "model.mlp_ratio 2 contradicts"),
+    ("model.mlp_ratio=2", "model.init_from is a llama model: drop the key"),
   ],
 )
 def test_settings_that_contradict_the_folder_are_one_line_and_nothing_is_written(
@@ -337,3 +337,10 @@ def test_every_model_option_trains_an_imported_model_alike(folder, tmp_path):  #
   assert len(losses["one"]) == 3
   np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=2e-5)
   np.testing.assert_allclose(losses["kernels"], losses["one"], rtol=2e-5)
+
+
+def test_a_model_section_with_init_from_takes_the_folders_family(folder, tmp_path):  # noqa: F811
+  path, _ = folder
+  cfg = run_cfg(tmp_path, path, "model.lora.rank=4", "model.lora.targets=[q_proj, v_proj]")
+  assert isinstance(cfg.model, jaxstep.models.LlamaConfig)
+  assert init_from.resolve(cfg).model.lora.targets == ("q_proj", "v_proj")

@@ -7,6 +7,13 @@ Writes ``config.json``, the weights as safetensors (``model.safetensors``, or sh
 another checkpoint than the newest valid one; ``--dtype bf16`` halves the files. ``DIR``
 must be new, empty or an earlier export (its weights and config are replaced); the folder
 appears whole or not at all.
+
+A LoRA run (``model.lora.rank > 0``) exports with its adapters merged into the weights
+(``W + (α/r)·A·B``). ``--adapter`` writes the adapters alone in PEFT's format instead
+(``adapter_config.json`` + ``adapter_model.safetensors``, plus the tokenizer files), for
+``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)``;
+``DIR`` must then be new, empty or an earlier adapter export, and ``--dtype`` applies to the
+adapter tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ def main(argv=None) -> int:
   p.add_argument("--out", required=True, help="the model folder to write")
   p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="of the written weights")
   p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest weights file (GiB)")
+  p.add_argument(
+    "--adapter", action="store_true", help="write a LoRA run's adapters alone, in PEFT's format"
+  )
   return run_dir_command(export, p.parse_args(argv))
 
 
@@ -36,6 +46,8 @@ def export(args) -> int:
     step=args.step,
     dtype=DTYPES[args.dtype],
     max_shard_bytes=int(args.max_shard_gb * 2**30),
+    adapter=args.adapter,
   )
-  print(f"exported update step {step} of {args.run_dir} to {out}")
+  what = "the adapters of update step" if args.adapter else "update step"
+  print(f"exported {what} {step} of {args.run_dir} to {out}")
   return 0

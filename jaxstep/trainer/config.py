@@ -25,7 +25,7 @@ from jaxstep.core.optim import OptimConfig
 from jaxstep.core.precision import PRECISIONS
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
-from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of
+from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of, hf_config, hf_gpt2
 from jaxstep.trainer import profiling
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 
@@ -355,13 +355,29 @@ def _build(default, values: dict[str, Any], prefix: str = ""):
   return dataclasses.replace(default, **kwargs)
 
 
+def _folder_family(folder) -> str | None:
+  """The family of a ``model.init_from`` folder's architecture (so the section's other keys,
+  ``model.lora.targets`` among them, are checked against the right model); None when the
+  folder does not say (``init_from.resolve`` reports that later, in one line)."""
+  if not folder:
+    return None
+  try:
+    hf = hf_config.read_config(os.path.expanduser(os.path.expandvars(str(folder))))
+    arch = hf_config.architecture(hf)
+  except ConfigError:
+    return None
+  return "gpt" if arch == hf_gpt2.ARCHITECTURE else "llama"
+
+
 def _build_model(default, values: Any):
   """The model section: ``model.family`` (default: the family of ``default``) picks the
   config class; the other keys must be that family's."""
   if not isinstance(values, dict):
     raise ConfigError(f"config key 'model' is a section; give it a mapping, got {_quoted(values)}")
   values = dict(values)
-  family = str(values.pop("family", family_of(default)))
+  folder = values.get("init_from") if "family" not in values else None
+  of_folder = _folder_family(folder)
+  family = str(values.pop("family", of_folder or family_of(default)))
   if family not in FAMILIES:
     raise ConfigError(f"model.family must be one of {', '.join(FAMILIES)}, got {family!r}")
   cls = FAMILIES[family]
@@ -369,9 +385,10 @@ def _build_model(default, values: Any):
   foreign = [k for k in values if k not in tops and f"model.{k}" in valid_keys()]
   if foreign:
     owners = [name for name in FAMILIES if foreign[0] in model_keys(name)]
+    fix = f"model.init_from is a {family} model" if of_folder else "set model.family"
     raise ConfigError(
       f"model.{foreign[0]} is a setting of model.family {' or '.join(owners)}, not of "
-      f"{family}; set model.family or drop the key"
+      f"{family}; {fix}: drop the key"
     )
   return _build(default if isinstance(default, cls) else cls(vocab_size=0), values, "model.")
 

@@ -1,0 +1,226 @@
+"""A LoRA model's adapters written out in PEFT's format (``jaxstep export --adapter``):
+``adapter_config.json`` and ``adapter_model.safetensors``, as ``peft.PeftModel.save_pretrained``
+writes them for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout=0, bias="none",
+task_type="CAUSAL_LM")``, so ``peft.PeftModel.from_pretrained(base, folder)`` loads them
+onto the base model. Pure numpy and safetensors: neither torch nor peft is imported.
+
+The math is the same on both sides: an adapted projection computes ``y = x·W + b +
+(α/r)·(x·A)·B`` (jaxstep, ``A`` ``[in, r]``, ``B`` ``[r, out]``), which is PEFT's ``y =
+base(x) + (lora_alpha/r)·lora_B(lora_A(x))`` with ``lora_A.weight = Aᵀ`` ``[r, in]`` and
+``lora_B.weight = Bᵀ`` ``[out, r]`` (PyTorch's ``Linear`` stores ``[out, in]``). So each
+adapter leaf is transposed on the way out and nothing else changes; ``lora_alpha`` is
+``model.lora.alpha`` and ``r`` is ``model.lora.rank`` (no rsLoRA, no DoRA).
+
+Tensors are named ``base_model.model.<module>.lora_A.weight`` / ``…lora_B.weight``, where
+``<module>`` is the projection's module in the transformers model: ``hf_weights.hf_names``'
+tensor name without ``.weight`` (``model.layers.{i}.self_attn.q_proj``,
+``transformer.h.{i}.attn.c_attn``). ``target_modules`` lists the adapted projections' module
+names: the Llama family's are jaxstep's own (``q_proj`` … ``down_proj``); the bundled GPT's
+are GPT-2's ``c_attn`` (``qkv``), ``attn.c_proj`` (``proj``), ``c_fc`` (``fc``) and
+``mlp.c_proj`` (``out``), the two ``c_proj`` written as ``c_proj`` when both are adapted
+(PEFT matches a name against a module's full name or a ``.``-separated suffix of it).
+GPT-2's projections are ``Conv1D`` layers, which store ``[in, out]``: PEFT's config then says
+``fan_in_fan_out: true``, which only changes how PEFT merges into the base weight; the
+adapter tensors are laid out as for a ``Linear``.
+
+Params may be per block or stacked (``model.scan_layers``: one leaf per adapter with a
+leading layer axis, sliced one layer at a time). The folder is written beside its target
+under a temporary name and renamed into place at the end, as ``hf_export`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+from jaxstep.core.trees import path_name
+from jaxstep.errors import ConfigError
+from jaxstep.models import gpt, hf_export, layers, llama
+from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_weights import hf_names
+from jaxstep.models.llama import LlamaConfig
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel → LoraModel → the transformers model
+# Files an adapter export writes (and a later one over the same folder replaces, with the
+# ``extra_files`` it copies in); others stay.
+WRITTEN = frozenset({CONFIG, WEIGHTS})
+GPT2_MODULES = {"qkv": "c_attn", "proj": "attn.c_proj", "fc": "c_fc", "out": "mlp.c_proj"}
+
+
+def adapted(cfg: LlamaConfig | GPTConfig) -> tuple[str, ...]:
+  """The projections ``cfg``'s adapters sit on, in the model's order."""
+  projections = gpt.PROJECTIONS if isinstance(cfg, GPTConfig) else llama.PROJECTIONS
+  return tuple(p for p in projections if cfg.lora.adapts(p))
+
+
+def target_modules(cfg: LlamaConfig | GPTConfig) -> list[str]:
+  """PEFT's ``target_modules``: names that select exactly the adapted projections."""
+  names = adapted(cfg)
+  if not isinstance(cfg, GPTConfig):
+    return list(names)
+  modules = [GPT2_MODULES[p] for p in names]
+  if "attn.c_proj" in modules and "mlp.c_proj" in modules:
+    modules = [m for m in modules if m not in ("attn.c_proj", "mlp.c_proj")] + ["c_proj"]
+  return modules
+
+
+def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = "") -> dict:
+  """``adapter_config.json`` of ``cfg``'s adapters: PEFT's ``LoraConfig`` fields that say what
+  the adapters compute (the rest left to PEFT's defaults)."""
+  alpha = cfg.lora.alpha
+  return {
+    "alpha_pattern": {},
+    "auto_mapping": None,
+    "base_model_name_or_path": base_model_name_or_path,
+    "bias": "none",
+    "fan_in_fan_out": isinstance(cfg, GPTConfig),  # GPT-2's Conv1D stores [in, out]
+    "inference_mode": True,
+    "init_lora_weights": True,
+    "layers_pattern": None,
+    "layers_to_transform": None,
+    "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+    "lora_dropout": 0.0,
+    "modules_to_save": None,
+    "peft_type": "LORA",
+    "r": cfg.lora.rank,
+    "rank_pattern": {},
+    "revision": None,
+    "target_modules": target_modules(cfg),
+    "task_type": "CAUSAL_LM",
+    "use_dora": False,
+    "use_rslora": False,
+  }
+
+
+def adapter_tensors(cfg: LlamaConfig | GPTConfig, params: dict) -> list[hf_export.Tensor]:
+  """Every adapter tensor of the file, block by block, checked against the projections'
+  shapes and ``cfg``'s rank (nothing is gathered yet). Params' layout is read from the tree."""
+  stacked = bool(layers.layout_of(params))
+  targets, out, stored = set(adapted(cfg)), [], set()
+  for path, name, _ in hf_names(cfg):
+    if path[0] != "blocks" or path[-1] != "kernel" or path[-2] not in targets:
+      continue
+    fan_in, fan_out = hf_export._leaf_shape(params, path, stacked)
+    module = PREFIX + name.removesuffix(".weight")
+    for leaf, tag, shape in (
+      ("lora_a", "lora_A", (fan_in, cfg.lora.rank)),
+      ("lora_b", "lora_B", (cfg.lora.rank, fan_out)),
+    ):
+      where = (*path[:-1], "lora", leaf)
+      got = hf_export._leaf_shape(params, where, stacked)
+      if got != shape:
+        raise ConfigError(
+          f"params{hf_export._spell(where)} has shape {got}, the config needs {shape}"
+        )
+      stored.add("/".join(map(str, hf_export._stored_path(where, stacked)[0])))
+      fetch = hf_export._fetcher(params, where, stacked)
+      out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, True, shape[::-1]))
+  _check_all_written(params, stored)
+  return out
+
+
+def _check_all_written(params: dict, stored: set[str]) -> None:
+  """``ConfigError`` for adapter leaves of ``params`` that ``cfg`` does not adapt (they would
+  be lost): the params were trained with other ``model.lora.targets``."""
+  import jax
+
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  extra = [name for p, _ in leaves if "/lora/" in (name := path_name(p)) and name not in stored]
+  if extra:
+    raise ConfigError(
+      f"params hold {len(extra)} adapter leaves the config does not adapt: {', '.join(extra[:3])}"
+    )
+
+
+def save_adapter(
+  folder: str | pathlib.Path,
+  model_cfg: LlamaConfig | GPTConfig,
+  params: dict,
+  *,
+  base_model_name_or_path: str,
+  dtype: str = "float32",
+  extra_files: Iterable[str | pathlib.Path] = (),
+) -> pathlib.Path:
+  """Writes the adapters in ``params`` of ``model_cfg``'s model as a PEFT adapter folder at
+  ``folder``; returns it.
+
+  ``base_model_name_or_path``: the model the adapters apply to (the run's
+  ``model.init_from``; ``""`` for a model trained from scratch). ``dtype``: of the written
+  tensors, ``float32`` or ``bfloat16``. ``extra_files`` (the run's tokenizer files) are
+  copied in. A folder that already exists must be empty or an adapter folder (it has an
+  ``adapter_config.json``): then its adapter files and the ``extra_files``' names are
+  replaced and any others kept.
+
+  Raises:
+    ConfigError: ``model_cfg`` has no adapters (``model.lora.rank`` 0), an unknown
+      ``dtype``, params that do not match ``model_cfg``, or a non-empty ``folder`` that is
+      not an adapter folder (left untouched).
+  """
+  folder = pathlib.Path(folder)
+  if not model_cfg.lora.rank:
+    raise ConfigError("the model has no adapters (model.lora.rank is 0): nothing to save")
+  if dtype not in hf_export.DTYPES:
+    raise ConfigError(f"dtype must be one of {', '.join(hf_export.DTYPES)}, got {dtype!r}")
+  config = adapter_config(model_cfg, base_model_name_or_path)
+  tensors = adapter_tensors(model_cfg, params)
+  _check_target(folder)
+  folder.parent.mkdir(parents=True, exist_ok=True)
+  staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.partial-"))
+  try:
+    _write_weights(staging / WEIGHTS, tensors, dtype)
+    (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for file in map(pathlib.Path, extra_files):
+      shutil.copy2(file, staging / file.name)
+    _install(staging, folder)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return folder
+
+
+def _write_weights(file: pathlib.Path, tensors: list[hf_export.Tensor], dtype: str) -> None:
+  """One safetensors file (adapters are small: PEFT never shards them)."""
+  from safetensors.numpy import save_file
+
+  np_dtype = hf_export._numpy_dtype(dtype)
+  arrays = {t.name: hf_export._host(t, np_dtype) for t in tensors}
+  save_file(arrays, str(file), metadata={"format": "pt"})
+
+
+def _check_target(folder: pathlib.Path) -> None:
+  """``ConfigError`` unless ``folder`` is absent, empty or an adapter folder."""
+  if not folder.exists():
+    return
+  if not folder.is_dir():
+    raise ConfigError(f"{folder} exists and is not a folder: give a new or empty folder")
+  if any(folder.iterdir()) and not (folder / CONFIG).is_file():
+    raise ConfigError(
+      f"{folder} is not empty and has no {CONFIG}: it is not an adapter folder, so nothing "
+      f"was written there; give a new or empty folder"
+    )
+
+
+def _install(staging: pathlib.Path, folder: pathlib.Path) -> None:
+  """Renames ``staging`` to ``folder``. An existing ``folder`` is swapped out whole, then
+  its files this export did not write are moved across and the rest (the old adapter files
+  and those ``staging`` has too) deleted."""
+  if not folder.exists():
+    os.rename(staging, folder)
+    return
+  old = staging.with_name(staging.name + ".old")
+  os.rename(folder, old)
+  try:
+    os.rename(staging, folder)
+  except BaseException:
+    os.rename(old, folder)
+    raise
+  for entry in old.iterdir():
+    if entry.name not in WRITTEN and not (folder / entry.name).exists():
+      os.rename(entry, folder / entry.name)
+  shutil.rmtree(old)
