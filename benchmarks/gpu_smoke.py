@@ -2,8 +2,10 @@
 ``python -m benchmarks.gpu_smoke --tiny`` (any host, tiny shapes; what the tests run).
 
 For gpt2-124m and gpt-1.3b in bf16, for each attention kernel (``cudnn`` and ``xla`` on a
-GPU; ``blocked`` and ``xla`` elsewhere) and remat (``none`` and ``block``): tokens/s, MFU
-(``GPTConfig.flops_per_token``: 6·W + attention, against 989 TFLOP/s on a GPU), peak
+GPU; ``blocked`` and ``xla`` elsewhere) and remat (``none`` and ``block``), and for a 1.08 B
+Llama (``model.family=llama``: Llama 3.2 1B's blocks on gpt-1.3b's vocabulary, sequence and
+scanned layers) in one case, the first kernel (``cudnn`` on a GPU) with remat ``block``:
+tokens/s, MFU (``flops_per_token``: 6·W + attention, against 989 TFLOP/s on a GPU), peak
 device memory, and the K that ``grad_accum_steps: auto`` chose. Then the checkpoint round
 trip: the session state saved by orbax from the device, restored onto the device (bitwise
 equal, and one more step from it equal to the same step from the original), and restored
@@ -28,8 +30,16 @@ from jaxstep.trainer.checkpoint import Checkpointer
 from jaxstep.trainer.perf import mfu, peak_flops_per_device
 
 GPU_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
-# name, bundled config, global batch (smaller than the configs': a smoke test, not a run)
-MODELS = [("gpt2-124m", "gpt2-124m", 64), ("gpt-1.3b", "gpt-1.3b", 16)]
+# Llama 3.2 1B's blocks (16 × d 2048, 32 query / 8 key-value heads, SwiGLU 8192, tied head)
+# on gpt-1.3b's 50,304 ids and 2,048 tokens, remat block, scanned: 1.08 B parameters
+LLAMA_1B = [
+  "model.family=llama",
+  "model.n_layers=16",
+  "model.n_heads=32",
+  "model.n_kv_heads=8",
+  "model.intermediate_size=8192",
+  "model.tie_embeddings=true",
+]
 TINY = [
   "model.d_model=32",
   "model.n_layers=2",
@@ -39,9 +49,25 @@ TINY = [
   "train.seq_len=32",
   "train.memory_budget_gb=0.05",
 ]
+# one sequence per update: auto K has one candidate to compile, so the Llama adds little time
+TINY_LLAMA = [
+  *TINY,
+  "model.n_kv_heads=1",
+  "model.intermediate_size=64",
+  "train.global_batch_size=1",
+]
+# name, bundled config, global batch (smaller than the configs': a smoke test, not a run),
+# model overrides (full size, tiny), every attention kernel × remat (else one case: the
+# first kernel, remat block)
+MODELS = [
+  ("gpt2-124m", "gpt2-124m", 64, ([], TINY), True),
+  ("gpt-1.3b", "gpt-1.3b", 16, ([], TINY), True),
+  ("llama-1b", "gpt-1.3b", 16, (LLAMA_1B, TINY_LLAMA), False),
+]
 
 
-def _config(name: str, batch: int, overrides: list[str], run_dir: str, tiny: bool):
+def _config(model: tuple, overrides: list[str], run_dir: str, tiny: bool):
+  _, config, batch, (full, small), _ = model
   base = [
     "data.path=bundled:text",
     "data.eval_fraction=0",
@@ -49,7 +75,7 @@ def _config(name: str, batch: int, overrides: list[str], run_dir: str, tiny: boo
     "train.progress=false",
     f"run_dir={run_dir}",
   ]
-  return config_lib.load(name, [*base, *(TINY if tiny else []), *overrides])
+  return config_lib.load(config, [*base, *full, *(small if tiny else []), *overrides])
 
 
 def _random_batch(run, seed: int = 0) -> dict:
@@ -69,17 +95,19 @@ def _peak_memory(device) -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
-def measure(name, config, batch, attention, remat, steps, tiny) -> dict:
-  """One case: build (``grad_accum_steps: auto``), one step to compile, ``steps`` timed."""
+def measure(model, attention, remat, steps, tiny) -> dict:
+  """One case of ``model`` (a ``MODELS`` entry): build (``grad_accum_steps: auto``), one
+  step to compile, ``steps`` timed."""
   overrides = [
     f"model.attention={attention}",
     f"model.remat={remat}",
     "train.grad_accum_steps=auto",
   ]
   with tempfile.TemporaryDirectory() as run_dir:
-    cfg = _config(config, batch, overrides, run_dir, tiny)
+    cfg = _config(model, overrides, run_dir, tiny)
     t0 = time.perf_counter()
     run, state, _ = build(cfg)
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
     data = _random_batch(run)
     state, metrics = run.step_fn(state, data)
     jax.block_until_ready(metrics)
@@ -94,7 +122,9 @@ def measure(name, config, batch, attention, remat, steps, tiny) -> dict:
   peak = peak_flops_per_device(GPU_PEAK_TFLOPS if jax.default_backend() == "gpu" else 0.0)
   memory = _peak_memory(jax.local_devices()[0])
   return {
-    "model": name,
+    "model": model[0],
+    "family": type(run.cfg.model).__name__,
+    "params": num_params,
     "attention": attention,
     "remat": remat,
     "grad_accum_steps": t.grad_accum_steps,
@@ -122,10 +152,10 @@ def _abstract(state, sharding=None):
   )
 
 
-def checkpoint_round_trip(config: str, batch: int, tiny: bool) -> dict:
+def checkpoint_round_trip(model: tuple, tiny: bool) -> dict:
   """Save from the device, restore on the device and on the CPU, continue one step."""
   with tempfile.TemporaryDirectory() as run_dir:
-    run, state, _ = build(_config(config, batch, ["train.grad_accum_steps=4"], run_dir, tiny))
+    run, state, _ = build(_config(model, ["train.grad_accum_steps=4"], run_dir, tiny))
     data = _random_batch(run)
     state, _ = run.step_fn(state, data)  # a state with non-zero moments
     host, target = jax.device_get(state), _abstract(state)
@@ -164,24 +194,38 @@ def main(argv=None) -> int:
   parser.add_argument("--tiny", action="store_true", help="tiny shapes (any host)")
   parser.add_argument("--steps", type=int, default=5, help="timed update steps per case")
   parser.add_argument("--budget-s", type=float, default=390, help="skip cases started later")
-  parser.add_argument("--max-cases", type=int, default=0, help="run only this many (0 = all)")
+  parser.add_argument(
+    "--max-cases", type=int, default=0, help="run only this many per model (0 = all)"
+  )
+  parser.add_argument(
+    "--models",
+    nargs="+",
+    choices=[m[0] for m in MODELS],
+    help="measure only these models (default: all; the others' cases are listed as skipped)",
+  )
   parser.add_argument("--out", help="also write the JSON line to this file")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   kernels = ["cudnn", "xla"] if jax.default_backend() == "gpu" else ["blocked", "xla"]
   result = {"platform": jax.default_backend(), "device": jax.devices()[0].device_kind}
-  result["checkpoint"] = checkpoint_round_trip(MODELS[0][1], MODELS[0][2], args.tiny)
+  result["checkpoint"] = checkpoint_round_trip(MODELS[0], args.tiny)
   result["cases"], result["skipped"] = [], []
-  for name, config, batch in MODELS:
-    for attention in kernels:
-      for remat in ("block", "none"):
-        over_time = time.perf_counter() - start > args.budget_s
-        if over_time or len(result["cases"]) == (args.max_cases or -1):
-          result["skipped"].append(f"{name} {attention} remat={remat}")
-          continue
-        case = measure(name, config, batch, attention, remat, args.steps, args.tiny)
-        result["cases"].append(case)
-        print(json.dumps(case), file=sys.stderr, flush=True)
+  for model in MODELS:
+    name, every = model[0], model[-1]
+    variants = (
+      [(a, r) for a in kernels for r in ("block", "none")] if every else [(kernels[0], "block")]
+    )
+    measured = 0
+    for attention, remat in variants:
+      over_time = time.perf_counter() - start > args.budget_s
+      chosen = args.models is None or name in args.models
+      if over_time or not chosen or measured == (args.max_cases or -1):
+        result["skipped"].append(f"{name} {attention} remat={remat}")
+        continue
+      case = measure(model, attention, remat, args.steps, args.tiny)
+      measured += 1
+      result["cases"].append(case)
+      print(json.dumps(case), file=sys.stderr, flush=True)
   result["seconds"] = round(time.perf_counter() - start, 1)
   line = json.dumps(result)
   print(line)

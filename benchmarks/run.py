@@ -24,6 +24,7 @@ from benchmarks.harness import (
   ratio_stats,
   write,
 )
+from benchmarks.hf_bench import suite_hf
 
 
 def suite_host_overhead(quick: bool) -> dict:
@@ -404,6 +405,7 @@ SUITES = {
   "fsdp_memory": suite_fsdp_memory,
   "data": suite_data,
   "generate": suite_generate,
+  "hf": suite_hf,
 }
 
 

@@ -160,3 +160,55 @@ def ddp_contender(spec):
 
 
 CONTENDERS = {"torch": torch_contender, "torch_ddp": ddp_contender}
+
+
+def _llama_model(cfg: dict):
+  """transformers' ``LlamaForCausalLM`` of a jaxstep Llama model dict (``hf_bench``): random
+  weights, fp32, transformers' default attention (SDPA); ``model(ids) -> logits`` as the
+  GPT of ``_model``."""
+  import torch
+  from torch import nn
+  from transformers import LlamaConfig, LlamaForCausalLM
+
+  from benchmarks.hf_bench import hf_llama_kwargs
+
+  torch.manual_seed(0)
+  config = LlamaConfig(**hf_llama_kwargs(cfg))
+
+  class Logits(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.llama = LlamaForCausalLM(config)
+
+    def forward(self, idx):
+      return self.llama(input_ids=idx, use_cache=False).logits
+
+  return Logits().train()
+
+
+def torch_llama_contender(spec):
+  """``torch_contender`` with transformers' Llama in place of the GPT (``hf_bench``)."""
+  import torch
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  batch = make_batch(spec["g"], spec["model"]["max_seq_len"], spec["model"]["vocab_size"])
+  model = _llama_model(spec["model"])
+  once = _update_fn(model, batch, spec["k"], compiled=spec.get("compile", False))
+  t = time.perf_counter()
+  once()
+  first = time.perf_counter() - t
+  once()
+  repeats = spec.get("repeats", 2)
+
+  def run():
+    t = time.perf_counter()
+    for _ in range(repeats):
+      once()
+    return {"seconds": (time.perf_counter() - t) / repeats}
+
+  info = {"threads": torch.get_num_threads(), "first_call_s": first}
+  info["attention"] = model.llama.config._attn_implementation
+  return info, run
+
+
+CONTENDERS["torch_llama"] = torch_llama_contender

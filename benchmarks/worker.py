@@ -12,7 +12,7 @@ import sys
 
 
 def contenders():
-  from benchmarks import data_bench, generate_bench, loop_bench, memory_bench, step_bench
+  from benchmarks import data_bench, generate_bench, hf_bench, loop_bench, memory_bench, step_bench
 
   try:
     from benchmarks import torch_bench
@@ -23,6 +23,7 @@ def contenders():
   return {
     **data_bench.CONTENDERS,
     **generate_bench.CONTENDERS,
+    **hf_bench.CONTENDERS,
     **loop_bench.CONTENDERS,
     **memory_bench.CONTENDERS,
     **step_bench.CONTENDERS,

@@ -31,6 +31,12 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "ttft_ms_b8",
   "samples_over_step",
 }
+HF_KEYS = {  # the hf suite's, with torch and transformers installed
+  "hf_import_over_transformers",
+  "hf_import_rss_over_model_bytes",
+  "llama_tokens_vs_pytorch",
+  "llama_decode_vs_hf",
+}
 
 
 @pytest.mark.slow
@@ -48,6 +54,7 @@ def test_quick_benchmarks_write_results(tmp_path):
     assert "tokens_vs_pytorch" in summary
   if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
     assert "decode_vs_hf" in summary
+    assert HF_KEYS <= set(summary)
   if os.cpu_count() > 1:  # busy cores slowing each other down needs at least two
     assert "cores_together_over_alone" in summary
   deltas = {"data_startup_delta_s_200m_10m", "data_rss_delta_mib_200m_10m"}  # may be < 0
@@ -61,6 +68,7 @@ def test_quick_benchmarks_write_results(tmp_path):
     "fsdp_memory",
     "data",
     "generate",
+    "hf",
   ):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["environment"]["jax"] and result["rows"]
@@ -70,11 +78,12 @@ def test_quick_benchmarks_write_results(tmp_path):
 @pytest.mark.slow
 def test_gpu_smoke_runs_on_tiny_shapes_and_round_trips_bitwise(tmp_path):
   """The GPU check's script, on this host with tiny shapes: one JSON line, the checkpoint
-  round trip bitwise (device → device, one more step, → CPU), a case measured per field."""
+  round trip bitwise (device → device, one more step, → CPU), a GPT case and the Llama case
+  measured per field."""
   out = tmp_path / "smoke.json"
   proc = subprocess.run(
     [sys.executable, "-m", "benchmarks.gpu_smoke", "--tiny", "--steps", "1", "--max-cases", "1"]
-    + ["--out", str(out)],
+    + ["--models", "gpt2-124m", "llama-1b", "--out", str(out)],
     capture_output=True,
     text=True,
     timeout=600,
@@ -85,8 +94,11 @@ def test_gpu_smoke_runs_on_tiny_shapes_and_round_trips_bitwise(tmp_path):
   checkpoint = result["checkpoint"]
   assert checkpoint["restored_on_device_bitwise"] and checkpoint["next_step_bitwise"]
   assert checkpoint["restored_on_cpu_bitwise"] and checkpoint["cpu_copy_platform"] == "cpu"
-  (case,) = result["cases"]
-  assert case["model"] == "gpt2-124m" and case["attention"] == "blocked"
-  assert case["tokens_per_s"] > 0 and 0 < case["mfu"] < 1 and case["auto_table_gib"]
-  assert case["grad_accum_steps"] in {int(k) for k in case["auto_table_gib"]}
-  assert len(result["skipped"]) == 7  # 2 models × 2 kernels × 2 remat, one measured
+  gpt, llama = result["cases"]
+  assert gpt["model"] == "gpt2-124m" and gpt["attention"] == "blocked"
+  assert llama["model"] == "llama-1b" and llama["family"] == "LlamaConfig"
+  assert llama["attention"] == "blocked" and llama["remat"] == "block"
+  for case in (gpt, llama):
+    assert case["tokens_per_s"] > 0 and 0 < case["mfu"] < 1 and case["auto_table_gib"]
+    assert case["grad_accum_steps"] in {int(k) for k in case["auto_table_gib"]}
+  assert len(result["skipped"]) == 7  # GPTs: 2 models × 2 kernels × 2 remat, one measured
