@@ -15,6 +15,7 @@ import shutil
 import time
 
 from benchmarks.generate_bench import suite_generate
+from benchmarks.lora_bench import suite_lora
 from benchmarks.harness import (
   RESULTS,
   Worker,
@@ -406,6 +407,7 @@ SUITES = {
   "data": suite_data,
   "generate": suite_generate,
   "hf": suite_hf,
+  "lora": suite_lora,
 }
 
 
