@@ -57,6 +57,7 @@ def test_frozen_leaves_stay_bitwise_and_get_no_optimizer_state():
   assert len(moments) == 2 * len(trained)
 
 
+@pytest.mark.slow
 def test_the_gradient_norm_is_over_the_trainable_leaves_only():
   apply_fn, params, step = setup(k=1, clip=0.0)
   b = batch()

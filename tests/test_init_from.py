@@ -154,6 +154,7 @@ def test_a_run_starts_from_the_folders_weights_and_exports_what_transformers_loa
   assert saved.tokenizer.EOS == tok.eos_token_id  # the run reads the folder's tokenizer copy
 
 
+@pytest.mark.slow
 def test_a_bundled_gpt_run_exports_as_gpt2_and_a_foreign_out_folder_is_refused(tmp_path, capsys):
   from conftest import make_cfg
 
@@ -193,6 +194,7 @@ def gpt2_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
   return tmp_path / "gpt2", model
 
 
+@pytest.mark.slow
 def test_a_gpt2_folder_trains_as_the_bundled_gpt_and_exports_the_same_names(gpt2_folder, tmp_path):
   path, model = gpt2_folder
   cfg = run_cfg(tmp_path, path, "train.max_steps=1")
@@ -291,6 +293,7 @@ def test_text_from_a_folder_without_bos_masks_document_starts_by_position(folder
   assert {bool(got[i]) for i in eos_at} == {True, False}  # ends learned, starts not
 
 
+@pytest.mark.slow
 def test_the_sft_hf_config_fine_tunes_a_model_folder_on_chat_and_exports(
   folder,  # noqa: F811
   tmp_path,

@@ -72,6 +72,7 @@ def test_a_lora_run_trains_only_the_adapters(tmp_path):
   assert any(n.endswith("lora_b") for n in changed)
 
 
+@pytest.mark.slow
 def test_generate_decodes_a_lora_run_with_the_cache_as_without(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=2", "model.lora.rank=2", "optim.lr=1e-2"))
   saved = jaxstep.load_run(tmp_path / "run")
@@ -82,6 +83,7 @@ def test_generate_decodes_a_lora_run_with_the_cache_as_without(tmp_path):
   assert outs[0] == outs[1]
 
 
+@pytest.mark.slow
 def test_the_accumulation_check_passes_with_lora(tmp_path, capsys):
   make_cfg(tmp_path)
   args = [*SMALL_MODEL, f"data.path={tmp_path / 'corpus.txt'}", "model.lora.rank=4"]
@@ -125,6 +127,7 @@ def test_a_lora_run_on_an_fsdp_mesh_trains_as_on_one_device(tmp_path):
   np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
   tmp_path,
   folder,  # noqa: F811 - the imported fixture
@@ -159,6 +162,7 @@ def lora_args(tmp_path, path, *extra):
   return [*args, *extra]
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_holds_the_adapters_only_and_a_changed_base_is_refused(
   tmp_path,
   folder,  # noqa: F811 - the imported fixture
@@ -221,6 +225,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_bitwise(
   assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
 
 
+@pytest.mark.slow
 def test_a_bf16_frozen_base_trains_resumes_and_keeps_its_dtype(tmp_path):
   import jax.numpy as jnp
 

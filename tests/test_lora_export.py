@@ -53,7 +53,11 @@ def peft_reference(base: str, adapter_config: dict, tmp_path):
 
 @pytest.mark.parametrize(
   "overrides",
-  [(), ("model.family=llama", "model.lora.targets=[q_proj, v_proj]"), ("model.scan_layers=true",)],
+  [
+    pytest.param((), marks=pytest.mark.slow),
+    ("model.family=llama", "model.lora.targets=[q_proj, v_proj]"),
+    pytest.param(("model.scan_layers=true",), marks=pytest.mark.slow),
+  ],
   ids=["every-projection", "q-and-v", "stacked"],
 )
 def test_a_peft_model_from_the_adapter_computes_the_runs_logits(
@@ -92,6 +96,7 @@ def test_a_peft_model_from_the_adapter_computes_the_runs_logits(
   assert np.abs(logits(plain) - expected).max() > 1e-3  # the adapters do change the model
 
 
+@pytest.mark.slow
 def test_bf16_adapters_and_a_second_export_over_the_first(
   tmp_path,
   folder,  # noqa: F811 - the imported fixture
@@ -125,6 +130,7 @@ def test_bf16_adapters_and_a_second_export_over_the_first(
   assert [p.name for p in theirs.iterdir()] == ["data.txt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("targets", ["[qkv, out]", "[proj, fc]"])
 def test_the_bundled_gpt_adapter_loads_onto_gpt2(tmp_path, targets):
   cfg = make_cfg(
