@@ -97,13 +97,13 @@ def save_pretrained(
     raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
   hf = export_config(cfg, architecture, dtype=dtype, base_config=base_config)
   tensors = tensors_of(cfg, params)
-  _check_target(folder)
+  check_target(folder)
   folder.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.partial-"))
   try:
     _write_weights(staging, tensors, dtype, max_shard_bytes)
     (staging / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    _install(staging, folder)
+    install(staging, folder)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
@@ -339,24 +339,28 @@ def _write_weights(staging: pathlib.Path, tensors: list[Tensor], dtype: str, max
     (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _check_target(folder: pathlib.Path) -> None:
-  """``ConfigError`` unless ``folder`` is absent, empty or a model folder (a previous
-  export or an imported one: it has a ``config.json``)."""
+def check_target(folder: pathlib.Path, marker: str = CONFIG, kind: str = "a model") -> None:
+  """``ConfigError`` unless ``folder`` is absent, empty or ``kind`` folder (a previous
+  export or an imported one: it has a ``marker`` file, ``config.json`` by default)."""
   if not folder.exists():
     return
   if not folder.is_dir():
     raise ConfigError(f"{folder} exists and is not a folder: give a new or empty folder")
-  if any(folder.iterdir()) and not (folder / CONFIG).is_file():
+  if any(folder.iterdir()) and not (folder / marker).is_file():
     raise ConfigError(
-      f"{folder} is not empty and has no {CONFIG}: it is not a model folder, so nothing was "
+      f"{folder} is not empty and has no {marker}: it is not {kind} folder, so nothing was "
       f"written there; give a new or empty folder"
     )
 
 
-def _install(staging: pathlib.Path, folder: pathlib.Path) -> None:
+def install(
+  staging: pathlib.Path, folder: pathlib.Path, written: Callable[[str], bool] | None = None
+) -> None:
   """Renames ``staging`` to ``folder``. An existing ``folder`` is swapped out whole, then
-  its files an export does not write (tokenizer, generation config) are moved across and
-  the rest (the old weights and config) deleted."""
+  its files an export does not write (``written``, default: weights and config; the
+  tokenizer and generation config stay) and ``staging`` does not hold are moved across and
+  the rest deleted."""
+  written = written or WRITTEN.fullmatch
   if not folder.exists():
     os.rename(staging, folder)
     return
@@ -368,6 +372,6 @@ def _install(staging: pathlib.Path, folder: pathlib.Path) -> None:
     os.rename(old, folder)
     raise
   for entry in old.iterdir():
-    if not WRITTEN.fullmatch(entry.name):
+    if not written(entry.name) and not (folder / entry.name).exists():
       os.rename(entry, folder / entry.name)
   shutil.rmtree(old)

@@ -31,7 +31,6 @@ under a temporary name and renamed into place at the end, as ``hf_export`` write
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import tempfile
@@ -169,7 +168,7 @@ def save_adapter(
     raise ConfigError(f"dtype must be one of {', '.join(hf_export.DTYPES)}, got {dtype!r}")
   config = adapter_config(model_cfg, base_model_name_or_path)
   tensors = adapter_tensors(model_cfg, params)
-  _check_target(folder)
+  hf_export.check_target(folder, CONFIG, "an adapter")
   folder.parent.mkdir(parents=True, exist_ok=True)
   staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.partial-"))
   try:
@@ -177,7 +176,7 @@ def save_adapter(
     (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for file in map(pathlib.Path, extra_files):
       shutil.copy2(file, staging / file.name)
-    _install(staging, folder)
+    hf_export.install(staging, folder, WRITTEN.__contains__)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
@@ -191,36 +190,3 @@ def _write_weights(file: pathlib.Path, tensors: list[hf_export.Tensor], dtype: s
   np_dtype = hf_export._numpy_dtype(dtype)
   arrays = {t.name: hf_export._host(t, np_dtype) for t in tensors}
   save_file(arrays, str(file), metadata={"format": "pt"})
-
-
-def _check_target(folder: pathlib.Path) -> None:
-  """``ConfigError`` unless ``folder`` is absent, empty or an adapter folder."""
-  if not folder.exists():
-    return
-  if not folder.is_dir():
-    raise ConfigError(f"{folder} exists and is not a folder: give a new or empty folder")
-  if any(folder.iterdir()) and not (folder / CONFIG).is_file():
-    raise ConfigError(
-      f"{folder} is not empty and has no {CONFIG}: it is not an adapter folder, so nothing "
-      f"was written there; give a new or empty folder"
-    )
-
-
-def _install(staging: pathlib.Path, folder: pathlib.Path) -> None:
-  """Renames ``staging`` to ``folder``. An existing ``folder`` is swapped out whole, then
-  its files this export did not write are moved across and the rest (the old adapter files
-  and those ``staging`` has too) deleted."""
-  if not folder.exists():
-    os.rename(staging, folder)
-    return
-  old = staging.with_name(staging.name + ".old")
-  os.rename(folder, old)
-  try:
-    os.rename(staging, folder)
-  except BaseException:
-    os.rename(old, folder)
-    raise
-  for entry in old.iterdir():
-    if entry.name not in WRITTEN and not (folder / entry.name).exists():
-      os.rename(entry, folder / entry.name)
-  shutil.rmtree(old)
