@@ -163,3 +163,32 @@ def restore_logging():
   handlers, level = list(root.handlers), root.level
   yield
   root.handlers[:], root.level = handlers, level
+
+
+def straight_and_killed(tmp_path, args, kill_at: int):
+  """Trains ``args`` (``jaxstep.train`` overrides) into ``tmp_path/straight`` to the end, and
+  into ``tmp_path/killed`` with a SIGKILL once the checkpoint of update step ``kill_at``
+  exists, then the same command again to the end; returns the two run dirs."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+  def command(name):
+    return [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / name}"]
+
+  done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
+  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while not (tmp_path / "killed" / "checkpoints" / str(kill_at)).exists():
+    assert time.time() < deadline and proc.poll() is None, "no checkpoint to kill after"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
+  assert done.returncode == 0 and "resumed from the checkpoint" in done.stderr, done.stderr
+  return tmp_path / "straight", tmp_path / "killed"

@@ -214,32 +214,15 @@ def test_a_gpt2_folder_trains_as_the_bundled_gpt_and_exports_the_same_names(gpt2
 @pytest.mark.slow
 def test_a_run_from_a_folder_killed_with_sigkill_resumes_bitwise(folder, tmp_path):  # noqa: F811
   """The resumed half starts from its checkpoint, not again from the folder's weights."""
-  import signal
-  import time
-
   import jax
-  from conftest import restore_state_arrays
+  from conftest import restore_state_arrays, straight_and_killed
 
   path, _ = folder
   corpus(tmp_path)
   args = [f"model.init_from={path}", f"data.path={tmp_path / 'corpus.txt'}"]
   args += [f"train.global_batch_size={G}", f"train.grad_accum_steps={K}", f"train.seq_len={S}"]
   args += ["train.max_steps=8", "train.eval_every=0", "checkpoint.every=2", "mesh.cpu_devices=1"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-
-  def command(name):
-    return [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / name}"]
-
-  done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-2000:]
-  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 120
-  while not (tmp_path / "killed" / "checkpoints" / "4").exists() and time.time() < deadline:
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGKILL)
-  proc.communicate(timeout=60)
-  done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
-  assert done.returncode == 0 and "resumed from the checkpoint of update step" in done.stderr
+  straight_and_killed(tmp_path, args, kill_at=4)
   (step_a, a), (step_b, b) = (restore_state_arrays(tmp_path / n) for n in ("straight", "killed"))
   assert step_a == step_b == 8
   pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)

@@ -196,29 +196,11 @@ def test_a_lora_run_killed_with_sigkill_resumes_bitwise(
   tmp_path,
   folder,  # noqa: F811 - the imported fixture
 ):
-  import os
-  import signal
-  import subprocess
-  import sys
-  import time
+  from conftest import straight_and_killed
 
   path, _ = folder
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   args = lora_args(tmp_path, path, "train.max_steps=6", "checkpoint.every=2")
-
-  def command(name):
-    return [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / name}"]
-
-  done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-2000:]
-  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 120
-  while not (tmp_path / "killed" / "checkpoints" / "2").exists() and time.time() < deadline:
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGKILL)
-  proc.communicate(timeout=60)
-  done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
-  assert done.returncode == 0 and "resumed from the checkpoint" in done.stderr, done.stderr
+  straight_and_killed(tmp_path, args, kill_at=2)
   a, b = (jaxstep.load_run(tmp_path / n) for n in ("straight", "killed"))
   assert a.step == b.step == 6
   pairs = zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
