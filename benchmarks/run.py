@@ -15,7 +15,6 @@ import shutil
 import time
 
 from benchmarks.generate_bench import suite_generate
-from benchmarks.lora_bench import suite_lora
 from benchmarks.harness import (
   RESULTS,
   Worker,
@@ -26,6 +25,7 @@ from benchmarks.harness import (
   write,
 )
 from benchmarks.hf_bench import suite_hf
+from benchmarks.lora_bench import suite_lora
 
 
 def suite_host_overhead(quick: bool) -> dict:
