@@ -23,6 +23,14 @@ def _prompts(batch: int, length: int) -> np.ndarray:
 
 def jax_decoder(spec: dict):
   """jaxstep's Generator; ``use_cache`` False is the reference full-recompute path."""
+  from jaxstep import models
+
+  return timed_jax_decode(models.GPTConfig(**SHAPES), spec, use_cache=spec["use_cache"])
+
+
+def timed_jax_decode(cfg, spec: dict, *, use_cache: bool = True, vocab_size: int | None = None):
+  """A worker's ``(info, run_once)`` for ``jaxstep.Generator`` on ``cfg``'s model with random
+  weights; ``vocab_size``: ids the tokenizer lets the model choose (default: the bytes')."""
   import jax
 
   from jaxstep import models
@@ -32,9 +40,10 @@ def jax_decoder(spec: dict):
   class NoEos(ByteTokenizer):
     EOS = 10**9  # never produced: every row runs to new_tokens
 
-  cfg = models.GPTConfig(**SHAPES)
+  if vocab_size is not None:
+    NoEos.vocab_size = vocab_size
   params = models.build(cfg, 0)[1]
-  gen = Generator(cfg, params, NoEos(), use_cache=spec["use_cache"])
+  gen = Generator(cfg, params, NoEos(), use_cache=use_cache)
   prompts = list(_prompts(spec["batch"], spec["prompt_len"]))
 
   def decode(new):
@@ -67,7 +76,14 @@ def hf_decoder(spec: dict):
     bos_token_id=257,
     eos_token_id=258,
   )
-  model = GPT2LMHeadModel(config).eval()
+  return timed_hf_generate(GPT2LMHeadModel(config).eval(), spec)
+
+
+def timed_hf_generate(model, spec: dict):
+  """A worker's ``(info, run_once)`` for ``model.generate(use_cache=True)``, greedy, exactly
+  ``new_tokens`` per row."""
+  import torch
+
   prompts = torch.from_numpy(_prompts(spec["batch"], spec["prompt_len"]).astype(np.int64))
   mask = torch.ones_like(prompts)
 

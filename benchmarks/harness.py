@@ -146,8 +146,9 @@ def fmt(stats: dict) -> str:
   return f"{stats['median']:.3f} ({stats['q1']:.3f}–{stats['q3']:.3f})"
 
 
-def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
-  """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker.
+def measure(specs: dict, rounds: int, while_building=None) -> tuple[dict, dict, dict]:
+  """Starts a worker per spec, runs ``rounds`` interleaved rounds, closes every worker;
+  ``while_building()``, if given, runs while the workers build.
 
   A spec's ``env`` is added to its worker's environment; ``copies: n`` runs n workers of it
   at the same moment (``Together``). Returns ``(results per name, ready-info per name,
@@ -159,6 +160,8 @@ def measure(specs: dict, rounds: int) -> tuple[dict, dict, dict]:
     for name, spec in specs.items():  # start them all; they build side by side
       env, copies = spec.get("env"), spec.get("copies")
       workers[name] = Together(spec, copies, env) if copies else Worker(spec, env)
+    if while_building is not None:
+      while_building()
     for name in list(workers):
       try:
         workers[name].info  # noqa: B018 -- waits until built and warmed up

@@ -332,41 +332,13 @@ def _fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
 # ---------------------------------------------------------------------------- decoding
 
 
-def _prompts(batch: int, length: int) -> np.ndarray:
-  return np.random.default_rng(0).integers(0, 256, size=(batch, length), dtype=np.int32)
-
-
 def decode_jax(spec: dict):
   """Worker: ``jaxstep.Generator`` with the key/value cache, greedy, EOS never chosen."""
-  import jax
-
-  from jaxstep import models
-  from jaxstep.data import ByteTokenizer
-  from jaxstep.generation import Generator
+  from benchmarks.generate_bench import timed_jax_decode
 
   cfg = jax_llama_config(spec["model"])
-
-  class NoEos(ByteTokenizer):
-    EOS = 10**9  # never produced: every row runs to new_tokens
-    vocab_size = cfg.vocab_size  # every id of the model may be chosen, as in transformers
-
-  params = models.build(cfg, 0)[1]
-  gen = Generator(cfg, params, NoEos())
-  prompts = list(_prompts(spec["batch"], spec["prompt_len"]))
-
-  def decode(new):
-    start = time.perf_counter()
-    ids, _ = gen.generate_ids(prompts, max_new_tokens=new)
-    return time.perf_counter() - start, sum(map(len, ids))
-
-  decode(1), decode(spec["new_tokens"])  # compile both shapes
-
-  def run_once():
-    ttft, _ = decode(1)
-    seconds, new = decode(spec["new_tokens"])
-    return _decode_result(spec, seconds, new, ttft)
-
-  return {"devices": jax.device_count()}, run_once
+  # every id of the model may be chosen, as in transformers
+  return timed_jax_decode(cfg, spec, vocab_size=cfg.vocab_size)
 
 
 def decode_hf(spec: dict):
@@ -374,43 +346,11 @@ def decode_hf(spec: dict):
   import torch
   from transformers import LlamaConfig, LlamaForCausalLM
 
+  from benchmarks.generate_bench import timed_hf_generate
+
   torch.manual_seed(0)
   config = LlamaConfig(**hf_llama_kwargs(spec["model"]), bos_token_id=257, eos_token_id=258)
-  model = LlamaForCausalLM(config).eval()
-  prompts = torch.from_numpy(_prompts(spec["batch"], spec["prompt_len"]).astype(np.int64))
-  mask = torch.ones_like(prompts)
-
-  def decode(new):
-    start = time.perf_counter()
-    with torch.inference_mode():
-      out = model.generate(
-        prompts,
-        attention_mask=mask,
-        max_new_tokens=new,
-        min_new_tokens=new,
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=256,
-      )
-    return time.perf_counter() - start, (out.shape[1] - prompts.shape[1]) * out.shape[0]
-
-  decode(1), decode(8)
-
-  def run_once():
-    ttft, _ = decode(1)
-    seconds, new = decode(spec["new_tokens"])
-    return _decode_result(spec, seconds, new, ttft)
-
-  return {"torch": torch.__version__, "threads": torch.get_num_threads()}, run_once
-
-
-def _decode_result(spec, seconds, new, ttft) -> dict:
-  return {
-    "seconds": seconds,
-    "new_tokens_per_s": new / seconds,
-    "ttft_s": ttft,
-    "prefill_tokens_per_s": spec["batch"] * spec["prompt_len"] / ttft,
-  }
+  return timed_hf_generate(LlamaForCausalLM(config).eval(), spec)
 
 
 CONTENDERS = {
@@ -425,26 +365,17 @@ CONTENDERS = {
 def _load_then_measure(path: str, load_rounds: int, specs: dict, rounds: int, overlap: bool):
   """``_fresh_rounds`` of the loads, then ``harness.measure`` of ``specs``; ``overlap``: the
   loads run while the workers of ``specs`` build."""
-  from benchmarks.harness import Worker, interleaved
+  from benchmarks.harness import measure
 
-  load = None if overlap else _fresh_rounds(path, load_rounds)
-  workers, failed = {}, {}
-  try:
-    for name, spec in specs.items():
-      workers[name] = Worker(spec)
-    if overlap:
-      load = _fresh_rounds(path, load_rounds)
-    for name in list(workers):
-      try:
-        workers[name].info  # noqa: B018 -- waits until built and warmed up
-      except RuntimeError as e:
-        failed[name] = str(e)
-        workers.pop(name).close()
-    res = interleaved(workers, rounds=rounds)
-  finally:
-    for w in workers.values():
-      w.close()
-  return load, res, {n: w.info for n, w in workers.items()}, failed
+  loads = {}
+
+  def load():
+    loads["load"] = _fresh_rounds(path, load_rounds)
+
+  if not overlap:
+    load()
+  res, info, failed = measure(specs, rounds, while_building=load if overlap else None)
+  return loads["load"], res, info, failed
 
 
 def _skipped(why: str) -> dict:
