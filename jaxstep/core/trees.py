@@ -16,3 +16,10 @@ def key_name(key) -> str:
 def path_name(path: Sequence) -> str:
   """A leaf's key path as ``"a/b/0/c"``."""
   return "/".join(key_name(k) for k in path)
+
+
+def node_at(tree, path: Sequence):
+  """The node of a nested-dict (or list) tree at a key path from ``jax.tree_util``."""
+  for entry in path:
+    tree = tree[getattr(entry, "key", getattr(entry, "idx", entry))]
+  return tree

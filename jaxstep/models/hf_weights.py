@@ -128,10 +128,6 @@ def _shape(cfg, path: tuple) -> tuple:
   return (d,)  # a norm's scale or bias
 
 
-def _key(entry):
-  return getattr(entry, "key", getattr(entry, "idx", entry))
-
-
 def read_params(
   folder: str | pathlib.Path,
   cfg: LlamaConfig,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.core.trees import path_name
+from jaxstep.core.trees import node_at, path_name
 from jaxstep.errors import ConfigError
 
 ADAPTER = r"/lora/lora_[ab]$"  # the names of adapter leaves (core.freeze patterns)
@@ -168,10 +168,7 @@ def with_adapters(base, abstract, adapters: dict):
     name = path_name(path)
     if name in adapters:
       return adapters[name]
-    node = base
-    for key in path:
-      node = node[getattr(key, "key", getattr(key, "idx", key))]
-    return node
+    return node_at(base, path)
 
   return jax.tree_util.tree_map_with_path(fill, abstract)
 
@@ -197,9 +194,7 @@ def add_adapters(params, patterns, *, rank: int, rng) -> dict:
   out = jax.tree.map(lambda x: x, params)  # a copy of the containers, the leaves shared
   for i, ((path, kernel), name) in enumerate(zip(kernels, names, strict=True)):
     if any(re.search(p, name) for p in patterns):
-      node = out
-      for key in path:
-        node = node[getattr(key, "key", getattr(key, "idx", key))]
+      node = node_at(out, path)
       a = a_init(jax.random.fold_in(rng, i), (kernel.shape[0], rank), kernel.dtype)
       node["lora"] = {"lora_a": a, "lora_b": jnp.zeros((rank, kernel.shape[1]), kernel.dtype)}
   return out
