@@ -28,6 +28,16 @@ def test_default_config_passes_through_the_cli():
   assert "PASS: accumulation is exact" in proc.stdout
 
 
+def test_a_seed_out_of_its_domain_is_exit_2_with_one_line_naming_it(capsys):
+  """A config error stops ``check`` before anything is built: exit 2, nothing on stdout,
+  one ``error:`` line on stderr that names the key."""
+  assert check.main(["train.seed=-1"]) == 2
+  captured = capsys.readouterr()
+  err = captured.err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error:") and "train.seed" in err[0], captured.err
+  assert captured.out == ""
+
+
 def per_micro_batch_mean_loss(apply_fn):
   """The classic bug: each micro-batch averages over its own tokens (mean of means)."""
 

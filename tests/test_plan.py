@@ -111,6 +111,26 @@ def test_values_out_of_reach_are_refused_before_anything_is_allocated(tmp_path, 
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ("model.max_seq_len=100000000", "model.d_model=1024"),  # 10¹¹ parameters: TBs on any host
+    ("model.max_seq_len=1000000000000",),
+  ],
+)
+def test_a_gpt_too_long_for_its_positions_names_max_seq_len(tmp_path, overrides):
+  """The GPT learns one position vector per token slot: ``max_seq_len × d_model``
+  parameters, so the length alone can outgrow the device, and the refusal must name it
+  rather than the keys that play no part (vocabulary, layers)."""
+  cfg = make_cfg(tmp_path, "model.n_heads=1", *overrides)
+  with pytest.raises(ConfigError) as refused:
+    make_plan(cfg)
+  message = str(refused.value)
+  assert "model.max_seq_len" in message and "model.d_model" in message, message
+  assert "model.vocab_size" not in message and "model.n_layers" not in message, message
+  assert not (tmp_path / "run").exists()
+
+
 def test_what_fits_is_not_refused():
   from jaxstep.trainer.plan import approx_num_params, refuse_what_cannot_fit
 

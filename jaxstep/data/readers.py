@@ -16,7 +16,9 @@ import codecs
 import dataclasses
 import glob
 import json
+import os
 import pathlib
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +80,69 @@ def _skip_reason(file: pathlib.Path, fmt: str, walked: bool) -> str | None:
   return None
 
 
+def _glob(pattern: str, skipped: dict[str, list[str]]) -> list[str]:
+  """What ``glob.glob(pattern, recursive=True)`` matches, with each ``**`` walked through
+  every real folder once. Python's own ``**`` follows folder links as deep as the system
+  allows before anything can drop repeats: two symlink loops make that exponential, a
+  hang. Here a folder reached again through a link is not walked again (its path goes to
+  ``skipped``); the parts between ``**`` are plain globs, which cannot loop."""
+  parts = pattern.split("/")
+  if "**" not in parts:
+    return glob.glob(pattern)
+  bases, i = [""], 0  # "": the pattern is relative, nothing matched yet
+  while i < len(parts):
+    if parts[i] == "**":
+      while i < len(parts) and parts[i] == "**":  # "**/**" is one "**"
+        i += 1
+      bases = _tree(bases, files=i == len(parts), skipped=skipped)
+      continue
+    end = parts.index("**", i) if "**" in parts[i:] else len(parts)
+    chunk = "/".join(parts[i:end])
+    if not chunk:  # the pattern begins with "/**"
+      bases = ["/"]
+    else:
+      bases = [m for b in bases for m in glob.glob(os.path.join(glob.escape(b), chunk))]
+    i = end
+  return bases
+
+
+def _tree(bases: list[str], files: bool, skipped: dict[str, list[str]]) -> list[str]:
+  """What one ``**`` matches under each of ``bases``: the base and every folder below it
+  (and every file too when ``files``: a final ``**``), hidden names left out as glob does,
+  following links to folders but each real folder (by device and inode) once, in sorted
+  depth-first order, so of two names for one folder the first in sorted order is kept."""
+  seen: set[tuple[int, int]] = set()
+  out: list[str] = []
+
+  def visit(folder: str) -> None:
+    try:
+      st = os.stat(folder or os.curdir)
+    except OSError:
+      return  # gone or unreadable: glob passes over it too
+    if not stat.S_ISDIR(st.st_mode):
+      return  # a file the part before "**" matched: nothing lies under it
+    if (st.st_dev, st.st_ino) in seen:
+      skipped.setdefault("symlink loop or repeat", []).append(folder)
+      return
+    seen.add((st.st_dev, st.st_ino))
+    out.append(folder)
+    try:
+      with os.scandir(folder or os.curdir) as it:
+        entries = sorted((e.name, e.is_dir()) for e in it if not e.name.startswith("."))
+    except OSError:
+      return
+    for name, is_dir in entries:
+      child = os.path.join(folder, name)
+      if is_dir:
+        visit(child)
+      elif files:
+        out.append(child)
+
+  for base in bases:
+    visit(base)
+  return out
+
+
 def _walk(
   root: pathlib.Path, top: pathlib.Path, skipped: dict[str, list[str]], seen: set
 ) -> Iterator[pathlib.Path]:
@@ -119,9 +184,7 @@ def scan(path: str, fmt: str = "auto") -> Listing:
   if p.is_dir():
     candidates = sorted(_walk(p, p, skipped, {p.resolve()}))
   else:
-    candidates = sorted(
-      pathlib.Path(f) for f in glob.glob(path, recursive=True) if pathlib.Path(f).is_file()
-    )
+    candidates = sorted(pathlib.Path(f) for f in _glob(path, skipped) if os.path.isfile(f))
     if not candidates and not glob.has_magic(path):
       raise DataError(f"data.path {path!r} does not exist")
   files, real = [], set()

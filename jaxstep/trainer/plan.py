@@ -120,9 +120,31 @@ def approx_num_params(model: GPTConfig | LlamaConfig) -> int:
   """The model's parameter count from its shape alone (matmul weights, the token embeddings
   and the GPT's position embeddings; norm scales and biases left out: under 0.1 % at any
   real size)."""
-  untied = 0 if model.tie_embeddings else model.vocab_size * model.d_model
-  positions = model.max_seq_len * model.d_model if isinstance(model, GPTConfig) else 0
-  return model.matmul_params() + positions + untied
+  return sum(count for count, _, _ in _param_parts(model))
+
+
+def _param_parts(model: GPTConfig | LlamaConfig) -> list[tuple[int, str, str]]:
+  """``(parameters, what they are, the keys that size them)`` for each part of the model,
+  so that a refusal names the keys that actually make it too large: a GPT's learned
+  positions grow with ``max_seq_len``, which no other part depends on."""
+  d, vocab = model.d_model, model.vocab_size
+  embeddings = vocab * d * (1 if model.tie_embeddings else 2)  # the head is in matmul_params
+  width = "model.d_model or model.n_layers"
+  if isinstance(model, LlamaConfig):
+    width = "model.d_model, model.n_layers or model.intermediate_size"
+  parts = [
+    (model.matmul_params() - vocab * d, f"the {model.n_layers} blocks", width),
+    (embeddings, "the token embeddings and output head", "model.vocab_size or model.d_model"),
+  ]
+  if isinstance(model, GPTConfig):
+    parts.append(
+      (
+        model.max_seq_len * d,
+        "the learned positions (model.max_seq_len × model.d_model)",
+        "model.max_seq_len or model.d_model",
+      )
+    )
+  return parts
 
 
 def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
@@ -136,10 +158,11 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
   params = approx_num_params(cfg.model)
   state = 12 * params / mesh.shape["fsdp"]
   if state > memory_bytes:
+    count, what, keys = max(_param_parts(cfg.model))
     raise ConfigError(
       f"the model has about {params:,} parameters: its training state alone needs "
       f"{state / gib:,.1f} GiB per device, more than the {memory_bytes / gib:,.1f} GiB one "
-      f"holds; shrink model.d_model, model.n_layers or model.vocab_size, or shard it over "
+      f"holds; {what} hold {count / params:.0%} of them: shrink {keys}, or shard it over "
       f"more devices (mesh.fsdp)"
     )
   t = cfg.train
