@@ -131,7 +131,10 @@ def _state_reader(handler: type = ocp.PyTreeCheckpointHandler) -> ocp.Checkpoint
   (``StandardCheckpointHandler``), its arrays, possibly only some, with the pytree handler.
   One each for the process, never closed: closing one while tensorstore still finishes
   the reads of a damaged step makes asyncio print "Event loop is closed"."""
-  return ocp.Checkpointer(ocp.CompositeCheckpointHandler(state=handler()))
+  json = ocp.JsonCheckpointHandler
+  return ocp.Checkpointer(
+    ocp.CompositeCheckpointHandler(state=handler(), run=json(), verify=json())
+  )
 
 
 def _as_saved(saved_tree):
