@@ -27,6 +27,7 @@ from jaxstep import data, models
 from jaxstep.core import device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.errors import DataError
+from jaxstep.trainer.eval_sets import same_tokenizer
 from jaxstep.trainer.saved_run import SavedRun, is_model_folder, saved_tokenizer_file
 from jaxstep.trainer.steps import make_eval_step
 
@@ -53,10 +54,6 @@ def _tokenizer_spec(run_dir: pathlib.Path) -> str:
     return str(run_dir)
   saved = saved_tokenizer_file(run_dir)
   return "byte" if saved is None else str(saved)
-
-
-def _same_tokenizer(a: dict, b: dict) -> bool:
-  return {k: v for k, v in a.items() if k != "file"} == {k: v for k, v in b.items() if k != "file"}
 
 
 def run_data_format(cfg) -> str:
@@ -91,7 +88,7 @@ def load_data(
     eval_fraction=0.0,
   )
   dataset = data.load_dataset(data_cfg, cfg.train.seq_len)
-  if not _same_tokenizer(dataset.manifest["tokenizer"], saved.tokenizer.describe()):
+  if not same_tokenizer(dataset.manifest["tokenizer"], saved.tokenizer.describe()):
     raise DataError(
       f"{path} was prepared with another tokenizer ({dataset.manifest['tokenizer']['kind']}, "
       f"{dataset.manifest['tokenizer']['vocab_size']} ids) than the run's "
