@@ -68,6 +68,8 @@ __all__ = [
   "Stage",
   "StepReport",
   "TrainState",
+  "Trainer",
+  "Hook",
   "check_accumulation",
   "config",
   "data",
@@ -102,6 +104,8 @@ _LAZY = {
   "Sample": ("jaxstep.generation", "Sample"),
   "Checkpointer": ("jaxstep.trainer.checkpoint", "Checkpointer"),
   "SavedRun": ("jaxstep.trainer.saved_run", "SavedRun"),
+  "Trainer": ("jaxstep.trainer.fit", "Trainer"),
+  "Hook": ("jaxstep.trainer.hooks", "Hook"),
   "load_run": ("jaxstep.trainer.saved_run", "load_run"),
   "Pretrained": ("jaxstep.trainer.pretrained", "Pretrained"),
   "load_pretrained": ("jaxstep.trainer.pretrained", "load_pretrained"),
@@ -120,7 +124,7 @@ _LAZY = {
   "train": ("jaxstep.trainer.loop", "train"),
   "evaluate": ("jaxstep.trainer.evaluation", "evaluate"),
   "checkpoints": ("jaxstep.trainer.checkpoint", "list_checkpoints"),
-  "plot": ("jaxstep.cli.plot", "plot_run"),
+  "plot": ("jaxstep.trainer.loss_plot", "plot_run"),
   "export": ("jaxstep.trainer.export_run", "export_run"),
 }
 

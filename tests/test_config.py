@@ -83,7 +83,8 @@ def test_base_yaml_lists_every_key_with_its_default():
   def flatten(tree, prefix=""):
     out = {}
     for k, v in tree.items():
-      out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+      nested = isinstance(v, dict) and v  # an empty mapping (eval.sets) is a value
+      out.update(flatten(v, f"{prefix}{k}.") if nested else {f"{prefix}{k}": v})
     return out
 
   assert flatten(base) == flatten(defaults)

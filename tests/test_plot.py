@@ -6,7 +6,7 @@ import errno
 import pytest
 
 from jaxstep.cli import plot
-from jaxstep.trainer import records
+from jaxstep.trainer import loss_plot, records
 
 
 def _metrics(run_dir, lines):
@@ -37,7 +37,7 @@ def test_a_folder_that_cannot_be_written_is_exit_74(tmp_path, monkeypatch, capsy
   def read_only(*_, **__):
     raise OSError(errno.EROFS, "Read-only file system")
 
-  monkeypatch.setattr(plot.plt.Figure, "savefig", read_only)
+  monkeypatch.setattr(loss_plot.plt.Figure, "savefig", read_only)
   assert plot.main([str(tmp_path)]) == 74
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "Read-only file system" in err

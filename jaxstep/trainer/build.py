@@ -17,7 +17,7 @@ from jaxstep.core import freeze
 from jaxstep.core.state import TrainState
 from jaxstep.models import hf_weights
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import init_from, steps, text_samples
+from jaxstep.trainer import eval_sets, init_from, steps, text_samples, trackers
 from jaxstep.trainer.plan import make_plan
 from jaxstep.trainer.run_state import RunState
 
@@ -37,6 +37,7 @@ class Run:
   steps_per_epoch: int
   flops_per_token: float
   accum_table: tuple = ()  # grad_accum_steps=auto: the (K, bytes per device) compiled
+  eval_sets: dict = dataclasses.field(default_factory=dict)  # eval.sets: name -> windows
 
 
 def config_digest(cfg: config_lib.Config) -> str:
@@ -59,9 +60,11 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
   ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
   """
+  trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
+  sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
   apply_fn, params = models.build(
     cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
   )
@@ -88,6 +91,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     steps_per_epoch=plan.steps_per_epoch,
     flops_per_token=cfg.model.flops_per_token(t.seq_len),
     accum_table=plan.accum_table,
+    eval_sets=sets,
   )
   run_state = RunState(
     dataset_fingerprint=dataset.fingerprint,

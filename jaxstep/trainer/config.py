@@ -26,15 +26,16 @@ from jaxstep.core.precision import PRECISIONS
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of, hf_config, hf_gpt2
-from jaxstep.trainer import profiling
+from jaxstep.trainer import profiling, trackers
 from jaxstep.trainer.guards import NONFINITE_POLICIES
+from jaxstep.trainer.sections import CheckpointConfig, EvalConfig, MeshConfig
+from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
 # How the CLI's user spells G and K in messages about batch geometry.
-MAX_CPU_DEVICES = 1024  # XLA's host platform crashes natively long before 100,000 devices
 CONFIG_NAMES_OF_G_AND_K = ("train.global_batch_size", "train.grad_accum_steps")
 
 
@@ -71,6 +72,7 @@ class TrainConfig:
   sample_prompts: tuple[str, ...] = ("the ", "38 + 61 = ")  # text prompts for those samples
   sample_max_new_tokens: int = 64  # tokens generated per sample
   profile_steps: str = ""  # "A:B": jax.profiler trace of update steps A..B in run_dir/profile
+  trackers: tuple[str, ...] = ("jsonl", "tensorboard")  # + mlflow, wandb (optional extras)
 
   def __post_init__(self):
     if isinstance(self.grad_accum_steps, str) and self.grad_accum_steps != "auto":
@@ -80,6 +82,7 @@ class TrainConfig:
     if self.grad_accum_steps != "auto":
       geometry.grad_accum_steps(self.grad_accum_steps)
     profiling.parse_steps(self.profile_steps)
+    trackers.check_names(self.trackers)
     if self.memory_budget_gb < 0:
       raise ConfigError(f"train.memory_budget_gb must be >= 0, got {self.memory_budget_gb}")
     for name in (
@@ -138,59 +141,6 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-  """orbax checkpoints under ``run_dir/checkpoints``; counts are update steps."""
-
-  every: int = 100  # save every this many update steps (0 = only the final save)
-  keep: int = 3  # keep the newest this many checkpoints
-  async_: bool = dataclasses.field(
-    default=True, metadata={"key": "async"}
-  )  # save in the background
-  allow_data_change: bool = False  # resume even if the dataset fingerprint changed
-  allow_schedule_change: bool = False  # resume with a re-planned lr schedule length
-
-  def __post_init__(self):
-    if self.every < 0 or self.keep < 1:
-      raise ConfigError(
-        f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every} and {self.keep}"
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Devices and processes. The batch is split over data × fsdp; params over fsdp."""
-
-  data: int = -1  # data-parallel size (-1 = all devices not used by fsdp)
-  fsdp: int = 1  # parameter-sharding size (-1 = all devices not used by data)
-  coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
-  num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
-  process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
-  cpu_devices: int = 0  # CLI on a CPU-only host: virtual devices (0 = per core that fits G/K)
-  initialization_timeout: int = 300  # seconds to wait for the coordinator and all processes
-
-  def __post_init__(self):
-    for name in ("data", "fsdp"):
-      if getattr(self, name) == 0 or getattr(self, name) < -1:
-        raise ConfigError(f"mesh.{name} must be >= 1 or -1 (the rest), got {getattr(self, name)}")
-    if self.data == -1 and self.fsdp == -1:
-      raise ConfigError("mesh.data and mesh.fsdp cannot both be -1; set one of them")
-    for name in ("num_processes", "cpu_devices"):
-      if getattr(self, name) < 0:
-        raise ConfigError(f"mesh.{name} must be >= 0, got {getattr(self, name)}")
-    if self.cpu_devices > MAX_CPU_DEVICES:
-      raise ConfigError(
-        f"mesh.cpu_devices must be at most {MAX_CPU_DEVICES} (virtual devices of one host), "
-        f"got {self.cpu_devices}"
-      )
-    if self.process_id < -1:
-      raise ConfigError(f"mesh.process_id must be >= 0 or -1 (auto), got {self.process_id}")
-    if self.initialization_timeout <= 0:
-      raise ConfigError(
-        f"mesh.initialization_timeout must be > 0 seconds, got {self.initialization_timeout}"
-      )
-
-
-@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Sections are attributes: ``cfg.model``, ``cfg.train``, …"""
 
@@ -200,6 +150,9 @@ class Config:
   optim: OptimConfig = OptimConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
+  eval: EvalConfig = EvalConfig()
+  mlflow: MlflowConfig = MlflowConfig()
+  wandb: WandbConfig = WandbConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
 
   def __post_init__(self):
@@ -262,6 +215,9 @@ class _Sections:
   optim: OptimConfig = OptimConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
+  eval: EvalConfig = EvalConfig()
+  mlflow: MlflowConfig = MlflowConfig()
+  wandb: WandbConfig = WandbConfig()
   run_dir: str = ""
 
 
@@ -321,6 +277,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return number
     elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
       return str(value)
+    elif typing.get_origin(t) is dict:  # {name: path}: its owner checks the entries
+      if isinstance(value, str) and value.lstrip().startswith("{"):  # on the command line
+        value = yaml.safe_load(value)
+      if isinstance(value, dict):
+        return dict(value)
     elif dataclasses.is_dataclass(t):
       if isinstance(value, str) and value.lstrip().startswith("{"):  # on the command line
         value = yaml.safe_load(value)
@@ -478,7 +439,14 @@ def _expand_paths(cfg: Config) -> Config:
     tokenizer=_expand("data.tokenizer", cfg.data.tokenizer),
   )
   model = dataclasses.replace(cfg.model, init_from=_expand("model.init_from", cfg.model.init_from))
-  return dataclasses.replace(cfg, run_dir=_expand("run_dir", cfg.run_dir), data=data, model=model)
+  sets = {name: _expand(f"eval.sets.{name}", path) for name, path in cfg.eval.sets.items()}
+  return dataclasses.replace(
+    cfg,
+    run_dir=_expand("run_dir", cfg.run_dir),
+    data=data,
+    model=model,
+    eval=dataclasses.replace(cfg.eval, sets=sets),
+  )
 
 
 def dump(cfg: Config) -> str:

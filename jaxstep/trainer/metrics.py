@@ -48,9 +48,18 @@ class MetricsSink:
     start_step: update steps already done (a resumed run); later lines are discarded.
     total_steps: for the progress bar.
     progress: show a tqdm bar (only when stderr is a terminal; plain log lines otherwise).
+    tensorboard: also write TensorBoard events (``train.trackers`` names ``tensorboard``).
   """
 
-  def __init__(self, run_dir: pathlib.Path, *, start_step: int, total_steps: int, progress: bool):
+  def __init__(
+    self,
+    run_dir: pathlib.Path,
+    *,
+    start_step: int,
+    total_steps: int,
+    progress: bool,
+    tensorboard: bool = True,
+  ):
     self.run_dir = run_dir
     self.train_path, self.eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     self.samples_path = run_dir / "samples.jsonl"
@@ -59,8 +68,10 @@ class MetricsSink:
     # purge_step tells TensorBoard to drop events a resumed run is about to write again
     # A queue far longer than one update's events: if the writer thread dies (disk full)
     # the loop learns it from the thread's exception before a put could ever block.
-    self.tb = SummaryWriter(
-      str(run_dir / "tensorboard"), purge_step=start_step + 1, max_queue=QUEUE_EVENTS
+    self.tb = (
+      SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1, max_queue=QUEUE_EVENTS)
+      if tensorboard
+      else _NoEvents()
     )
     self.bar = tqdm.tqdm(
       total=total_steps,
@@ -95,13 +106,22 @@ class MetricsSink:
       )
 
   def eval(self, record: dict) -> None:
+    """One evaluation of one set: an ``eval.jsonl`` line (``step``, ``set`` and the values);
+    TensorBoard ``eval/<key>`` for the held-out split, ``eval/<set>/<key>`` for the others.
+    Keys other than ``eval_loss``/``eval_ppl``/``eval_bpb`` (a ``Trainer``'s sums) go to
+    TensorBoard under their own names."""
     records.append(self.eval_path, record)
-    for key in ("eval_loss", "eval_ppl", "eval_bpb"):
-      self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
-    self._say(
-      f"eval at step {record['step']}: loss {record['eval_loss']:.4f}  ppl "
-      f"{record['eval_ppl']:.2f}  bpb {record['eval_bpb']:.4f}"
+    name = record.get("set", "heldout")
+    tag = "eval" if name == "heldout" else f"eval/{name}"
+    for key, value in record.items():
+      if key not in ("step", "set") and not isinstance(value, bool | str):
+        self.tb.add_scalar(f"{tag}/{key.removeprefix('eval_')}", float(value), record["step"])
+    shown = "  ".join(
+      f"{key.removeprefix('eval_')} {value:.4g}"
+      for key, value in record.items()
+      if key in ("eval_loss", "eval_ppl", "eval_bpb", "loss")
     )
+    self._say(f"eval {name} at step {record['step']}: {shown}")
 
   def samples(self, step: int, samples: list[dict]) -> None:
     """Generated samples of update ``step``: one ``samples.jsonl`` line each, TensorBoard
@@ -123,6 +143,18 @@ class MetricsSink:
   def close(self) -> None:
     self.bar.close()
     self.tb.close()
+
+
+class _NoEvents:
+  """TensorBoard switched off (``train.trackers`` without ``tensorboard``)."""
+
+  def add_scalar(self, *args, **kwargs) -> None:
+    pass
+
+  add_text = add_scalar
+
+  def close(self) -> None:
+    pass
 
 
 class NullSink:
@@ -158,7 +190,8 @@ class LateMetrics:
     sink: where records go (``MetricsSink`` or ``NullSink``).
     log_every: write every this many update steps (and at ``total_steps``).
     total_steps: the run's last update step.
-    tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``.
+    tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``; None:
+      each update's normalization units (its ``tokens`` metric) instead.
     flops_per_token: model FLOPs per token, for ``mfu``.
     peak_flops: per-device peak FLOP/s, for ``mfu``.
     spikes_total: loss-spike skips before ``start``: a resumed run continues the count of
@@ -171,7 +204,7 @@ class LateMetrics:
     *,
     log_every: int,
     total_steps: int,
-    tokens_per_step: int,
+    tokens_per_step: int | None,
     flops_per_token: float,
     peak_flops: float,
     spikes_total: int = 0,
@@ -185,6 +218,7 @@ class LateMetrics:
     )
     self.pending = None
     self.last_record: dict = {}
+    self.logged_step: int | None = None
     self.clock = time.perf_counter()
 
   def submit(self, step: int, metrics: dict, batch: dict, position: dict) -> Reported | None:
@@ -207,7 +241,8 @@ class LateMetrics:
     self.spikes_total += is_spike_skip({**values, "skipped": not values["updated"]})
     now = time.perf_counter()
     step_time, self.clock = now - self.clock, now
-    tokens_per_sec = self.tokens_per_step / step_time
+    per_step = self.tokens_per_step if self.tokens_per_step is not None else values["tokens"]
+    tokens_per_sec = per_step / step_time
     record = {
       "step": step,
       "epoch": position["epoch"],
@@ -227,4 +262,21 @@ class LateMetrics:
     self.sink.advance(record)
     if step % self.log_every == 0 or step == self.total_steps:
       self.sink.train(record)
+      self.logged_step = step
     return Reported(step, record, batch, position)
+
+  def log_last(self) -> None:
+    """At the end of a run that stopped between two logged steps: its last update's record
+    is written too, so metrics.jsonl always ends at the step the final checkpoint holds."""
+    step = self.last_record.get("step")
+    if step is not None and step != self.logged_step:
+      self.sink.train(self.last_record)
+      self.logged_step = step
+
+
+def spikes_so_far(run_dir: pathlib.Path) -> int:
+  """Loss-spike skips of the run before this start: the count in its last logged record
+  (the sink has already dropped the records past the step it resumes from); 0 when new.
+  The state counts every skip; this splits spikes from non-finite updates in the records."""
+  last = (records.read_records(run_dir / "metrics.jsonl") or [{}])[-1]
+  return int(last.get("spikes_total", 0))

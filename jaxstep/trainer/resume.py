@@ -142,6 +142,7 @@ def reconcile(
     epoch=epoch,
     step_in_epoch=step_in_epoch,
     sample_cursor=step_in_epoch * current.global_batch_size if step_in_epoch else 0,
+    trackers=dict(saved.get("trackers") or {}),
   )
 
 
@@ -190,7 +191,7 @@ def start(
     own_ckpt = Checkpointer(own, keep=c.keep, stored=kept)
     restored = _restore(own_ckpt, state, None, run_state, way_out=way_out)
   elif resume:
-    _refuse_history_without_checkpoint(run_dir)
+    refuse_history_without_checkpoint(run_dir)
   if restored is not None:
     state, saved, step = restored
     run_state = reconcile(
@@ -210,7 +211,7 @@ def start(
   return Checkpointer(own, keep=c.keep, async_save=c.async_, stored=kept), state, run_state
 
 
-def _refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:
+def refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:
   """A run dir that recorded update steps but holds no checkpoint (deleted, or a run killed
   before its first save) is not started over from step 0 on its own: that would rewrite
   its metrics and evaluations. The user chooses: ``--no-resume`` sets it aside."""

@@ -27,6 +27,8 @@ class RunState:
       state holds those leaves only).
     base: ``{"path", "fingerprint"}`` of the ``model.init_from`` weights a run reloads
       at every start because its checkpoints hold only the trainable parameters; else {}.
+    trackers: ``{tracker: run id}`` of the external trackers (MLflow, W&B), so a resumed
+      run continues the same tracker runs.
   """
 
   step: int = 0
@@ -43,6 +45,7 @@ class RunState:
   model: dict = dataclasses.field(default_factory=dict)
   trainable: list = dataclasses.field(default_factory=list)
   base: dict = dataclasses.field(default_factory=dict)
+  trackers: dict = dataclasses.field(default_factory=dict)
 
   def advanced(self, *, steps_per_epoch: int, num_samples: int) -> RunState:
     """The position after consuming one global batch (one update step)."""

@@ -1,0 +1,288 @@
+"""The run loop every run goes through: ``jaxstep train`` (the bundled models) and
+``jaxstep.Trainer`` (any model) build their parts and hand them to one ``Loop``.
+
+Per update step: stop requests and liveness checks → next global batch → jitted step (state
+donated) → the *previous* update's metrics read back (the host never stalls the device) →
+hooks at their cadence. Everything else (evaluation, checkpoints at a cadence, samples,
+profiling, the non-finite guard, callbacks, trackers) is a hook (``jaxstep.trainer.hooks``).
+
+What the loop guarantees whatever the hooks do: the state it reached is checkpointed at the
+end, on a signal and on an error (a failed write is one ``RunIOError`` naming the newest
+complete checkpoint); SIGTERM/SIGINT stop at an update boundary, every process of a job at
+the same one; a background thread's failure (TensorBoard's writer) stops the run instead of
+hanging it; a removed ``run_dir`` stops it at the next update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from jaxstep.errors import Interrupted, RunIOError
+from jaxstep.trainer import run_dir as run_dir_lib
+from jaxstep.trainer.background import watch_threads
+from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
+from jaxstep.trainer.hooks import Hook
+from jaxstep.trainer.metrics import LateMetrics, Reported
+from jaxstep.trainer.signals import stop_on_signals
+
+log = logging.getLogger("jaxstep")
+
+
+class BatchSource(Protocol):
+  """Where global batches come from, and where the next one starts.
+
+  ``next_batch()`` returns the next global batch (this process's rows; a dict of host
+  arrays with leading dimension G) or raises ``StopIteration`` when the data has ended;
+  ``where()`` is a small JSON dict naming the next batch's position (``epoch`` at least),
+  kept with a skipped batch; ``position()`` is the JSON dict a checkpoint records so a
+  resumed run continues with the batch after the last one consumed."""
+
+  def next_batch(self) -> dict: ...
+
+  def where(self) -> dict: ...
+
+  def position(self) -> dict: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopResult:
+  state: Any
+  step: int  # update steps done
+  position: dict  # the data position after them (what the last checkpoint records)
+  last_record: dict  # the last update's metrics record
+  evals: dict  # set name -> its last evaluation record
+  stop_reason: str
+
+
+class Loop:
+  """Runs update steps ``start_step + 1 .. total_steps`` (or until a stop).
+
+  Args:
+    state: the train state at ``start_step`` (donated to ``step_fn``).
+    step_fn: jitted ``(state, device_batch) -> (state, device metrics)``.
+    put_batch: host global batch → device batch (sharded as the step expects).
+    source: a ``BatchSource`` positioned at the batch after ``start_step``.
+    start_step, total_steps: update steps done, and where the run ends.
+    run_dir: the run's folder (checked still there at every update).
+    ckpt: where the final save (and any ``loop.save()``) goes.
+    late: reads metrics back one update late and writes the records (``LateMetrics``).
+    sink: metrics.jsonl / eval.jsonl / TensorBoard / progress (``MetricsSink``; a
+      ``NullSink`` on processes other than 0).
+    hooks: called at their cadence, in order.
+    run_info: JSON kept with every checkpoint besides the data position (hooks add to it).
+
+  Hooks read ``loop.step``, ``loop.state``, ``loop.last_record``, ``loop.evals``,
+  ``loop.run_dir`` and ``loop.writer`` (this process writes the run's files).
+  """
+
+  def __init__(
+    self,
+    *,
+    state,
+    step_fn: Callable,
+    put_batch: Callable[[dict], Any],
+    source: BatchSource,
+    start_step: int,
+    total_steps: int,
+    run_dir: pathlib.Path,
+    ckpt: Checkpointer,
+    late: LateMetrics,
+    sink,
+    hooks: Sequence[Hook] = (),
+    run_info: dict | None = None,
+    writer: bool = True,
+  ):
+    self.state, self.step_fn, self.put_batch, self.source = state, step_fn, put_batch, source
+    self.step, self.start_step, self.total_steps = start_step, start_step, total_steps
+    self.run_dir, self.ckpt, self.late, self.sink = run_dir, ckpt, late, sink
+    self.hooks, self.run_info, self.writer = list(hooks), dict(run_info or {}), writer
+    self.evals: dict[str, dict] = {}
+    self.stopped_by: int | None = None
+    self.should_stop, self.stop_reason = False, ""
+
+  @property
+  def last_record(self) -> dict:
+    return self.late.last_record
+
+  def stop(self, reason: str) -> None:
+    """Ends the run after the current update (its state is checkpointed as at any end)."""
+    self.should_stop, self.stop_reason = True, reason
+
+  def metadata(self) -> dict:
+    """What a checkpoint records besides the state: the data position and ``run_info``."""
+    return {**self.source.position(), **self.run_info}
+
+  def save(self) -> None:
+    """Checkpoints the state of update ``loop.step`` (asynchronously)."""
+    self.ckpt.save(self.step, self.state, self.metadata())
+
+  def report_eval(self, name: str, record: dict) -> None:
+    """An evaluation's record (``step``, ``set`` and the values) to eval.jsonl and hooks."""
+    self.evals[name] = record
+    self.sink.eval(record)
+    for hook in self.hooks:
+      hook.on_eval(self, name, record)
+
+  def report_samples(self, samples: list[dict]) -> None:
+    self.sink.samples(self.step, samples)
+    for hook in self.hooks:
+      hook.on_samples(self, samples)
+
+  def _report(self, reported: Reported | None) -> None:
+    if reported is not None:
+      for hook in self.hooks:
+        hook.on_metrics(self, reported)
+
+  def _update(self, every_step: bool) -> bool:
+    """One update step; False when the data has ended."""
+    for hook in self.hooks:
+      hook.before_step(self, self.step + 1)
+    where = self.source.where()
+    try:
+      batch = self.source.next_batch()
+    except StopIteration:
+      self.stop(f"the train data ended after {self.step} update steps")
+      return False
+    self.state, metrics = self.step_fn(self.state, self.put_batch(batch))
+    self.step += 1
+    self._report(self.late.submit(self.step, metrics, batch, where))
+    if every_step:  # read back now: stop before another update is dispatched
+      self._report(self.late.flush())
+    return True
+
+  def _cadence(self) -> None:
+    for hook in self.hooks:
+      if hook.every and self.step % hook.every == 0:
+        if hook.wants_metrics:
+          self._report(self.late.flush())
+        hook.on_step(self)
+        if hook.wants_metrics:
+          self.late.restart_clock()  # its time is not the next update's
+
+  def run(self) -> LoopResult:
+    """The loop, then the final checkpoint; raises ``Interrupted`` after a signal's save."""
+    every_step = any(h.needs_every_step for h in self.hooks)
+    started_in = run_dir_lib.identity(self.run_dir)
+    try:
+      with stop_on_signals() as stop, watch_threads() as threads:
+        for hook in self.hooks:
+          hook.on_start(self)
+        while self.step < self.total_steps and not self.should_stop:
+          stop.poll(self.step)  # multi-host: has every process agreed to stop here?
+          if stop.signum:
+            break
+          run_dir_lib.check_still_there(self.run_dir, started_in)  # one stat call
+          self.ckpt.check()  # a failed background save (as one RunIOError)
+          threads.check()  # a dead TensorBoard writer, say
+          if not self._update(every_step):
+            break
+          self._cadence()
+        self._report(self.late.flush())
+        self.late.log_last()
+        self.stopped_by = stop.signum
+        for hook in self.hooks:
+          hook.on_end(self)
+        threads.check()
+        self.sink.close()
+    except BaseException as e:  # a halt or an error: keep the state it got to, re-raise
+      self._close_quietly(self.sink)
+      self._end_hooks_quietly()
+      if not isinstance(e, OSError):
+        if self.step > self.start_step:  # nothing new to keep before the first update: a
+          self._final_save(quiet=True)  # run failing there leaves no checkpoint 0 behind
+        else:
+          self._close_quietly(self.ckpt)
+        raise
+      self._close_quietly(self.ckpt)  # a save in flight finishes; another would fail too
+      raise self._io_failure(e) from e
+    try:
+      run_dir_lib.check_still_there(self.run_dir, started_in)
+      self._final_save()  # always: at the end and on a signal
+    except RunIOError as e:
+      self._close_quietly(self.ckpt)
+      raise self._io_failure(e) from e
+    if self.stopped_by is not None:
+      name = signal.Signals(self.stopped_by).name
+      raise Interrupted(
+        f"stopped by {name} at update step {self.step}; checkpoint saved in "
+        f"{self.ckpt.directory}; re-run the same command to resume",
+        self.stopped_by,
+      )
+    reason = self.stop_reason or f"reached {self.step} update steps"
+    log.info("done: %s; run_dir %s", reason, self.run_dir)
+    return LoopResult(
+      self.state, self.step, self.source.position(), self.last_record, self.evals, reason
+    )
+
+  def _end_hooks_quietly(self) -> None:
+    """Hooks that hold something open (a profiler trace, a tracker) release it on an error;
+    ``loop.stopped_by`` stays None, so none of them starts new work (an evaluation)."""
+    self.should_stop = True
+    for hook in self.hooks:
+      close = getattr(hook, "close", None)
+      if close is not None:
+        self._close_quietly(hook)
+
+  @staticmethod
+  def _close_quietly(closable) -> None:
+    """Closes a writer while another error is already on its way up."""
+    try:
+      closable.close()
+    except Exception as e:  # noqa: BLE001 - the error being raised says what went wrong
+      log.debug("closing %s after an error failed too: %s", type(closable).__name__, e)
+
+  def _final_save(self, quiet: bool = False) -> None:
+    """Saves ``loop.step`` (a no-op if saved already), waits for it, closes the
+    checkpointer; ``quiet``: another error is on its way up, so a failure is only logged."""
+    try:
+      self.save()
+      self.ckpt.wait()
+    except Exception as e:
+      self._close_quietly(self.ckpt)
+      if not quiet:
+        raise
+      log.error("final checkpoint at update step %d failed: %s", self.step, e)  # keep the cause
+      return
+    self.ckpt.close()
+
+  def _io_failure(self, error: OSError) -> RunIOError:
+    """A failed write as one ``RunIOError`` naming what failed and the checkpoint to resume
+    from."""
+    run_dir = self.run_dir
+    if isinstance(error, run_dir_lib.RemovedError):
+      return _removed(error, run_dir)
+    if isinstance(error, RunIOError):
+      what = str(error)
+    else:  # a write here, or TensorBoard's writer thread (which names no file)
+      what = f"writing {error.filename or f'in {run_dir}'} failed ({error.strerror or error})"
+    newest = step_dirs(self.ckpt.directory)
+    where = (
+      f"the newest complete checkpoint is update step {newest[0][0]}"
+      if newest
+      else "no checkpoint was completed"
+    )
+    return RunIOError(f"{what}; {where}. Make room (or fix the directory) and re-run to resume")
+
+
+def _removed(error: RunIOError, run_dir: pathlib.Path) -> RunIOError:
+  """The run stopped writing when it found ``run_dir`` gone; an asynchronous save already
+  under way may still have written its step there (orbax creates missing folders)."""
+  if not run_dir.exists():
+    return RunIOError(f"{error}; nothing more was written. Restore it to resume, or re-run")
+  if [p.name for p in run_dir.iterdir()] != ["checkpoints"]:
+    return RunIOError(f"{error}; another directory is there now: nothing more was written")
+  rewritten = step_dirs(run_dir / "checkpoints")
+  what = (
+    f"update step {rewritten[0][0]}, which a re-run resumes from"
+    if rewritten
+    else "no complete checkpoint"
+  )
+  return RunIOError(
+    f"{error}; a checkpoint save already under way re-created {run_dir / 'checkpoints'} with "
+    f"{what}, and nothing else"
+  )

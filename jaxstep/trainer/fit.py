@@ -1,0 +1,403 @@
+"""``jaxstep.Trainer``: the run driver behind ``jaxstep train``, for any model.
+
+You bring a loss function and parameters (``jaxstep.models.from_nnx`` / ``from_linen``
+turn a module into both), an optimizer, and data; the Trainer brings what the CLI run has:
+the exact accumulation step, a run directory held by one process, asynchronous verified
+checkpoints with keep-N, resume after a kill at any moment (state *and* data position),
+SIGTERM/SIGINT saves, the non-finite policies, ``metrics.jsonl`` / ``eval.jsonl`` /
+TensorBoard / progress, profiling, named eval sets, trackers, and hooks of your own — all
+through the same loop (``jaxstep.trainer.driver.Loop``) the CLI uses.
+
+Settings are the CLI's own sections: ``train`` (``TrainConfig``: G, K, ``max_steps``,
+seed, precision, cadences, ``nonfinite``, ``trackers`` …) and ``checkpoint``
+(``CheckpointConfig``), as objects or dicts of their keys. The keys that describe the
+bundled model's text data (``seq_len``, ``sample_*``, ``epochs``) do not apply here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+import yaml
+
+from jaxstep import parallel
+from jaxstep.core import freeze
+from jaxstep.core.loss_scale import DynamicLossScale
+from jaxstep.core.optim import OptimConfig, make_optimizer
+from jaxstep.core.step import default_units_fn, make_train_step
+from jaxstep.errors import CheckpointError, ConfigError
+from jaxstep.trainer import config as config_lib
+from jaxstep.trainer import records, run_hooks, sources, steps
+from jaxstep.trainer import run_dir as run_dir_lib
+from jaxstep.trainer import trackers as trackers_lib
+from jaxstep.trainer.callbacks import Callback
+from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
+from jaxstep.trainer.driver import Loop, LoopResult
+from jaxstep.trainer.guards import NonFiniteGuard
+from jaxstep.trainer.hooks import Hook, as_hook
+from jaxstep.trainer.loss_plot import plot_quietly
+from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, spikes_so_far
+from jaxstep.trainer.resume import refuse_history_without_checkpoint
+from jaxstep.trainer.sections import CheckpointConfig
+from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
+
+log = logging.getLogger("jaxstep")
+EVAL_IN_FLIGHT = 4  # eval batches dispatched ahead of the host
+# What must match between a checkpoint and the Trainer that resumes it.
+SAME_ON_RESUME = ("global_batch_size", "seed")
+
+
+def _section(value, cls, name: str):
+  if value is None:
+    return cls()
+  if isinstance(value, cls):
+    return value
+  if isinstance(value, Mapping):
+    return config_lib._build(cls(), dict(value), f"{name}.")
+  raise ConfigError(f"{name} must be a {cls.__name__} or a dict of its keys, got {value!r}")
+
+
+class Trainer:
+  """Trains your model with the CLI run's whole driver.
+
+  Args:
+    loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)`` or, for a model with
+      state, ``(params, micro_batch, rng, model_state) -> (loss_sum, aux, model_state)``,
+      as for ``make_train_step``: the *sum* over the micro-batch, normalized by the global
+      batch's units (``units_fn``, default ``batch["loss_mask"].sum()``).
+    params: the initial parameters (copied).
+    optimizer: an optax transformation, or an ``OptimConfig`` (AdamW + clipping + a
+      schedule over ``train.schedule_steps`` or ``train.max_steps`` update steps).
+    train_data: global batches (G rows each): a Grain dataset or ``DataLoader``, an
+      iterable whose iterator has ``get_state``/``set_state``, or a plain iterable
+      (``jaxstep.trainer.sources`` says how each resumes).
+    run_dir: the run's folder (created; one run at a time holds it).
+    train: ``TrainConfig`` or a dict of its keys (``max_steps`` must be set).
+    checkpoint: ``CheckpointConfig`` or a dict of its keys.
+    model_state: the model's non-parameter state (BatchNorm statistics), or None.
+    eval_sets: ``{name: batches}``, each a re-iterable of batches (or a function returning
+      one), scored every ``train.eval_every`` update steps and at the end.
+    eval_loss_fn: ``(params, batch[, model_state]) -> (loss_sum, aux)`` for evaluation
+      (a model in eval mode); default: ``loss_fn`` with a fixed key.
+    units_fn: ``batch -> N``, the normalization units of a global batch.
+    mesh: a ``("data", "fsdp")`` mesh to shard the state and batches over.
+    trainable: ``(name, leaf) -> bool``: the leaves that train (default: all; with an
+      ``OptimConfig``, its ``trainable`` patterns).
+    mlflow, wandb: tracker settings when ``train.trackers`` names them.
+    hparams: extra hyper-parameters for the trackers and ``config.yaml``.
+    callbacks: ``Callback`` objects (``on_step_end``, ``on_evaluate``).
+
+  Example:
+    >>> trainer = Trainer(loss_fn, params, OptimConfig(lr=1e-3), train_data=ds,
+    ...                   run_dir="runs/cnn", train={"global_batch_size": 32,
+    ...                   "grad_accum_steps": 4, "max_steps": 200})
+    >>> trainer.add_hook(lambda loop: print(loop.step), every=50)
+    >>> result = trainer.fit()   # run again after a kill: it resumes
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable,
+    params,
+    optimizer,
+    *,
+    train_data: Iterable,
+    run_dir: str | pathlib.Path,
+    train=None,
+    checkpoint=None,
+    model_state=None,
+    eval_sets: Mapping[str, object] | None = None,
+    eval_loss_fn: Callable | None = None,
+    units_fn: Callable | None = None,
+    mesh=None,
+    trainable: freeze.Trainable | None = None,
+    mlflow: MlflowConfig | None = None,
+    wandb: WandbConfig | None = None,
+    hparams: Mapping | None = None,
+    callbacks: Sequence[Callback] = (),
+  ):
+    self.t = _section(train, config_lib.TrainConfig, "train")
+    self.c = _section(checkpoint, CheckpointConfig, "checkpoint")
+    _check_train(self.t)
+    trackers_lib.check_available(self.t.trackers)
+    self.run_dir = pathlib.Path(run_dir)
+    self.loss_fn, self.params, self.model_state = loss_fn, params, model_state
+    self.units_fn = units_fn or default_units_fn
+    self.eval_loss_fn, self.mesh = eval_loss_fn, mesh
+    self.optimizer_cfg = optimizer if isinstance(optimizer, OptimConfig) else None
+    self.schedule_steps = self.t.schedule_steps or self.t.max_steps
+    self.optimizer = (
+      make_optimizer(optimizer, self.schedule_steps) if self.optimizer_cfg else optimizer
+    )
+    if trainable is None and self.optimizer_cfg and self.optimizer_cfg.trainable:
+      freeze.check_patterns(params, self.optimizer_cfg.trainable)
+      trainable = freeze.by_patterns(self.optimizer_cfg.trainable)
+    self.trainable = trainable
+    self.source = sources.TrainBatches(train_data, self.t.global_batch_size)
+    self.eval_sets = {k: sources.eval_source(k, v) for k, v in (eval_sets or {}).items()}
+    self.mlflow, self.wandb = mlflow or MlflowConfig(), wandb or WandbConfig()
+    self.hparams, self.callbacks = dict(hparams or {}), list(callbacks)
+    self.hooks: list[Hook] = []
+
+  def add_hook(self, hook, *, every: int = 0, at_start: bool = False, at_end: bool = False):
+    """Adds ``hook`` (a ``Hook``, or a function of the loop run ``every`` update steps
+    and/or at the start / end); returns the ``Hook``. Hooks run after the built-in ones."""
+    hook = as_hook(hook, every=every, at_start=at_start, at_end=at_end)
+    self.hooks.append(hook)
+    return hook
+
+  # -- building ---------------------------------------------------------------------------
+
+  def _step(self):
+    t = self.t
+    scaler = (
+      DynamicLossScale(
+        t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min, t.loss_scale_max
+      )
+      if t.precision == "fp16"
+      else None
+    )
+    return make_train_step(
+      self.loss_fn,
+      self.optimizer,
+      grad_accum_steps=t.grad_accum_steps,
+      units_fn=self.units_fn,
+      precision=t.precision,
+      mesh=self.mesh,
+      scan_unroll=t.scan_unroll,
+      loss_scale=scaler,
+      spike_factor=t.spike_factor,
+      spike_window=t.spike_window,
+      trainable=self.trainable,
+    )
+
+  def _jitted(self, step, state):
+    if self.mesh is None:
+      return jax.jit(step, donate_argnums=0), jax.device_put
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_sh = parallel.batch_sharding(self.mesh)
+    put = lambda b: parallel.put_batch(b, batch_sh, self.t.global_batch_size)  # noqa: E731
+    return steps.jit_step(step, shardings, self.mesh), put
+
+  def _identity(self) -> dict:
+    """What a checkpoint of this run records besides the data position."""
+    return {
+      "global_batch_size": self.t.global_batch_size,
+      "grad_accum_steps": self.t.grad_accum_steps,
+      "seed": self.t.seed,
+      "schedule_steps": self.schedule_steps,
+    }
+
+  def config(self) -> dict:
+    """The run's settings as written to ``config.yaml`` and given to the trackers."""
+    tree = {
+      "train": config_lib.to_dict(self.t),
+      "checkpoint": config_lib.to_dict(self.c),
+      "run_dir": str(self.run_dir),
+    }
+    if self.optimizer_cfg:
+      tree["optim"] = config_lib.to_dict(self.optimizer_cfg)
+    return {**tree, **({"hparams": self.hparams} if self.hparams else {})}
+
+  # -- running ----------------------------------------------------------------------------
+
+  def fit(self, *, resume: bool = True) -> LoopResult:
+    """Trains to ``train.max_steps`` (or a stop) and returns the ``LoopResult``.
+
+    Re-running with the same ``run_dir`` resumes from its newest valid checkpoint (a
+    finished run says so and writes nothing); ``resume=False`` sets the earlier run aside.
+    Raises what ``jaxstep train`` exits with: ``Interrupted`` after a signal's save,
+    ``NonFiniteError``, ``RunIOError`` (a failed write), ``CheckpointError`` …
+    """
+    step = self._step()
+    state = step.init(self.params, self.t.seed, model_state=self.model_state)
+    step_fn, put = self._jitted(step, state)
+    with run_dir_lib.locked(self.run_dir) as run_dir:
+      if not resume:
+        run_dir_lib.archive_previous(run_dir)
+      state, run_info = self._restore(run_dir, state)
+      start = int(state.step)
+      ckpt = Checkpointer(run_dir / "checkpoints", keep=self.c.keep, async_save=self.c.async_)
+      if start >= self.t.max_steps:
+        ckpt.close()
+        log.info("already finished at update step %d; nothing to do (run_dir %s)", start, run_dir)
+        return LoopResult(state, start, self.source.position(), {}, {}, "already finished")
+      self._first_writes(run_dir, ckpt, state)
+      return self._loop(run_dir, ckpt, state, start, step_fn, put, run_info).run()
+
+  def _restore(self, run_dir: pathlib.Path, state):
+    """The newest usable checkpoint of ``run_dir`` (checked to fit) and its run info."""
+    own = run_dir / "checkpoints"
+    if not step_dirs(own):
+      refuse_history_without_checkpoint(run_dir)
+      log.info("train_data: %s", self.source.describe())
+      return state, {"trainer": self._identity(), "trackers": {}}
+    reader = Checkpointer(own, keep=self.c.keep)
+    try:
+      restored = reader.restore(state)
+    finally:
+      reader.close()
+    saved = restored.metadata
+    ours = self._identity()
+    theirs = saved.get("trainer", {})
+    for key in SAME_ON_RESUME:
+      if theirs.get(key) != ours[key]:
+        raise CheckpointError(
+          f"train.{key} changed since the checkpoint ({theirs.get(key)} → {ours[key]}); "
+          f"set it back, or resume=False to start over"
+        )
+    old, new = theirs.get("schedule_steps"), ours["schedule_steps"]
+    if old != new and self.optimizer_cfg and not self.c.allow_schedule_change:
+      raise CheckpointError(
+        f"the lr schedule was planned for {old} update steps, this run plans {new}; set "
+        f"train.schedule_steps={old} to keep it, or checkpoint.allow_schedule_change=true"
+      )
+    self.source.restore(saved)
+    log.info(
+      "resumed from the checkpoint of update step %d (train_data: %s)",
+      restored.step,
+      self.source.describe(),
+    )
+    return restored.state, {"trainer": ours, "trackers": dict(saved.get("trackers") or {})}
+
+  def _first_writes(self, run_dir: pathlib.Path, ckpt: Checkpointer, state) -> None:
+    ckpt.check_can_save(state)
+    if jax.process_index() == 0:
+      text = yaml.safe_dump(self.config(), sort_keys=False)
+      records.write_atomic(run_dir / "config.yaml", text.encode())
+
+  def _loop(self, run_dir, ckpt, state, start, step_fn, put, run_info) -> Loop:
+    t, writer = self.t, jax.process_index() == 0
+    sink = (
+      MetricsSink(
+        run_dir,
+        start_step=start,
+        total_steps=t.max_steps,
+        progress=t.progress,
+        tensorboard="tensorboard" in t.trackers,
+      )
+      if writer
+      else NullSink()
+    )
+    late = LateMetrics(
+      sink,
+      log_every=t.log_every,
+      total_steps=t.max_steps,
+      tokens_per_step=None,
+      flops_per_token=0.0,
+      peak_flops=1.0,
+      spikes_total=spikes_so_far(run_dir) if writer else 0,
+    )
+    return Loop(
+      state=state,
+      step_fn=step_fn,
+      put_batch=put,
+      source=self.source,
+      start_step=start,
+      total_steps=t.max_steps,
+      run_dir=run_dir,
+      ckpt=ckpt,
+      late=late,
+      sink=sink,
+      hooks=[*self._builtin_hooks(run_dir, writer, run_info), *self.hooks],
+      run_info=run_info,
+      writer=writer,
+    )
+
+  def _builtin_hooks(self, run_dir, writer: bool, run_info: dict) -> list[Hook]:
+    t = self.t
+    guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None, t.max_consecutive_skips)
+    hooks: list[Hook] = [run_hooks.GuardHook(guard)]
+    first = next(iter(self.eval_sets), None)
+    calls = run_hooks.callbacks_hook(self.callbacks, t.early_stopping_patience, first)
+    hooks += [calls] if calls else []
+    if self.c.every:
+      hooks.append(run_hooks.CheckpointHook(self.c.every))
+    if self.eval_sets:
+      evaluate = Evaluator(self, t.eval_batches)
+      hooks.append(run_hooks.EvalHook(evaluate, t.eval_every, params_of=lambda s: s))
+    hooks += run_hooks.profiler_hooks(t.profile_steps, run_dir)
+    if writer and any(name in trackers_lib.EXTERNAL for name in t.trackers):
+      trackers = trackers_lib.open_trackers(
+        t.trackers,
+        run_dir=run_dir,
+        config=self.config(),
+        mlflow=self.mlflow,
+        wandb=self.wandb,
+        ids=run_info.get("trackers", {}),
+        resumed=bool(run_info.get("trackers")),
+      )
+      hooks.append(
+        run_hooks.TrackersHook(
+          trackers,
+          log_every=t.log_every,
+          total_steps=t.max_steps,
+          artifacts=lambda: [plot_quietly(run_dir), run_dir / "config.yaml"],
+        )
+      )
+    return hooks
+
+
+class Evaluator:
+  """Scores every eval set of a ``Trainer`` on a train state: ``eval_loss`` = Σ loss_sum /
+  Σ units over the set (float64 on the host), ``eval_tokens`` = Σ units, and each aux
+  entry of the loss summed over the set as ``eval_<name>``."""
+
+  def __init__(self, trainer: Trainer, limit: int):
+    self.sets, self.limit, self.mesh = trainer.eval_sets, limit, trainer.mesh
+    loss_fn, eval_loss_fn, units_fn = trainer.loss_fn, trainer.eval_loss_fn, trainer.units_fn
+    key = jax.random.PRNGKey(0)
+
+    def scores(params, model_state, batch):
+      with_state = () if model_state is None else (model_state,)
+      if eval_loss_fn is not None:
+        loss_sum, aux = eval_loss_fn(params, batch, *with_state)[:2]
+      else:
+        loss_sum, aux = loss_fn(params, batch, key, *with_state)[:2]
+      return {"loss": loss_sum, "tokens": units_fn(batch), **aux}
+
+    self.scores = jax.jit(scores)
+
+  def _put(self, batch):
+    if self.mesh is None:
+      return batch
+    return parallel.put_batch(batch, parallel.batch_sharding(self.mesh))
+
+  def __call__(self, state) -> dict:
+    return {name: self.score(state, make()) for name, make in self.sets.items()}
+
+  def score(self, state, batches) -> dict:
+    sums: dict[str, float] = collections.defaultdict(float)
+    pending = collections.deque()
+
+    def take(out):
+      for k, v in jax.device_get(out).items():
+        sums[k] += float(np.asarray(v, np.float64))
+
+    for i, batch in enumerate(batches):
+      if self.limit and i >= self.limit:
+        break
+      batch = sources.check_batch(batch, None, "an eval batch")
+      pending.append(self.scores(state.params, state.model_state, self._put(batch)))
+      if len(pending) >= EVAL_IN_FLIGHT:
+        take(pending.popleft())
+    for out in pending:
+      take(out)
+    tokens = sums.pop("tokens", 0.0)
+    loss = sums.pop("loss", 0.0) / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_tokens": tokens, **{f"eval_{k}": v for k, v in sums.items()}}
+
+
+def _check_train(t: config_lib.TrainConfig) -> None:
+  """The ``train`` keys a Trainer cannot honour, refused by name."""
+  if t.grad_accum_steps == "auto":
+    raise ConfigError("train.grad_accum_steps=auto needs the bundled model; give a number")
+  if not t.max_steps:
+    raise ConfigError("set train.max_steps: a Trainer's data has no epoch length to stop at")
+  if t.epochs:
+    raise ConfigError("train.epochs needs the bundled data; a Trainer stops at train.max_steps")

@@ -1,0 +1,208 @@
+"""``jaxstep.Trainer``: the CLI run's driver for a model of your own — hooks at their
+cadence, a stop from a hook, eval sets against an independent sum, data sources and how
+each resumes, and (slow) an NNX CNN with dropout and BatchNorm killed with SIGKILL at
+random moments, resumed to bitwise the same parameters and the same metrics lines."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep.errors import BatchError, CheckpointError, ConfigError
+
+G = 8
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMING = ("tokens_per_sec", "step_time", "mfu")
+
+
+def linear_loss(params, batch, rng):
+  """Σ of squared errors over the rows a mask keeps, and the count of rows as aux."""
+  del rng
+  err = batch["x"] @ params["w"] - batch["y"]
+  mask = batch["loss_mask"]
+  return jnp.sum(err**2 * mask), {"rows": jnp.sum(mask)}
+
+
+def batch_of(i: int) -> dict:
+  rng = np.random.default_rng(i)
+  x = rng.normal(size=(G, 3)).astype(np.float32)
+  mask = (rng.random(G) < 0.8).astype(np.float32)
+  mask[0] = 1.0
+  return {"x": x, "y": x @ np.array([1.0, -2.0, 0.5], np.float32), "loss_mask": mask}
+
+
+def trainer(tmp_path, data=None, **kwargs):
+  train = {"global_batch_size": G, "grad_accum_steps": 2, "max_steps": 12, "progress": False}
+  train.update(kwargs.pop("train", {}))
+  return jaxstep.Trainer(
+    linear_loss,
+    {"w": jnp.zeros(3)},
+    optax.sgd(0.05),
+    train_data=[batch_of(i) for i in range(100)] if data is None else data,
+    run_dir=tmp_path / "run",
+    train=train,
+    checkpoint=kwargs.pop("checkpoint", {"every": 4}),
+    **kwargs,
+  )
+
+
+def test_a_hook_runs_at_its_cadence_and_can_stop_the_run(tmp_path):
+  seen, starts, ends = [], [], []
+  t = trainer(tmp_path)
+  t.add_hook(lambda loop: seen.append((loop.step, loop.last_record["step"])), every=3)
+  t.add_hook(lambda loop: starts.append(loop.step), at_start=True)
+  t.add_hook(lambda loop: ends.append(loop.step), at_end=True)
+
+  def stopper(loop):
+    if loop.step == 9:
+      loop.stop("enough at 9")
+
+  t.add_hook(stopper, every=1)
+  result = t.fit()
+  # every=3: after updates 3, 6, 9, each having seen its own update's metrics first
+  assert seen == [(3, 3), (6, 6), (9, 9)]
+  assert starts == [0] and ends == [9]
+  assert result.step == 9 and result.stop_reason == "enough at 9"
+  assert (tmp_path / "run" / "checkpoints" / "9").is_dir()
+  lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines] == [9]  # log_every 10: the last update is always logged
+
+
+def test_eval_sets_report_the_sums_of_an_independent_computation(tmp_path):
+  sets = {"a": [batch_of(1000 + i) for i in range(3)], "b": lambda: [batch_of(2000)]}
+  result = trainer(tmp_path, eval_sets=sets, train={"eval_every": 6}).fit()
+  records = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["set"]) for r in records] == [(6, "a"), (6, "b"), (12, "a"), (12, "b")]
+  w = np.asarray(result.state.params["w"], np.float64)
+  for name, batches in (("a", sets["a"]), ("b", sets["b"]())):
+    sse = sum(np.sum((b["x"] @ w - b["y"]) ** 2 * b["loss_mask"]) for b in batches)
+    rows = sum(b["loss_mask"].sum() for b in batches)
+    got = result.evals[name]
+    assert got["step"] == 12 and got["eval_tokens"] == rows and got["eval_rows"] == rows
+    np.testing.assert_allclose(got["eval_loss"], sse / rows, rtol=1e-5)
+
+
+def test_a_plain_iterable_resumes_by_skipping_what_was_consumed(tmp_path):
+  data = [batch_of(i) for i in range(40)]
+  straight = trainer(tmp_path / "s", data=data).fit()
+  first = trainer(tmp_path / "k", data=data, train={"max_steps": 7}).fit()
+  assert first.step == 7
+  resumed = trainer(tmp_path / "k", data=data, train={"max_steps": 12}).fit()
+  assert resumed.position == {"batches": 12, "data": None}
+  np.testing.assert_array_equal(resumed.state.params["w"], straight.state.params["w"])
+
+
+def test_a_resumable_iterator_gets_its_state_back(tmp_path):
+  import grain
+
+  data = grain.MapDataset.range(200).map(batch_of)
+  straight = trainer(tmp_path / "s", data=data).fit()
+  trainer(tmp_path / "k", data=data, train={"max_steps": 5}).fit()
+  resumed = trainer(tmp_path / "k", data=data).fit()
+  assert resumed.position["data"] == {"next_index": 12}
+  np.testing.assert_array_equal(resumed.state.params["w"], straight.state.params["w"])
+
+
+def test_data_that_ends_ends_the_run_with_its_state_saved(tmp_path):
+  result = trainer(tmp_path, data=[batch_of(i) for i in range(5)]).fit()
+  assert result.step == 5 and "train data ended" in result.stop_reason
+  assert (tmp_path / "run" / "checkpoints" / "5").is_dir()
+
+
+def test_bad_input_is_one_clear_error(tmp_path):
+  short = dict(batch_of(0), x=np.zeros((G - 1, 3), np.float32))
+  with pytest.raises(BatchError, match="train.global_batch_size = 8 rows"):
+    trainer(tmp_path / "a", data=[short]).fit()
+  with pytest.raises(ConfigError, match="train.max_steps"):
+    trainer(tmp_path / "b", train={"max_steps": 0})
+  with pytest.raises(ConfigError, match="one-shot iterator"):
+    trainer(tmp_path / "c", eval_sets={"x": iter([batch_of(0)])})
+  one_shot = (batch_of(i) for i in range(100))
+  trainer(tmp_path / "d", data=one_shot, train={"max_steps": 2}).fit()
+  with pytest.raises(ConfigError, match="cannot be resumed"):
+    trainer(tmp_path / "d", data=(batch_of(i) for i in range(100))).fit()
+
+
+def test_a_resume_with_another_global_batch_or_seed_is_refused(tmp_path):
+  trainer(tmp_path, train={"max_steps": 4}).fit()
+  with pytest.raises(CheckpointError, match="train.seed changed"):
+    trainer(tmp_path, train={"seed": 1}).fit()
+
+
+def test_a_failure_before_the_first_update_leaves_no_checkpoint(tmp_path):
+  def broken(params, batch, rng):
+    raise RuntimeError("a bug in the loss")
+
+  t = jaxstep.Trainer(
+    broken,
+    {"w": jnp.zeros(3)},
+    optax.sgd(0.1),
+    train_data=[batch_of(0)],
+    run_dir=tmp_path / "run",
+    train={"global_batch_size": G, "grad_accum_steps": 1, "max_steps": 3, "progress": False},
+  )
+  with pytest.raises(RuntimeError, match="a bug in the loss"):
+    t.fit()
+  assert not list((tmp_path / "run" / "checkpoints").glob("*"))
+  trainer(tmp_path, train={"seed": 5, "max_steps": 2}).fit()  # the fixed run starts cleanly
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]
+
+
+def _run_example(run_dir, steps, *, kill_after_step=None):
+  """The example script; with ``kill_after_step``, SIGKILLed once metrics.jsonl shows that
+  update step and a checkpoint is complete (plus a random few milliseconds, so the kill
+  lands anywhere in a step, a save in flight included)."""
+  command = [sys.executable, str(ROOT / "examples" / "trainer_own_model.py"), str(run_dir)]
+  command += ["--steps", str(steps)]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if kill_after_step is None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+  while True:
+    assert proc.poll() is None and time.time() < deadline, "ended before the kill"
+    text = metrics.read_text() if metrics.exists() else ""
+    saved = [d for d in (run_dir / "checkpoints").glob("*") if d.name.isdigit()]
+    if f'"step": {kill_after_step},' in text and saved:  # a kill before the first
+      break  # checkpoint is complete leaves history without one: refused, not resumed
+    time.sleep(0.01)
+  time.sleep(random.uniform(0, 0.05))
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  return None
+
+
+@pytest.mark.slow
+def test_an_nnx_cnn_killed_at_random_moments_resumes_bitwise(tmp_path):
+  random.seed(7)
+  steps = 40
+  _run_example(tmp_path / "straight", steps)
+  killed = tmp_path / "killed"
+  for after in sorted(random.sample(range(12, steps - 3), 3)):
+    _run_example(killed, steps, kill_after_step=after)
+  done = _run_example(killed, steps)
+  assert "resumed from the checkpoint" in done.stderr
+  a = np.load(tmp_path / "straight" / "final_params.npz")
+  b = np.load(killed / "final_params.npz")
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  assert _records(killed) == _records(tmp_path / "straight")
+  evals = [(killed / "eval.jsonl").read_text(), (tmp_path / "straight" / "eval.jsonl").read_text()]
+  assert evals[0] == evals[1]
