@@ -18,6 +18,7 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "cpu_mfu",
   "ckpt_stall_over_step",
   "host_overhead_over_step",
+  "host_overhead_mlflow_over_step",
   "ckpt_save_mb_per_s",
   "ckpt_restore_mb_per_s",
   "fsdp8_state_ratio",

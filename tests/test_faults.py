@@ -765,7 +765,7 @@ def test_a_run_dir_removed_mid_run_is_one_line_and_not_recreated(tmp_path):
   assert proc.returncode == IO_EXIT and len(errors) == 1, err[-3000:]
   assert f"run_dir {run_dir} was removed or replaced during the run" in errors[0]
   if "nothing more was written" in errors[0]:
-    assert not run_dir.exists()
+    assert not run_dir.exists(), sorted(str(p) for p in run_dir.rglob("*"))
     return
   assert [p.name for p in run_dir.iterdir()] == ["checkpoints"]
   step = re.search(r"with update step (\d+), which a re-run resumes from", errors[0])

@@ -206,3 +206,41 @@ def test_an_nnx_cnn_killed_at_random_moments_resumes_bitwise(tmp_path):
   assert _records(killed) == _records(tmp_path / "straight")
   evals = [(killed / "eval.jsonl").read_text(), (tmp_path / "straight" / "eval.jsonl").read_text()]
   assert evals[0] == evals[1]
+
+
+def test_sigterm_saves_at_the_update_boundary_and_raises_interrupted(tmp_path):
+  t = trainer(tmp_path, checkpoint={"every": 0})
+  t.add_hook(lambda loop: os.kill(os.getpid(), signal.SIGTERM) if loop.step == 5 else None, every=1)
+  with pytest.raises(jaxstep.errors.Interrupted, match="SIGTERM at update step 5"):
+    t.fit()
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["5"]
+  assert trainer(tmp_path).fit().step == 12  # and the same call resumes
+
+
+MESH_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax, sys
+sys.path.insert(0, {tests!r})
+import jaxstep
+from jaxstep import parallel
+from test_trainer import batch_of, linear_loss
+out = []
+for name, mesh in (("one", None), ("four", parallel.make_mesh(data=2, fsdp=2))):
+  t = jaxstep.Trainer(linear_loss, {{"w": jnp.zeros(4)}}, optax.adam(0.05),
+    train_data=[dict(batch_of(i), x=np.pad(batch_of(i)["x"], ((0, 0), (0, 1)))) for i in range(40)],
+    eval_sets={{"e": [batch_of(99) | {{"x": np.pad(batch_of(99)["x"], ((0, 0), (0, 1)))}}]}},
+    run_dir={tmp!r} + "/" + name, mesh=mesh,
+    train={{"global_batch_size": 8, "grad_accum_steps": 2, "max_steps": 6, "progress": False}})
+  r = t.fit()
+  out.append((np.asarray(r.state.params["w"]), r.evals["e"]["eval_loss"]))
+np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
+print("same")
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_on_a_four_device_mesh_equals_one_device(tmp_path):
+  script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+  assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
