@@ -1,14 +1,21 @@
 """Data-path contenders: start-up against corpus size, prepare against its tokenizer, and
-the loader alone.
+the loader alone; and how the loader's and start-up's costs scale with the corpus.
 
 Corpora are synthetic text of random words (bytes ≈ tokens with the byte tokenizer) made
-in a temporary folder by ``make_corpus``; nothing is downloaded.
+in a temporary folder by ``make_corpus``; nothing is downloaded. The scaling measurements
+(``scale_suite``) read prepared folders of sparse shard files (``sparse_prepared``): a
+100 G-token corpus that takes no disk space, read through the real manifest, memory maps,
+permutation and window code.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,9 +134,177 @@ def loader_contender(spec: dict):
   return {"windows": len(ds.train)}, run_once
 
 
+@functools.lru_cache(maxsize=8)
+def _zeros_sha256(num_bytes: int) -> str:
+  """sha256 of ``num_bytes`` zero bytes (what a sparse shard holds), without reading it."""
+  h, block = hashlib.sha256(), bytes(1 << 22)
+  for _ in range(num_bytes // len(block)):
+    h.update(block)
+  h.update(bytes(num_bytes % len(block)))
+  return h.hexdigest()
+
+
+def sparse_prepared(folder: pathlib.Path, tokens: int, doc_tokens: int) -> pathlib.Path:
+  """A prepared text folder (byte tokenizer, train split only) of ``tokens`` zero tokens in
+  sparse shard files of ``SHARD_TOKENS`` (they take no disk space), one document every
+  ``doc_tokens``, with a manifest as ``prepare`` writes it: true sizes, sha256s and times."""
+  from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, sha256
+  from jaxstep.data.preparation import SHARD_TOKENS
+  from jaxstep.data.tokenizer import ByteTokenizer
+
+  folder.mkdir(parents=True)
+  shards = []
+  for i, start in enumerate(range(0, tokens, SHARD_TOKENS)):
+    n = min(SHARD_TOKENS, tokens - start)
+    name = f"train-{i:05d}.bin"
+    with (folder / name).open("wb") as f:
+      f.truncate(2 * n)  # uint16: a hole of 2n bytes that reads as zeros
+    shards.append({"file": name, "tokens": n, "bytes": 2 * n, "sha256": _zeros_sha256(2 * n)})
+  starts = np.arange(0, tokens, doc_tokens, dtype=np.uint64)
+  starts.tofile(folder / "train.docs.bin")
+  split = {
+    "tokens": tokens,
+    "targets": tokens - len(starts),
+    "documents": len(starts),
+    "shards": shards,
+    "flags": None,
+    "docs": {"file": "train.docs.bin", "sha256": sha256(folder / "train.docs.bin")},
+  }
+  splits = {"train": split}
+  manifest = {
+    "format_version": FORMAT_VERSION,
+    "kind": "text",
+    "tokenizer": {**ByteTokenizer().describe(), "file": None},
+    "dtype": "uint16",
+    "splits": splits,
+    "file_times": file_times(folder, splits),
+  }
+  (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+  return folder
+
+
+def data_startup_contender(spec: dict):
+  """Start-up alone: ``load_dataset`` on the prepared ``spec['data']`` (manifest, sizes and
+  times, memory maps, document offsets), seconds."""
+  from jaxstep.data import DataConfig, load_dataset
+
+  cfg = DataConfig(path=spec["data"])
+  load_dataset(cfg, seq_len=spec["s"])  # imports and first-touch costs out of the timing
+
+  def run_once() -> dict:
+    t = time.perf_counter()
+    ds = load_dataset(cfg, seq_len=spec["s"])
+    return {"seconds": time.perf_counter() - t, "windows": len(ds.train)}
+
+  return {}, run_once
+
+
+class MemoryStream:
+  """A ``shards.TokenStream`` stand-in of ``tokens`` tokens held in 128 KiB of memory (the
+  same block repeats), one document every ``doc_tokens``: ``Windows`` over it runs the real
+  window, flag and row code of any corpus size without touching a disk."""
+
+  def __init__(self, tokens: int, doc_tokens: int):
+    self.tokens, self.block = tokens, np.arange(1 << 16, dtype=np.uint16) % 256
+    self.doc_starts = np.arange(0, tokens, doc_tokens, dtype=np.int64)
+
+  def __len__(self) -> int:
+    return self.tokens
+
+  def read(self, start: int, stop: int) -> tuple[np.ndarray, None]:
+    at = start % (len(self.block) // 2)
+    return self.block[at : at + stop - start].astype(np.int32), None
+
+
+def global_batch_contender(spec: dict):
+  """``global_batch`` alone over ``spec['windows']`` windows of S: seconds per global batch
+  of G × S, over ``batches`` batches spread across an epoch (a fresh epoch each run: new
+  positions). The windows are the real ``Windows`` over a ``MemoryStream``: what is timed
+  is the order (the keyed permutation) and the G rows, not a disk."""
+  from jaxstep.data import global_batch, steps_per_epoch
+  from jaxstep.data.shards import Windows
+
+  g, s, batches = spec["g"], spec["s"], spec["batches"]
+  split = Windows(MemoryStream(spec["windows"] * s + 1, 1 << 20), s, pack=True, pad_id=256)
+  spe = steps_per_epoch(len(split), g)
+  epochs = iter(range(1, 10**9))
+  global_batch(split, 0, 0, 0, g, 256)
+
+  def run_once() -> dict:
+    epoch = next(epochs)
+    t = time.perf_counter()
+    for b in range(batches):
+      global_batch(split, 0, epoch, b * spe // batches, g, 256)
+    return {"seconds_per_batch": (time.perf_counter() - t) / batches}
+
+  return {"windows": len(split)}, run_once
+
+
+def scale_suite(quick: bool) -> dict:
+  """Costs that must not grow with the corpus, on sparse prepared folders:
+
+  - ``loader_batch_cost_ratio_100m_1m``: seconds per global batch (256 windows of 1024)
+    at 10^8 ÷ at 10^6 windows (goal ≤ 1.2: O(G), not O(windows));
+  - ``data_startup_delta_s_2b_10m``: ``load_dataset`` seconds at 2 G − at 10 M tokens
+    (goal ≤ 1 s: sizes and times, not bytes).
+
+  Paired per round (``harness.measure``); returns ``raw``, ``summary`` and ``rows`` for
+  ``benchmarks.run``'s data suite to merge.
+  """
+  import tempfile
+
+  from benchmarks.harness import fmt, measure, ratio_stats
+
+  g, s = 256, 1024
+  root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-scale-"))
+  try:
+    batch = {"kind": "global_batch", "g": g, "s": s, "batches": 8 if quick else 32}
+    load = {"kind": "data_startup", "s": s}
+    specs = {
+      "batch_1m": {**batch, "windows": 10**6},
+      "batch_100m": {**batch, "windows": 10**8},
+      "startup_10m": {**load, "data": str(sparse_prepared(root / "t10m", 10**7, 2048))},
+      "startup_2b": {**load, "data": str(sparse_prepared(root / "t2b", 2 * 10**9, 2048))},
+    }
+    res, info, _ = measure(specs, rounds=5 if quick else 15)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  cost = ratio_stats(
+    [r["seconds_per_batch"] for r in res["batch_100m"]],
+    [r["seconds_per_batch"] for r in res["batch_1m"]],
+  )
+  startup = ratio_stats(
+    [
+      b["seconds"] - a["seconds"]
+      for a, b in zip(res["startup_10m"], res["startup_2b"], strict=True)
+    ],
+    1,
+  )
+  per_batch_ms = 1e3 * float(np.median([r["seconds_per_batch"] for r in res["batch_100m"]]))
+  return {
+    "raw": {**res, "windows": {k: v["windows"] for k, v in info.items() if "windows" in v}},
+    "loader_batch_cost_ratio_100m_1m": cost,
+    "data_startup_delta_s_2b_10m": startup,
+    "summary": {
+      "loader_batch_cost_ratio_100m_1m": cost["median"],
+      "data_startup_delta_s_2b_10m": startup["median"],
+    },
+    "rows": [
+      (
+        f"one global batch ({g} × {s}) at 10^8 ÷ at 10^6 windows ({per_batch_ms:.1f} ms at 10^8)",
+        fmt(cost),
+        "≤ 1.2",
+      ),
+      ("data start-up (load_dataset): 2 G − 10 M prepared tokens (s)", fmt(startup), "≤ +1"),
+    ],
+  }
+
+
 CONTENDERS = {
   "startup": startup_contender,
   "tokenize_raw": tokenizer_contender,
   "prepare": prepare_contender,
   "loader": loader_contender,
+  "data_startup": data_startup_contender,
+  "global_batch": global_batch_contender,
 }

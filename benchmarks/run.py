@@ -350,7 +350,7 @@ def suite_data(quick: bool) -> dict:
   """Start-up and peak RSS against corpus size, prepare against its tokenizer, the loader."""
   import tempfile
 
-  from benchmarks.data_bench import make_corpus
+  from benchmarks.data_bench import make_corpus, scale_suite
   from jaxstep.data import prepare, train_bpe
   from jaxstep.data.readers import read_documents
 
@@ -384,9 +384,10 @@ def suite_data(quick: bool) -> dict:
   loader = ratio_stats([r["tokens_per_s"] for r in loader_res["loader"]], 1)
   big_mt, small_mt = sizes["big"] // 10**6, sizes["small"] // 10**6
   shutil.rmtree(root, ignore_errors=True)
+  scale = scale_suite(quick)  # per-batch and start-up costs at 10^8 windows / 2 G tokens
   return {
     "sizes_bytes": sizes,
-    "raw": {**res, **loader_res},
+    "raw": {**res, **loader_res, **scale["raw"]},
     "startup_delta_s": startup,
     "rss_delta_mib": rss,
     "prepare_over_tokenizers": prep,
@@ -396,8 +397,10 @@ def suite_data(quick: bool) -> dict:
       "data_rss_delta_mib_200m_10m": rss["median"],
       "prepare_over_tokenizers": prep["median"],
       "loader_tokens_per_s": loader["median"],
+      **scale["summary"],
     },
     "rows": [
+      *scale["rows"],
       (
         f"start-up to the first update: {big_mt} M − {small_mt} M prepared tokens (s)",
         fmt(startup),

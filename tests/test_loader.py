@@ -37,6 +37,55 @@ def test_the_loader_yields_the_global_batches_in_order_across_epochs():
   assert loader.state() == {"next_index": spe + 2}
 
 
+def test_a_resumed_loader_gives_bitwise_the_batches_a_straight_one_gives_from_there():
+  ds = load_dataset(DataConfig(eval_fraction=0.0), seq_len=32)
+  g = 48
+  spe = -(-len(ds.train) // g)
+  straight = BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id).start(0, 0)
+  batches = [next(straight) for _ in range(spe + 3)]  # across the end of epoch 0
+  for b in (1, spe - 1, spe + 1):
+    resumed = BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id)
+    resumed.start(*divmod(b, spe))
+    for expected in batches[b:]:
+      got = next(resumed)
+      for key in expected:
+        assert got[key].dtype == expected[key].dtype
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
+class FakeWindows:
+  """A split of ``n`` windows whose rows are their window numbers: the index path alone."""
+
+  def __init__(self, n):
+    self.n = n
+
+  def __len__(self):
+    return self.n
+
+  def rows(self, index, num_rows, pad_id):
+    out = np.full((num_rows, 1), pad_id, np.int64)
+    out[: len(index), 0] = index
+    return {"inputs": out}
+
+
+def test_a_global_batch_costs_the_same_at_any_corpus_size():
+  import time
+
+  def cost(n):
+    split = FakeWindows(n)
+    global_batch(split, 1, 2, 3, 256, -1)  # warm
+    t = time.perf_counter()
+    for step in range(20):
+      global_batch(split, 1, 2, step, 256, -1)
+    return (time.perf_counter() - t) / 20
+
+  assert cost(10**12) < 0.02  # an O(n) permutation of 10^12 windows could not even be built
+  seen = np.concatenate(
+    [global_batch(FakeWindows(1000), 9, 0, s, 256, -1)["inputs"][:, 0] for s in range(4)]
+  )
+  assert sorted(seen[seen >= 0].tolist()) == list(range(1000))
+
+
 def test_the_vocabulary_follows_the_tokenizer_unless_set(bpe_data):
   model = trainer.build(make_cfg_for(bpe_data, "train.max_steps=1"))[0].cfg.model
   assert model.vocab_size == 400  # a multiple of 8 already (below 1024 ids)

@@ -89,7 +89,7 @@ def test_a_long_evaluation_keeps_only_a_few_batches_in_flight(tmp_path, monkeypa
   """Thousands of eval batches dispatched at once abort XLA:CPU's collective rendezvous
   (40 s timeout): the host fetches each result at most ``EVAL_IN_FLIGHT`` batches later,
   and the sums are those of every batch."""
-  from jaxstep.trainer import loop
+  from jaxstep.trainer import loop, run_hooks
 
   cfg = make_cfg(
     tmp_path, "train.global_batch_size=2", "train.grad_accum_steps=1", "data.eval_fraction=0.3"
@@ -110,8 +110,8 @@ def test_a_long_evaluation_keeps_only_a_few_batches_in_flight(tmp_path, monkeypa
 
   monkeypatch.setattr(loop.jax, "device_get", counting_get)
   got = loop.evaluate(dataclasses.replace(r, eval_fn=counting_eval), state.params)
-  assert len(dispatched) > 3 * loop.EVAL_IN_FLIGHT and len(fetched) == len(dispatched)
-  assert max(ahead) == loop.EVAL_IN_FLIGHT
+  assert len(dispatched) > 3 * run_hooks.EVAL_IN_FLIGHT and len(fetched) == len(dispatched)
+  assert max(ahead) == run_hooks.EVAL_IN_FLIGHT
   sums = np.sum([np.asarray(device_get(x), np.float64) for x in dispatched], axis=0)
   assert got["eval_loss"] == sums[0] / sums[1] and got["eval_tokens"] == sums[1]
 

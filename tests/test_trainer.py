@@ -244,3 +244,61 @@ def test_a_trainer_on_a_four_device_mesh_equals_one_device(tmp_path):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
   assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
+
+
+def test_only_the_runs_writer_threads_stop_it():
+  """A TensorBoard writer thread that dies stops the run; a library's own helper thread
+  (a tracker's network thread, say) does not."""
+  import threading
+
+  from jaxstep.trainer.background import watch_threads
+
+  class Writer(threading.Thread):
+    def run(self):
+      raise OSError(28, "No space left on device")
+
+  Writer.__module__ = "tensorboardX.event_file_writer"
+
+  def helper():
+    raise ConnectionError("a tracker's server went away")
+
+  with watch_threads() as errors:
+    other = threading.Thread(target=helper)
+    other.start()
+    other.join()
+    assert errors.errors == []
+    writer = Writer()
+    writer.start()
+    writer.join()
+    with pytest.raises(OSError, match="No space"):
+      errors.check()
+
+
+def test_a_second_fit_starts_the_data_from_its_beginning(tmp_path):
+  t = trainer(tmp_path, train={"max_steps": 3})
+  first = t.fit()
+  again = t.fit(resume=False)  # the earlier run set aside: the same three batches again
+  np.testing.assert_array_equal(first.state.params["w"], again.state.params["w"])
+  assert again.position == {"batches": 3, "data": None}
+
+
+def test_an_aux_named_loss_does_not_overwrite_the_eval_sums(tmp_path):
+  def loss_with_mean(params, batch, rng):
+    loss_sum, aux = linear_loss(params, batch, rng)
+    return loss_sum, {**aux, "loss": loss_sum / aux["rows"]}
+
+  sets = {"a": [batch_of(7)]}
+  t = jaxstep.Trainer(
+    loss_with_mean,
+    {"w": jnp.zeros(3)},
+    optax.sgd(0.0),
+    train_data=[batch_of(i) for i in range(4)],
+    eval_sets=sets,
+    run_dir=tmp_path / "run",
+    train={"global_batch_size": G, "grad_accum_steps": 1, "max_steps": 1, "progress": False},
+  )
+  got = t.fit().evals["a"]
+  b = sets["a"][0]
+  sse = float(np.sum(b["y"] ** 2 * b["loss_mask"]))
+  np.testing.assert_allclose(got["eval_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)
+  np.testing.assert_allclose(got["eval_aux_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)

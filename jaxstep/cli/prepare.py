@@ -1,12 +1,14 @@
 """``jaxstep prepare INPUT… --out DIR``: tokenize a corpus once into shards + a manifest.
+``jaxstep prepare --verify DIR``: re-hash a prepared folder's files against its manifest.
 
 INPUT is a file, a directory or a glob; several may be given. A directory is walked for the
 files the format reads (text: any UTF-8 file; jsonl/chat: .jsonl); skipped files are reported.
 Training then reads the shards through memory maps (``data.path=DIR``).
 
-Exit codes: 0 done; 2 bad input or --out; 74 a write failed (disk full or read-only); 1 a
-worker process died (killed, e.g. out of memory); 128 + signal number after SIGINT/SIGTERM.
-Whenever it fails, DIR is left as it was and no temporary folder remains.
+Exit codes: 0 done (--verify: every file matches); 2 bad input or --out (--verify: a
+damaged file, named); 74 a write failed (disk full or read-only); 1 a worker process died
+(killed, e.g. out of memory); 128 + signal number after SIGINT/SIGTERM. Whenever it fails,
+DIR is left as it was and no temporary folder remains.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxstep prepare", description=__doc__)
-  p.add_argument("inputs", nargs="+", metavar="INPUT")
+  p.add_argument("inputs", nargs="*", metavar="INPUT")
   p.add_argument(
     "--out",
-    required=True,
     help="the prepared folder: new, empty, or a prepared folder (replaced); never inside an input",
   )
   p.add_argument(
@@ -63,13 +64,25 @@ def parser() -> argparse.ArgumentParser:
     action="store_true",
     help="replace a prepared --out made from other inputs or settings",
   )
+  p.add_argument(
+    "--verify",
+    metavar="DIR",
+    help="instead of preparing: re-hash every file of the prepared DIR against its manifest",
+  )
   return p
 
 
 def main(argv=None) -> int:
   from jaxstep.data.preparation import SHARD_TOKENS, prepare
 
-  args = parser().parse_args(argv)
+  p = parser()
+  args = p.parse_args(argv)
+  if args.verify is not None:
+    if args.inputs or args.out is not None:
+      p.error("--verify DIR takes no INPUT and no --out")
+    return _verify(args.verify)
+  if not args.inputs or args.out is None:
+    p.error("INPUT… and --out DIR are required (or --verify DIR)")
   setup_logging()
   try:
     with _stop_signals_raise():
@@ -92,6 +105,18 @@ def main(argv=None) -> int:
     f"{name} {s['tokens']:,} tokens in {s['documents']:,} documents" for name, s in splits.items()
   )
   print(f"{args.out}: {counts}; tokenizer {tok['kind']} ({tok['vocab_size']:,} ids)")
+  return 0
+
+
+def _verify(folder: str) -> int:
+  """Prints ``DIR: OK …`` and returns 0, or reports the first damaged file (exit 2)."""
+  from jaxstep.data.manifest import verify_folder
+
+  try:
+    checked = verify_folder(folder)
+  except JaxstepError as e:
+    return report(e)
+  print(f"{folder}: OK, {checked['files']} files ({checked['bytes']:,} bytes) match their sha256")
   return 0
 
 

@@ -21,6 +21,7 @@ from jaxstep.data.dataset import (
   global_batch,
   load_dataset,
   prepared_tokenizer,
+  split_steps_per_epoch,
   steps_per_epoch,
 )
 from jaxstep.data.manifest import read_manifest
@@ -41,6 +42,7 @@ __all__ = [
   "prepare",
   "prepared_tokenizer",
   "read_manifest",
+  "split_steps_per_epoch",
   "steps_per_epoch",
   "train_bpe",
   "Windows",

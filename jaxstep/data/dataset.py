@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxstep.data import preparation as prepare_lib
 from jaxstep.data.manifest import MANIFEST, read_manifest
+from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.data.shards import TokenStream, Windows
 from jaxstep.data.tokenizer import load_tokenizer
@@ -38,8 +39,13 @@ class DataConfig:
   tokenizer: str = "byte"  # raw input: byte (UTF-8 + PAD/BOS/EOS), tokenizer.json, .model, folder
   pack: bool = True  # concatenate documents into one stream before cutting windows
   eval_fraction: float = 0.05  # raw input: share of documents held out for eval (0 = none)
+  sources: tuple[dict, ...] = ()  # a mixture: [{name, path, weight}, …] in place of path
 
   def __post_init__(self):
+    if self.sources:
+      from jaxstep.data.mixture import check_sources  # the mixture module imports this one
+
+      object.__setattr__(self, "sources", check_sources(self.sources))
     if self.format not in FORMATS:
       raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
     named = self.tokenizer == "byte" or self.tokenizer.endswith((".json", ".model"))
@@ -62,6 +68,7 @@ class Dataset:
   vocab_size: int  # the tokenizer's: token ids are below it
   folder: pathlib.Path  # the prepared folder
   manifest: dict
+  source_evals: dict = dataclasses.field(default_factory=dict)  # a mixture's held-out splits
 
   @functools.cached_property
   def tokenizer(self):
@@ -75,14 +82,31 @@ def prepared_tokenizer(folder: pathlib.Path, manifest: dict):
   return load_tokenizer("byte" if entry["file"] is None else str(folder / entry["file"]))
 
 
+ENDLESS_STEPS = 2**50  # "steps per epoch" of a mixture: it has no epochs, one count of batches
+
+
+def split_steps_per_epoch(split, global_batch_size: int) -> int:
+  """Update steps per pass over ``split``; a mixture (``split.endless``) never ends a pass."""
+  if getattr(split, "endless", False):
+    return ENDLESS_STEPS
+  return steps_per_epoch(len(split), global_batch_size)
+
+
 def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
   """``ceil(num_samples / G)`` update steps per pass over the data."""
   return -(-num_samples // global_batch_size)
 
 
 def epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-  """The permutation of sample indices for ``epoch``, a pure function of (seed, epoch)."""
-  return np.random.default_rng([seed, epoch]).permutation(num_samples)
+  """The whole order of ``epoch``: window ``epoch_order(…)[p]`` is the ``p``-th of the epoch.
+
+  A pure function of (seed, epoch, num_samples), the same as ``global_batch`` reads a
+  batch at a time. O(num_samples): for inspection and tests; a batch needs only its own
+  positions, ``shuffled_index(seed, epoch, num_samples, positions)``, O(G).
+  """
+  if num_samples == 0:
+    return np.zeros(0, np.int64)
+  return shuffled_index(seed, epoch, num_samples, np.arange(num_samples))
 
 
 def global_batch(
@@ -96,12 +120,19 @@ def global_batch(
 ) -> dict[str, np.ndarray]:
   """Global batch number ``step_in_epoch`` of ``epoch``: G rows, ``int32[G, seq_len]``.
 
+  Row ``r`` is window ``π(step_in_epoch·G + r)`` of the epoch's keyed permutation ``π``
+  (``permutation.shuffled_index``), computed for these G positions only: O(G) time and
+  memory whatever the number of windows, and any batch is reached without the ones before.
+
   ``rows`` (indices into the G rows) reads only those rows, e.g. the ones this process's
   devices hold; the result then has ``len(rows)`` rows.
   """
-  order = epoch_order(seed, epoch, len(split))
-  start = step_in_epoch * global_batch_size
-  index = order[start : start + global_batch_size]
+  if getattr(split, "endless", False):  # a mixture: batch number b is its whole position
+    return split.global_batch(seed, epoch * ENDLESS_STEPS + step_in_epoch, global_batch_size,
+                              pad_id, rows)  # fmt: skip
+  n, start = len(split), step_in_epoch * global_batch_size
+  positions = np.arange(min(start, n), min(start + global_batch_size, n))
+  index = shuffled_index(seed, epoch, n, positions) if len(positions) else positions
   if rows is None:
     return split.rows(index, global_batch_size, pad_id)
   present = rows[rows < len(index)]  # rows sorted; those past the epoch's end are padding
@@ -164,6 +195,10 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
   """
   from jaxstep.errors import DataError
 
+  if data_cfg.sources:
+    from jaxstep.data.mixture import load_mixture  # it imports this module
+
+    return load_mixture(data_cfg, seq_len, progress)
   folder = prepared_folder(data_cfg, progress)
   manifest = read_manifest(folder)
   tok = manifest["tokenizer"]

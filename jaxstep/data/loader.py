@@ -13,7 +13,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from jaxstep.data.dataset import global_batch, steps_per_epoch
+from jaxstep.data.dataset import global_batch, split_steps_per_epoch
 
 
 class BatchLoader:
@@ -38,7 +38,7 @@ class BatchLoader:
     rows: np.ndarray | None = None,
     prefetch: int = 2,
   ):
-    self.steps_per_epoch = steps_per_epoch(len(split), global_batch_size)
+    self.steps_per_epoch = split_steps_per_epoch(split, global_batch_size)
 
     def batch(b: int) -> dict:
       epoch, step = divmod(b, self.steps_per_epoch)

@@ -76,6 +76,26 @@ def read_manifest(folder: str | pathlib.Path, *, verify: bool | None = None) -> 
   return manifest
 
 
+def verify_folder(folder: str | pathlib.Path) -> dict:
+  """Re-hashes every data file of a prepared folder against its sha256 in the manifest, in
+  the manifest's order: ``jaxstep prepare --verify``.
+
+  Start-up compares sizes and times only, so it cannot see a file changed in place with its
+  time put back (a bit flip on disk, a tool that keeps times); this reads every byte
+  (minutes for a large corpus, at the disk's read speed).
+
+  Returns:
+    ``{"files": count, "bytes": total size}`` of the files checked.
+
+  Raises:
+    DataError: naming the first file that is missing, of another size, or does not match
+      its checksum (or a manifest that is missing, malformed or of a newer format).
+  """
+  folder = pathlib.Path(folder)
+  files = manifest_files(read_manifest(folder, verify=True))
+  return {"files": len(files), "bytes": sum((folder / e["file"]).stat().st_size for e in files)}
+
+
 def _check_structure(manifest: dict, path: pathlib.Path) -> None:
   """The manifest agrees with itself: the keys readers need, a known dtype the vocabulary
   fits, and every shard's recorded bytes = its tokens × the dtype's size (a manifest edited

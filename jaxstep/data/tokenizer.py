@@ -259,3 +259,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | pathlib.Path) ->
   tok.train_from_iterator(texts, trainer=trainer)
   tok.save(str(out))
   return HFTokenizer(out)
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+  """Two manifest tokenizer entries (``Tokenizer.describe()``) encode alike: everything
+  but the ``file`` they were saved as."""
+  return {k: v for k, v in a.items() if k != "file"} == {k: v for k, v in b.items() if k != "file"}

@@ -21,15 +21,25 @@ class ThreadErrors:
       raise self.errors[0]
 
 
+WATCHED = ("tensorboardX",)  # the modules whose writer threads the run depends on
+
+
+def _ours(thread) -> bool:
+  """A writer thread of the run's own files (TensorBoard's), not a library's helper thread
+  (a tracker's network threads fail on their own; the tracker switches itself off)."""
+  module = type(thread).__module__ if thread is not None else ""
+  return module.startswith(WATCHED)
+
+
 @contextlib.contextmanager
 def watch_threads():
-  """Within the block, an exception that ends any thread is kept (not printed) for the
-  main loop to raise with ``ThreadErrors.check()``."""
+  """Within the block, an exception that ends one of the run's writer threads (``WATCHED``)
+  is kept (not printed) for the main loop to raise with ``ThreadErrors.check()``."""
   errors = ThreadErrors()
   previous = threading.excepthook
 
   def hook(args):
-    if args.exc_type is SystemExit or args.exc_value is None:
+    if args.exc_type is SystemExit or args.exc_value is None or not _ours(args.thread):
       return previous(args)
     errors.errors.append(args.exc_value)
 

@@ -15,6 +15,7 @@ from jaxstep import data, models, parallel
 from jaxstep._version import __version__
 from jaxstep.core import freeze
 from jaxstep.core.state import TrainState
+from jaxstep.errors import ConfigError
 from jaxstep.models import hf_weights
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import eval_sets, init_from, steps, text_samples, trackers
@@ -65,6 +66,12 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
   sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
+  clash = sorted(set(sets) & set(dataset.source_evals))
+  if clash:
+    raise ConfigError(
+      f"eval.sets name {clash[0]!r} is also a data.sources name, whose held-out split is "
+      f"evaluated under it; rename one"
+    )
   apply_fn, params = models.build(
     cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
   )

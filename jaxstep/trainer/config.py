@@ -160,6 +160,11 @@ class Config:
       raise ConfigError("run_dir is empty; name the folder for the run's outputs")
     if not self.data.path.strip():
       raise ConfigError("data.path is empty; name a prepared folder, file, directory or glob")
+    if self.data.sources and self.train.epochs:
+      raise ConfigError(
+        "train.epochs has no meaning for a mixture (data.sources): its sources cycle at their "
+        "own pace; set train.max_steps instead"
+      )
     if self.train.seq_len > self.model.max_seq_len and not self.model.init_from:
       raise ConfigError(
         f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
@@ -249,6 +254,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         value = yaml.safe_load(value) if value.lstrip().startswith("[") else [value]
       if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         return tuple(value)
+      if isinstance(value, list | tuple) and typing.get_args(t)[0] is dict:
+        return tuple(value)  # a list of mappings (data.sources): its owner checks them
     elif t is bool:
       if isinstance(value, bool):
         return value
@@ -440,6 +447,10 @@ def _expand_paths(cfg: Config) -> Config:
   )
   model = dataclasses.replace(cfg.model, init_from=_expand("model.init_from", cfg.model.init_from))
   sets = {name: _expand(f"eval.sets.{name}", path) for name, path in cfg.eval.sets.items()}
+  sources = tuple(
+    {**e, "path": _expand(f"data.sources {e['name']!r} path", e["path"])} for e in cfg.data.sources
+  )
+  data = dataclasses.replace(data, sources=sources)
   return dataclasses.replace(
     cfg,
     run_dir=_expand("run_dir", cfg.run_dir),

@@ -39,14 +39,17 @@ class BatchSource(Protocol):
   ``next_batch()`` returns the next global batch (this process's rows; a dict of host
   arrays with leading dimension G) or raises ``StopIteration`` when the data has ended;
   ``where()`` is a small JSON dict naming the next batch's position (``epoch`` at least),
-  kept with a skipped batch; ``position()`` is the JSON dict a checkpoint records so a
-  resumed run continues with the batch after the last one consumed."""
+  kept with a skipped batch; ``mark()`` is a cheap token of the position after the batches
+  fetched so far (taken after every update), and ``position(mark)`` its JSON dict, which a
+  checkpoint records so a resumed run continues with the batch after the last one used."""
 
   def next_batch(self) -> dict: ...
 
   def where(self) -> dict: ...
 
-  def position(self) -> dict: ...
+  def mark(self) -> Any: ...
+
+  def position(self, mark) -> dict: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,7 @@ class LoopResult:
   last_record: dict  # the last update's metrics record
   evals: dict  # set name -> its last evaluation record
   stop_reason: str
+  run_info: dict = dataclasses.field(default_factory=dict)  # what checkpoints kept besides
 
 
 class Loop:
@@ -102,6 +106,7 @@ class Loop:
     self.run_dir, self.ckpt, self.late, self.sink = run_dir, ckpt, late, sink
     self.hooks, self.run_info, self.writer = list(hooks), dict(run_info or {}), writer
     self.evals: dict[str, dict] = {}
+    self._mark = source.mark()  # the data position after ``self.step`` updates
     self.stopped_by: int | None = None
     self.should_stop, self.stop_reason = False, ""
 
@@ -114,8 +119,10 @@ class Loop:
     self.should_stop, self.stop_reason = True, reason
 
   def metadata(self) -> dict:
-    """What a checkpoint records besides the state: the data position and ``run_info``."""
-    return {**self.source.position(), **self.run_info}
+    """What a checkpoint records besides the state: the data position after exactly
+    ``loop.step`` updates (a batch fetched for an update that then failed is not counted)
+    and ``run_info``."""
+    return {**self.source.position(self._mark), **self.run_info}
 
   def save(self) -> None:
     """Checkpoints the state of update ``loop.step`` (asynchronously)."""
@@ -140,16 +147,19 @@ class Loop:
 
   def _update(self, every_step: bool) -> bool:
     """One update step; False when the data has ended."""
-    for hook in self.hooks:
-      hook.before_step(self, self.step + 1)
     where = self.source.where()
     try:
       batch = self.source.next_batch()
     except StopIteration:
       self.stop(f"the train data ended after {self.step} update steps")
       return False
+    for hook in self.hooks:
+      hook.before_step(self, self.step + 1)
     self.state, metrics = self.step_fn(self.state, self.put_batch(batch))
     self.step += 1
+    self._mark = self.source.mark()
+    for hook in self.hooks:
+      hook.after_step(self)
     self._report(self.late.submit(self.step, metrics, batch, where))
     if every_step:  # read back now: stop before another update is dispatched
       self._report(self.late.flush())
@@ -166,46 +176,36 @@ class Loop:
 
   def run(self) -> LoopResult:
     """The loop, then the final checkpoint; raises ``Interrupted`` after a signal's save."""
-    every_step = any(h.needs_every_step for h in self.hooks)
     started_in = run_dir_lib.identity(self.run_dir)
     try:
       with stop_on_signals() as stop, watch_threads() as threads:
-        for hook in self.hooks:
-          hook.on_start(self)
-        while self.step < self.total_steps and not self.should_stop:
-          stop.poll(self.step)  # multi-host: has every process agreed to stop here?
-          if stop.signum:
-            break
-          run_dir_lib.check_still_there(self.run_dir, started_in)  # one stat call
-          self.ckpt.check()  # a failed background save (as one RunIOError)
-          threads.check()  # a dead TensorBoard writer, say
-          if not self._update(every_step):
-            break
-          self._cadence()
-        self._report(self.late.flush())
-        self.late.log_last()
-        self.stopped_by = stop.signum
+        self._loop(stop, threads, started_in)
+        self.stopped_by = stop.signum  # ends evaluations and samples: save first
         for hook in self.hooks:
           hook.on_end(self)
+        self.stopped_by = stop.signum  # one that came during the last hooks counts too
         threads.check()
         self.sink.close()
     except BaseException as e:  # a halt or an error: keep the state it got to, re-raise
       self._close_quietly(self.sink)
-      self._end_hooks_quietly()
-      if not isinstance(e, OSError):
-        if self.step > self.start_step:  # nothing new to keep before the first update: a
-          self._final_save(quiet=True)  # run failing there leaves no checkpoint 0 behind
-        else:
-          self._close_quietly(self.ckpt)
-        raise
-      self._close_quietly(self.ckpt)  # a save in flight finishes; another would fail too
-      raise self._io_failure(e) from e
+      if isinstance(e, OSError):
+        self._close_quietly(self.ckpt)  # a save in flight finishes; another would fail too
+        self._close_hooks(failed=True)
+        raise self._io_failure(e) from e
+      if self.step > self.start_step:  # nothing new to keep before the first update: a
+        self._final_save(quiet=True)  # run failing there leaves no checkpoint 0 behind
+      else:
+        self._close_quietly(self.ckpt)
+      self._close_hooks(failed=True)
+      raise
     try:
       run_dir_lib.check_still_there(self.run_dir, started_in)
       self._final_save()  # always: at the end and on a signal
     except RunIOError as e:
       self._close_quietly(self.ckpt)
+      self._close_hooks(failed=True)
       raise self._io_failure(e) from e
+    self._close_hooks(failed=False)  # trackers upload after the checkpoint is safe
     if self.stopped_by is not None:
       name = signal.Signals(self.stopped_by).name
       raise Interrupted(
@@ -216,17 +216,41 @@ class Loop:
     reason = self.stop_reason or f"reached {self.step} update steps"
     log.info("done: %s; run_dir %s", reason, self.run_dir)
     return LoopResult(
-      self.state, self.step, self.source.position(), self.last_record, self.evals, reason
+      self.state,
+      self.step,
+      self.source.position(self._mark),
+      self.last_record,
+      self.evals,
+      reason,
+      dict(self.run_info),
     )
 
-  def _end_hooks_quietly(self) -> None:
-    """Hooks that hold something open (a profiler trace, a tracker) release it on an error;
-    ``loop.stopped_by`` stays None, so none of them starts new work (an evaluation)."""
-    self.should_stop = True
+  def _loop(self, stop, threads, started_in) -> None:
+    """Update steps until the end, a stop, a signal or the end of the data."""
+    every_step = any(h.needs_every_step for h in self.hooks)
     for hook in self.hooks:
-      close = getattr(hook, "close", None)
-      if close is not None:
-        self._close_quietly(hook)
+      hook.on_start(self)
+    while self.step < self.total_steps and not self.should_stop:
+      stop.poll(self.step)  # multi-host: has every process agreed to stop here?
+      if stop.signum:
+        break
+      run_dir_lib.check_still_there(self.run_dir, started_in)  # one stat call
+      self.ckpt.check()  # a failed background save (as one RunIOError)
+      threads.check()  # a dead TensorBoard writer, say
+      if not self._update(every_step):
+        break
+      self._cadence()
+    self._report(self.late.flush())
+    self.late.log_last()
+
+  def _close_hooks(self, failed: bool) -> None:
+    """Every hook's ``on_close`` once the final checkpoint is saved (or has failed): an
+    error here is logged, never raised over the run's own outcome."""
+    for hook in self.hooks:
+      try:
+        hook.on_close(self, failed)
+      except Exception as e:  # noqa: BLE001 - the run's outcome is decided already
+        log.warning("closing %s failed: %s", type(hook).__name__, e)
 
   @staticmethod
   def _close_quietly(closable) -> None:

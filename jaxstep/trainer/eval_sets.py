@@ -21,17 +21,12 @@ from jaxstep import data
 from jaxstep.data.manifest import MANIFEST
 from jaxstep.data.readers import BUNDLED_PATHS
 from jaxstep.data.shards import Windows
+from jaxstep.data.tokenizer import same_tokenizer
 from jaxstep.errors import ConfigError, DataError, RunIOError
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HELDOUT = "heldout"  # the name the run's own held-out split reports under
 MAX_SETS = 32  # each set costs a pass over its windows at every eval
-
-
-def same_tokenizer(a: dict, b: dict) -> bool:
-  """Two manifest tokenizer entries (``Tokenizer.describe()``) encode alike: everything
-  but the ``file`` they were saved as."""
-  return {k: v for k, v in a.items() if k != "file"} == {k: v for k, v in b.items() if k != "file"}
 
 
 def check_sets(sets: Mapping[str, str]) -> dict[str, str]:
@@ -91,7 +86,8 @@ def training_tokenizer(data_cfg: data.DataConfig, dataset: data.Dataset) -> str:
   """The tokenizer spec the training data was prepared with: ``data.tokenizer`` for raw
   input, the file saved in the prepared folder (or ``byte``) for a prepared ``data.path``."""
   path = pathlib.Path(data_cfg.path)
-  if data_cfg.path in BUNDLED_PATHS or not (path / MANIFEST).is_file():
+  raw = data_cfg.path in BUNDLED_PATHS or not (path / MANIFEST).is_file()
+  if raw and not data_cfg.sources:  # a mixture's tokenizer: the one its first source saved
     return data_cfg.tokenizer
   saved = dataset.manifest["tokenizer"]["file"]
   return "byte" if saved is None else str(dataset.folder / saved)

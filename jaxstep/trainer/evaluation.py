@@ -26,8 +26,8 @@ import numpy as np
 from jaxstep import data, models
 from jaxstep.core import device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
+from jaxstep.data.tokenizer import same_tokenizer
 from jaxstep.errors import DataError
-from jaxstep.trainer.eval_sets import same_tokenizer
 from jaxstep.trainer.saved_run import SavedRun, is_model_folder, saved_tokenizer_file
 from jaxstep.trainer.steps import make_eval_step
 

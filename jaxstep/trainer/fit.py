@@ -16,13 +16,12 @@ bundled model's text data (``seq_len``, ``sample_*``, ``epochs``) do not apply h
 
 from __future__ import annotations
 
-import collections
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
-import numpy as np
 import yaml
 
 from jaxstep import parallel
@@ -38,16 +37,14 @@ from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
 from jaxstep.trainer.driver import Loop, LoopResult
-from jaxstep.trainer.guards import NonFiniteGuard
+from jaxstep.trainer.fit_eval import Evaluator
 from jaxstep.trainer.hooks import Hook, as_hook
-from jaxstep.trainer.loss_plot import plot_quietly
-from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, spikes_so_far
+from jaxstep.trainer.metrics import open_records
 from jaxstep.trainer.resume import refuse_history_without_checkpoint
 from jaxstep.trainer.sections import CheckpointConfig
 from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
 
 log = logging.getLogger("jaxstep")
-EVAL_IN_FLIGHT = 4  # eval batches dispatched ahead of the host
 # What must match between a checkpoint and the Trainer that resumes it.
 SAME_ON_RESUME = ("global_batch_size", "seed")
 
@@ -138,7 +135,12 @@ class Trainer:
       freeze.check_patterns(params, self.optimizer_cfg.trainable)
       trainable = freeze.by_patterns(self.optimizer_cfg.trainable)
     self.trainable = trainable
-    self.source = sources.TrainBatches(train_data, self.t.global_batch_size)
+    if not isinstance(train_data, Iterable):
+      raise ConfigError(
+        f"train_data must be iterable (a Grain dataset, a resumable iterator or an "
+        f"iterable of global batches), got {type(train_data).__name__}"
+      )
+    self.train_data = train_data
     self.eval_sets = {k: sources.eval_source(k, v) for k, v in (eval_sets or {}).items()}
     self.mlflow, self.wandb = mlflow or MlflowConfig(), wandb or WandbConfig()
     self.hparams, self.callbacks = dict(hparams or {}), list(callbacks)
@@ -217,33 +219,37 @@ class Trainer:
     step = self._step()
     state = step.init(self.params, self.t.seed, model_state=self.model_state)
     step_fn, put = self._jitted(step, state)
+    source = sources.TrainBatches(self.train_data, self.t.global_batch_size)  # from its start
     with run_dir_lib.locked(self.run_dir) as run_dir:
       if not resume:
         run_dir_lib.archive_previous(run_dir)
-      state, run_info = self._restore(run_dir, state)
+      state, run_info = self._restore(run_dir, state, source)
       start = int(state.step)
       ckpt = Checkpointer(run_dir / "checkpoints", keep=self.c.keep, async_save=self.c.async_)
       if start >= self.t.max_steps:
         ckpt.close()
         log.info("already finished at update step %d; nothing to do (run_dir %s)", start, run_dir)
-        return LoopResult(state, start, self.source.position(), {}, {}, "already finished")
-      self._first_writes(run_dir, ckpt, state)
-      return self._loop(run_dir, ckpt, state, start, step_fn, put, run_info).run()
+        position = source.position(source.mark())
+        return LoopResult(state, start, position, {}, {}, "already finished", run_info)
+      run_dir_lib.first_writes(run_dir, ckpt, state, lambda: self._write_config(run_dir))
+      return self._loop(run_dir, ckpt, state, start, step_fn, put, run_info, source).run()
 
-  def _restore(self, run_dir: pathlib.Path, state):
-    """The newest usable checkpoint of ``run_dir`` (checked to fit) and its run info."""
+  def _restore(self, run_dir: pathlib.Path, state, source: sources.TrainBatches):
+    """The newest usable checkpoint of ``run_dir`` (checked to fit; ``source`` moved to
+    its data position) and its run info; the initial state when there is none."""
     own = run_dir / "checkpoints"
     if not step_dirs(own):
       refuse_history_without_checkpoint(run_dir)
-      log.info("train_data: %s", self.source.describe())
+      _say_how_data_resumes(source)
       return state, {"trainer": self._identity(), "trackers": {}}
     reader = Checkpointer(own, keep=self.c.keep)
     try:
       restored = reader.restore(state)
     finally:
       reader.close()
-    saved = restored.metadata
-    ours = self._identity()
+    if restored is None:
+      raise CheckpointError(f"{own} holds no checkpoint that restores; resume=False starts over")
+    saved, ours = restored.metadata, self._identity()
     theirs = saved.get("trainer", {})
     for key in SAME_ON_RESUME:
       if theirs.get(key) != ours[key]:
@@ -257,140 +263,86 @@ class Trainer:
         f"the lr schedule was planned for {old} update steps, this run plans {new}; set "
         f"train.schedule_steps={old} to keep it, or checkpoint.allow_schedule_change=true"
       )
-    self.source.restore(saved)
-    log.info(
-      "resumed from the checkpoint of update step %d (train_data: %s)",
-      restored.step,
-      self.source.describe(),
-    )
+    source.restore(saved)
+    log.info("resumed from the checkpoint of update step %d", restored.step)
+    _say_how_data_resumes(source)
     return restored.state, {"trainer": ours, "trackers": dict(saved.get("trackers") or {})}
 
-  def _first_writes(self, run_dir: pathlib.Path, ckpt: Checkpointer, state) -> None:
-    ckpt.check_can_save(state)
+  def _write_config(self, run_dir: pathlib.Path) -> None:
+    """``config.yaml``: the settings, hyper-parameters as plain JSON values."""
     if jax.process_index() == 0:
-      text = yaml.safe_dump(self.config(), sort_keys=False)
+      plain = json.loads(json.dumps(self.config(), default=str))  # numpy values and the like
+      text = yaml.safe_dump(plain, sort_keys=False)
       records.write_atomic(run_dir / "config.yaml", text.encode())
 
-  def _loop(self, run_dir, ckpt, state, start, step_fn, put, run_info) -> Loop:
+  def _loop(self, run_dir, ckpt, state, start, step_fn, put, run_info, source) -> Loop:
     t, writer = self.t, jax.process_index() == 0
-    sink = (
-      MetricsSink(
-        run_dir,
-        start_step=start,
-        total_steps=t.max_steps,
-        progress=t.progress,
-        tensorboard="tensorboard" in t.trackers,
-      )
-      if writer
-      else NullSink()
-    )
-    late = LateMetrics(
-      sink,
-      log_every=t.log_every,
+    sink, late = open_records(
+      run_dir,
+      t,
+      start_step=start,
       total_steps=t.max_steps,
-      tokens_per_step=None,
+      writer=writer,
+      tokens_per_step=None,  # throughput in normalization units (the batch's N) per second
       flops_per_token=0.0,
       peak_flops=1.0,
-      spikes_total=spikes_so_far(run_dir) if writer else 0,
+    )
+    evaluate = (
+      Evaluator(
+        self.eval_sets,
+        self.loss_fn,
+        self.eval_loss_fn,
+        self.units_fn,
+        limit=t.eval_batches,
+        mesh=self.mesh,
+      )
+      if self.eval_sets
+      else None
+    )
+    builtin = run_hooks.standard_hooks(
+      t,
+      run_dir,
+      writer=writer,
+      checkpoint_every=self.c.every,
+      callbacks=self.callbacks,
+      evaluate=evaluate,
+      first_set=next(iter(self.eval_sets), None),
+    )
+    tracked = run_hooks.trackers_hook(
+      t,
+      run_dir,
+      config=self.config(),
+      mlflow=self.mlflow,
+      wandb=self.wandb,
+      ids=run_info.get("trackers", {}),
+      resumed=bool(run_info.get("trackers")),
+      total_steps=t.max_steps,
+      writer=writer,
     )
     return Loop(
       state=state,
       step_fn=step_fn,
       put_batch=put,
-      source=self.source,
+      source=source,
       start_step=start,
       total_steps=t.max_steps,
       run_dir=run_dir,
       ckpt=ckpt,
       late=late,
       sink=sink,
-      hooks=[*self._builtin_hooks(run_dir, writer, run_info), *self.hooks],
+      hooks=[*builtin, *self.hooks, *([tracked] if tracked else [])],
       run_info=run_info,
       writer=writer,
     )
 
-  def _builtin_hooks(self, run_dir, writer: bool, run_info: dict) -> list[Hook]:
-    t = self.t
-    guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None, t.max_consecutive_skips)
-    hooks: list[Hook] = [run_hooks.GuardHook(guard)]
-    first = next(iter(self.eval_sets), None)
-    calls = run_hooks.callbacks_hook(self.callbacks, t.early_stopping_patience, first)
-    hooks += [calls] if calls else []
-    if self.c.every:
-      hooks.append(run_hooks.CheckpointHook(self.c.every))
-    if self.eval_sets:
-      evaluate = Evaluator(self, t.eval_batches)
-      hooks.append(run_hooks.EvalHook(evaluate, t.eval_every, params_of=lambda s: s))
-    hooks += run_hooks.profiler_hooks(t.profile_steps, run_dir)
-    if writer and any(name in trackers_lib.EXTERNAL for name in t.trackers):
-      trackers = trackers_lib.open_trackers(
-        t.trackers,
-        run_dir=run_dir,
-        config=self.config(),
-        mlflow=self.mlflow,
-        wandb=self.wandb,
-        ids=run_info.get("trackers", {}),
-        resumed=bool(run_info.get("trackers")),
-      )
-      hooks.append(
-        run_hooks.TrackersHook(
-          trackers,
-          log_every=t.log_every,
-          total_steps=t.max_steps,
-          artifacts=lambda: [plot_quietly(run_dir), run_dir / "config.yaml"],
-        )
-      )
-    return hooks
 
-
-class Evaluator:
-  """Scores every eval set of a ``Trainer`` on a train state: ``eval_loss`` = Σ loss_sum /
-  Σ units over the set (float64 on the host), ``eval_tokens`` = Σ units, and each aux
-  entry of the loss summed over the set as ``eval_<name>``."""
-
-  def __init__(self, trainer: Trainer, limit: int):
-    self.sets, self.limit, self.mesh = trainer.eval_sets, limit, trainer.mesh
-    loss_fn, eval_loss_fn, units_fn = trainer.loss_fn, trainer.eval_loss_fn, trainer.units_fn
-    key = jax.random.PRNGKey(0)
-
-    def scores(params, model_state, batch):
-      with_state = () if model_state is None else (model_state,)
-      if eval_loss_fn is not None:
-        loss_sum, aux = eval_loss_fn(params, batch, *with_state)[:2]
-      else:
-        loss_sum, aux = loss_fn(params, batch, key, *with_state)[:2]
-      return {"loss": loss_sum, "tokens": units_fn(batch), **aux}
-
-    self.scores = jax.jit(scores)
-
-  def _put(self, batch):
-    if self.mesh is None:
-      return batch
-    return parallel.put_batch(batch, parallel.batch_sharding(self.mesh))
-
-  def __call__(self, state) -> dict:
-    return {name: self.score(state, make()) for name, make in self.sets.items()}
-
-  def score(self, state, batches) -> dict:
-    sums: dict[str, float] = collections.defaultdict(float)
-    pending = collections.deque()
-
-    def take(out):
-      for k, v in jax.device_get(out).items():
-        sums[k] += float(np.asarray(v, np.float64))
-
-    for i, batch in enumerate(batches):
-      if self.limit and i >= self.limit:
-        break
-      batch = sources.check_batch(batch, None, "an eval batch")
-      pending.append(self.scores(state.params, state.model_state, self._put(batch)))
-      if len(pending) >= EVAL_IN_FLIGHT:
-        take(pending.popleft())
-    for out in pending:
-      take(out)
-    tokens = sums.pop("tokens", 0.0)
-    loss = sums.pop("loss", 0.0) / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_tokens": tokens, **{f"eval_{k}": v for k, v in sums.items()}}
+def _say_how_data_resumes(source: sources.TrainBatches) -> None:
+  """One line at each start on how ``train_data`` finds its place on resume: a warning when
+  it cannot do so by itself."""
+  if source.resumable:
+    log.info("train_data: %s", source.describe())
+  else:
+    log.warning("train_data: %s", source.describe())
 
 
 def _check_train(t: config_lib.TrainConfig) -> None:

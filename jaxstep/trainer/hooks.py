@@ -9,7 +9,8 @@ Moments, in the order the loop reaches them:
 
 - ``on_start(loop)``: once, before the first update of this start (a resumed run's
   ``loop.step`` is the step it resumed at);
-- ``before_step(loop, step)``: before update ``step`` is dispatched (profiling);
+- ``before_step(loop, step)`` / ``after_step(loop)``: around the dispatch of update
+  ``step`` (profiling);
 - ``on_metrics(loop, reported)``: each update's host metrics, read back one update late so
   the host never stalls the device (``reported.step``, ``.record``, ``.batch``);
 - ``on_step(loop)``: after update ``loop.step`` when ``loop.step % every == 0``; with
@@ -17,7 +18,10 @@ Moments, in the order the loop reaches them:
 - ``on_eval(loop, name, record)`` / ``on_samples(loop, samples)``: what an evaluation or a
   sample hook reported through ``loop.report_eval`` / ``loop.report_samples``;
 - ``on_end(loop)``: once, after the last update of this start (``loop.stopped_by`` is the
-  signal number when a signal ended it, else None); the final checkpoint follows.
+  signal number when a signal ended it, else None); the final checkpoint follows;
+- ``on_close(loop, failed)``: once, after the final checkpoint (also when the run ends with
+  an error: ``failed``), to release what a hook holds (a tracker uploads and closes here,
+  so a preempted run's checkpoint never waits on it).
 
 Any hook may end the run after the current update with ``loop.stop(reason)``.
 """
@@ -51,7 +55,10 @@ class Hook:
     """Once, before the first update of this start."""
 
   def before_step(self, loop: Loop, step: int) -> None:
-    """Before update ``step`` is dispatched."""
+    """Before update ``step`` is dispatched (its batch is read already)."""
+
+  def after_step(self, loop: Loop) -> None:
+    """Right after update ``loop.step`` is dispatched (its metrics are not read yet)."""
 
   def on_metrics(self, loop: Loop, reported: Reported) -> None:
     """Update ``reported.step``'s host record (one update late)."""
@@ -66,7 +73,11 @@ class Hook:
     """Generated samples at update ``loop.step``."""
 
   def on_end(self, loop: Loop) -> None:
-    """Once, after the last update of this start."""
+    """Once, after the last update of this start, before the final checkpoint."""
+
+  def on_close(self, loop: Loop, failed: bool) -> None:
+    """Once, after the final checkpoint was saved (``failed``: the run is ending with an
+    error, its state checkpointed as far as it could be): release what the hook holds."""
 
 
 class FunctionHook(Hook):

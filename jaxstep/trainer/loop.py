@@ -9,7 +9,6 @@ profiling, trackers.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import pathlib
@@ -20,29 +19,20 @@ import numpy as np
 
 from jaxstep import data, models, parallel
 from jaxstep.core.state import TrainState
-from jaxstep.errors import EmptyBatchError, RunDirError, RunIOError
+from jaxstep.errors import EmptyBatchError
 from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import eval_sets, loss_plot, records, run_hooks
+from jaxstep.trainer import eval_sets, records, run_hooks
 from jaxstep.trainer import resume as resume_lib
 from jaxstep.trainer import run_dir as run_dir_lib
-from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.build import Run, build
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer
 from jaxstep.trainer.driver import Loop
 from jaxstep.trainer.evaluation import eval_record
-from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.hooks import Hook
-from jaxstep.trainer.metrics import LateMetrics, MetricsSink, NullSink, spikes_so_far
+from jaxstep.trainer.metrics import open_records
 from jaxstep.trainer.perf import peak_flops_per_device
-from jaxstep.trainer.run_hooks import (
-  CheckpointHook,
-  EvalHook,
-  GuardHook,
-  SamplesHook,
-  TrackersHook,
-  callbacks_hook,
-)
+from jaxstep.trainer.run_hooks import in_flight
 from jaxstep.trainer.run_state import RunState
 from jaxstep.trainer.saved_run import save_base_config, save_tokenizer
 from jaxstep.trainer.text_samples import TextSamples
@@ -85,35 +75,25 @@ def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
   return _checked(run, rs, batch, whole=True)
 
 
-EVAL_IN_FLIGHT = 4  # eval batches dispatched ahead of the host (see ``evaluate``)
-
-
 def evaluate(run: Run, params, split=None) -> dict:
   """Token-weighted eval loss over ``split`` (default: the held-out split): ``Σ NLL /
   Σ tokens``, its exp, and bits per byte ``Σ NLL / (ln 2 · Σ UTF-8 bytes of the
-  targets)``; the sums are float64 on the host.
-
-  At most ``EVAL_IN_FLIGHT`` batches run ahead of the host: dispatching a whole large eval
-  split at once (thousands of batches) starves XLA:CPU's collective rendezvous of threads
-  and the process aborts after its 40 s timeout; a short queue keeps the device busy all
-  the same.
-  """
+  targets)``; float64 sums on the host, ``run_hooks.EVAL_IN_FLIGHT`` batches ahead at most."""
   t, ds = run.cfg.train, run.dataset
   split = ds.eval if split is None else split
-  sums, pending = np.zeros(3), collections.deque()
-  for b in data.eval_batches(split, t.global_batch_size, ds.pad_id, t.eval_batches):
-    pending.append(run.eval_fn(params, parallel.put_batch(b, run.batch_sharding)))
-    if len(pending) >= EVAL_IN_FLIGHT:
-      sums += np.asarray(jax.device_get(pending.popleft()), np.float64)
-  for out in pending:
-    sums += np.asarray(jax.device_get(out), np.float64)
+  batches = data.eval_batches(split, t.global_batch_size, ds.pad_id, t.eval_batches)
+  outputs = (run.eval_fn(params, parallel.put_batch(b, run.batch_sharding)) for b in batches)
+  sums = np.zeros(3)
+  for out in in_flight(outputs):
+    sums += np.asarray(out, np.float64)
   return eval_record(*sums)
 
 
 def eval_splits(run: Run) -> dict:
-  """The sets a run evaluates: its held-out split (if it has one) first, then ``eval.sets``."""
+  """The sets a run evaluates: its held-out split (if it has one) first, a mixture's
+  sources' held-out splits (under their names), then ``eval.sets``."""
   held = {eval_sets.HELDOUT: run.dataset.eval} if run.dataset.eval else {}
-  return {**held, **run.eval_sets}
+  return {**held, **run.dataset.source_evals, **run.eval_sets}
 
 
 class RunBatches:
@@ -142,8 +122,11 @@ class RunBatches:
   def where(self) -> dict:
     return {"epoch": self.rs.epoch, "step_in_epoch": self.rs.step_in_epoch}
 
-  def position(self) -> dict:
-    return self.rs.to_json()  # (epoch, step_in_epoch) is where the loader starts again
+  def mark(self) -> RunState:
+    return self.rs  # immutable: a cheap token, turned into JSON only for a checkpoint
+
+  def position(self, mark: RunState) -> dict:
+    return mark.to_json()  # (epoch, step_in_epoch) is where the loader starts again
 
 
 def train(
@@ -184,24 +167,16 @@ def train(
 
 
 def _first_writes(run: Run, run_dir: pathlib.Path, ckpt: Checkpointer, state) -> None:
-  """Before the first update: the checkpoint folder can take a checkpoint, then the config
-  and the tokenizer copy are written. A failure is one ``RunIOError`` (or ``RunDirError``
-  for a file where the folder belongs) and leaves nothing that blocks the next try."""
-  try:
-    ckpt.check_can_save(state)
+  """Before the first update: room for a checkpoint, then the config, the tokenizer copy
+  and the base model's config (``run_dir.first_writes`` says what a failure does)."""
+
+  def write():
     run_dir_lib.write_config(run_dir, config_lib.dump(run.cfg))
     if jax.process_index() == 0:
       save_tokenizer(run_dir, run.dataset)  # generate and evaluate read the run's own copy
       save_base_config(run_dir, run.cfg.model)  # what export writes back out
-  except (RunIOError, RunDirError):
-    ckpt.close()
-    raise
-  except OSError as e:
-    ckpt.close()
-    raise RunIOError(
-      f"writing {e.filename or run_dir} failed ({e.strerror or e}); make room, make run_dir "
-      f"writable, or choose another run_dir"
-    ) from None
+
+  run_dir_lib.first_writes(run_dir, ckpt, state, write)
 
 
 def _already_finished(state: TrainState, rs: RunState, run_dir) -> TrainResult:
@@ -228,11 +203,13 @@ def loop(
 ) -> TrainResult:
   """The update-step loop from position ``rs`` to ``run.total_steps`` (or a stop)."""
   t = run.cfg.train
+  mixed = getattr(run.dataset.train, "sources", None)
   log.info(
-    "%d training samples (%d update steps per epoch), %d parameters; update steps "
-    "%d → %d of %d samples in %d micro-steps",
+    "%d training samples (%s), %d parameters; update steps %d → %d of %d samples in %d micro-steps",
     len(run.dataset.train),
-    run.steps_per_epoch,
+    f"a mixture of {', '.join(f'{s.name} {s.weight:g}' for s in mixed)}"
+    if mixed
+    else f"{run.steps_per_epoch} update steps per epoch",
     models.num_params(state.params),
     rs.step,
     run.total_steps,
@@ -240,31 +217,37 @@ def loop(
     t.grad_accum_steps,
   )
   writer = jax.process_index() == 0
-  sink = (
-    MetricsSink(
-      run_dir,
-      start_step=rs.step,
-      total_steps=run.total_steps,
-      progress=t.progress,
-      tensorboard="tensorboard" in t.trackers,
-    )
-    if writer
-    else NullSink()
-  )
-  late = LateMetrics(
-    sink,
-    log_every=t.log_every,
+  mixture = getattr(run.dataset.train, "source_tokens", None)  # tokens per source
+  sink, late = open_records(
+    run_dir,
+    t,
+    start_step=rs.step,
     total_steps=run.total_steps,
+    writer=writer,
     tokens_per_step=t.global_batch_size * t.seq_len,
     flops_per_token=run.flops_per_token,
     peak_flops=peak_flops_per_device(t.peak_tflops),
-    spikes_total=spikes_so_far(run_dir) if writer else 0,
+    host_fields=mixture,
   )
   source = RunBatches(run, rs)
+  cfg = run.cfg
+  tracked = run_hooks.trackers_hook(
+    t,
+    run_dir,
+    config=config_lib.to_dict(cfg),
+    mlflow=cfg.mlflow,
+    wandb=cfg.wandb,
+    ids=dict(rs.trackers),
+    resumed=rs.step > 0,
+    total_steps=run.total_steps,
+    writer=writer,
+  )
   driver = Loop(
     state=state,
     step_fn=run.step_fn,
-    put_batch=lambda b: parallel.put_batch(b, run.batch_sharding, t.global_batch_size),
+    put_batch=lambda b: parallel.put_batch(
+      _device_part(b), run.batch_sharding, t.global_batch_size
+    ),
     source=source,
     start_step=rs.step,
     total_steps=run.total_steps,
@@ -272,14 +255,14 @@ def loop(
     ckpt=ckpt,
     late=late,
     sink=sink,
-    hooks=[*_hooks(run, run_dir, writer, callbacks, rs), *hooks],
+    hooks=[*_hooks(run, run_dir, writer, callbacks), *hooks, *([tracked] if tracked else [])],
     run_info={"trackers": rs.trackers},
     writer=writer,
   )
   out = driver.run()
   return TrainResult(
     out.state,
-    source.rs,
+    dataclasses.replace(source.rs, trackers=out.run_info.get("trackers", {})),
     out.last_record,
     out.evals.get(eval_sets.HELDOUT) or next(iter(out.evals.values()), None),
     out.stop_reason,
@@ -287,45 +270,27 @@ def loop(
   )
 
 
-def _hooks(run: Run, run_dir, writer: bool, callbacks, rs: RunState) -> list[Hook]:
-  """The CLI run's hooks, in the order they act at one update step."""
+def _device_part(batch: dict) -> dict:
+  """What the step reads: a mixture's ``source`` column stays on the host (its counts)."""
+  return {k: v for k, v in batch.items() if k != "source"}
+
+
+def _hooks(run: Run, run_dir, writer: bool, callbacks) -> list[Hook]:
+  """The CLI run's built-in hooks (``run_hooks.standard_hooks``)."""
   t = run.cfg.train
   splits = eval_splits(run)
-  guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None, t.max_consecutive_skips)
-  hooks = [GuardHook(guard)]
-  calls = callbacks_hook(callbacks, t.early_stopping_patience, next(iter(splits), None))
-  hooks += [calls] if calls else []
-  if run.cfg.checkpoint.every:
-    hooks.append(CheckpointHook(run.cfg.checkpoint.every))
-  if splits:
-    hooks.append(
-      EvalHook(lambda p: {k: evaluate(run, p, v) for k, v in splits.items()}, t.eval_every)
-    )
-  if t.sample_every:
-    samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t)
-    hooks.append(SamplesHook(samples, t.sample_every))
-  hooks += run_hooks.profiler_hooks(t.profile_steps, run_dir)
-  if writer and any(name in trackers_lib.EXTERNAL for name in t.trackers):
-    hooks.append(_trackers_hook(run, run_dir, rs))
-  return hooks
 
+  def evaluate_all(state) -> dict:
+    return {name: evaluate(run, state.params, split) for name, split in splits.items()}
 
-def _trackers_hook(run: Run, run_dir: pathlib.Path, rs: RunState) -> TrackersHook:
-  """MLflow / W&B, continuing the tracker runs of the checkpoint's run state."""
-  cfg = run.cfg
-  trackers = trackers_lib.open_trackers(
-    cfg.train.trackers,
-    run_dir=run_dir,
-    config=config_lib.to_dict(cfg),
-    mlflow=cfg.mlflow,
-    wandb=cfg.wandb,
-    ids=dict(rs.trackers),
-    resumed=rs.step > 0,
-  )
-
-  def artifacts() -> list[pathlib.Path]:
-    return [loss_plot.plot_quietly(run_dir), run_dir / "config.yaml"]
-
-  return TrackersHook(
-    trackers, log_every=cfg.train.log_every, total_steps=run.total_steps, artifacts=artifacts
+  samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
+  return run_hooks.standard_hooks(
+    t,
+    run_dir,
+    writer=writer,
+    checkpoint_every=run.cfg.checkpoint.every,
+    callbacks=callbacks,
+    evaluate=evaluate_all if splits else None,
+    first_set=next(iter(splits), None),
+    samples=samples,
   )

@@ -196,6 +196,8 @@ class LateMetrics:
     peak_flops: per-device peak FLOP/s, for ``mfu``.
     spikes_total: loss-spike skips before ``start``: a resumed run continues the count of
       its last logged record. ``nonfinite_total`` is the state's skip count less spikes.
+    host_fields: ``batch -> {field: value}`` added to each record from the host batch
+      (a mixture's tokens per source); None: none.
   """
 
   def __init__(
@@ -208,8 +210,9 @@ class LateMetrics:
     flops_per_token: float,
     peak_flops: float,
     spikes_total: int = 0,
+    host_fields=None,
   ):
-    self.spikes_total = spikes_total
+    self.spikes_total, self.host_fields = spikes_total, host_fields
     self.sink, self.log_every, self.total_steps = sink, log_every, total_steps
     self.tokens_per_step, self.flops_per_token, self.peak = (
       tokens_per_step,
@@ -257,6 +260,7 @@ class LateMetrics:
       "tokens_per_sec": tokens_per_sec,
       "mfu": mfu(self.flops_per_token, tokens_per_sec, self.peak, jax.device_count()),
       "step_time": step_time,
+      **(self.host_fields(batch) if self.host_fields else {}),
     }
     self.last_record = record
     self.sink.advance(record)
@@ -266,8 +270,9 @@ class LateMetrics:
     return Reported(step, record, batch, position)
 
   def log_last(self) -> None:
-    """At the end of a run that stopped between two logged steps: its last update's record
-    is written too, so metrics.jsonl always ends at the step the final checkpoint holds."""
+    """At the end of a run that stopped between two logged steps (a hook's stop, a signal,
+    the data's end): its last update's record is written too, so metrics.jsonl ends at the
+    step the final checkpoint holds."""
     step = self.last_record.get("step")
     if step is not None and step != self.logged_step:
       self.sink.train(self.last_record)
@@ -280,3 +285,42 @@ def spikes_so_far(run_dir: pathlib.Path) -> int:
   The state counts every skip; this splits spikes from non-finite updates in the records."""
   last = (records.read_records(run_dir / "metrics.jsonl") or [{}])[-1]
   return int(last.get("spikes_total", 0))
+
+
+def open_records(
+  run_dir: pathlib.Path,
+  train_cfg,
+  *,
+  start_step: int,
+  total_steps: int,
+  writer: bool,
+  tokens_per_step: int | None,
+  flops_per_token: float,
+  peak_flops: float,
+  host_fields=None,
+) -> tuple[MetricsSink | NullSink, LateMetrics]:
+  """The sink (process 0: metrics.jsonl, eval.jsonl, TensorBoard if ``train.trackers``
+  names it, progress; others: nothing) and the one-update-late reader feeding it."""
+  t = train_cfg
+  sink = (
+    MetricsSink(
+      run_dir,
+      start_step=start_step,
+      total_steps=total_steps,
+      progress=t.progress,
+      tensorboard="tensorboard" in t.trackers,
+    )
+    if writer
+    else NullSink()
+  )
+  late = LateMetrics(
+    sink,
+    log_every=t.log_every,
+    total_steps=total_steps,
+    tokens_per_step=tokens_per_step,
+    flops_per_token=flops_per_token,
+    peak_flops=peak_flops,
+    spikes_total=spikes_so_far(run_dir) if writer else 0,
+    host_fields=host_fields,
+  )
+  return sink, late

@@ -222,7 +222,7 @@ def make_plan(
   if dataset is not None:
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
     refuse_what_cannot_fit(cfg, mesh, memory)
-  spe = None if dataset is None else data.steps_per_epoch(len(dataset.train), t.global_batch_size)
+  spe = None if dataset is None else data.split_steps_per_epoch(dataset.train, t.global_batch_size)
   total = total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
   _warn_all_warmup(cfg.optim.warmup_steps, schedule_steps, cfg.optim.schedule)

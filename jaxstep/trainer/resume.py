@@ -202,6 +202,8 @@ def start(
       allow_data_change=c.allow_data_change,
       allow_schedule_change=c.allow_schedule_change,
     )
+    if resume_from:  # another run's checkpoint: its tracker runs stay its own
+      run_state = dataclasses.replace(run_state, trackers={})
     log.info(
       "resumed from the checkpoint of update step %d (epoch %d, step_in_epoch %d)",
       step,

@@ -144,3 +144,22 @@ def archive_previous(run_dir: pathlib.Path) -> None:
   for name in present:
     shutil.move(str(run_dir / name), dest / name)
   log.warning("--no-resume: moved the previous run's %s to %s", ", ".join(present), dest)
+
+
+def first_writes(run_dir: pathlib.Path, ckpt, state, write) -> None:
+  """Before the first update: ``ckpt`` can take a checkpoint of ``state``, then ``write()``
+  (the config, the tokenizer copy…). A failure closes ``ckpt`` and is one ``RunIOError``
+  (or ``RunDirError`` for a file where the folder belongs) and leaves nothing that blocks
+  the next try."""
+  try:
+    ckpt.check_can_save(state)
+    write()
+  except (RunIOError, RunDirError):
+    ckpt.close()
+    raise
+  except OSError as e:
+    ckpt.close()
+    raise RunIOError(
+      f"writing {e.filename or run_dir} failed ({e.strerror or e}); make room, make run_dir "
+      f"writable, or choose another run_dir"
+    ) from None

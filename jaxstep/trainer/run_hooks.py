@@ -3,14 +3,19 @@ samples, profiling and trackers (``jaxstep.trainer.hooks`` says when each moment
 
 from __future__ import annotations
 
+import collections
 import logging
 import pathlib
 from collections.abc import Callable, Sequence
 
+import jax
+
 from jaxstep.trainer import profiling
+from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.callbacks import Callback, EarlyStopping, TrainerControl
 from jaxstep.trainer.guards import NonFiniteGuard
 from jaxstep.trainer.hooks import Hook
+from jaxstep.trainer.loss_plot import plot_quietly
 
 log = logging.getLogger("jaxstep")
 
@@ -76,9 +81,9 @@ class EvalHook(Hook):
   signal, and not twice at one step).
 
   Args:
-    evaluate: ``params → {set name: record}`` (records without ``step``/``set``).
+    evaluate: ``what → {set name: record}`` (records without ``step``/``set``).
     every: update steps between evaluations (0: at the end only).
-    params_of: the params of the loop's state.
+    params_of: what of the loop's state ``evaluate`` takes (its params by default).
   """
 
   wants_metrics = True
@@ -93,7 +98,9 @@ class EvalHook(Hook):
       loop.report_eval(name, {"step": loop.step, "set": name, **values})
 
   def on_end(self, loop):
-    if loop.stopped_by is None and self.last_step != loop.step:
+    """The end's evaluation: not after a signal, not twice at one step, and not when this
+    start made no update (its step was evaluated before, or never trained)."""
+    if loop.stopped_by is None and self.last_step != loop.step and loop.step > loop.start_step:
       self.on_step(loop)
 
 
@@ -110,9 +117,9 @@ class SamplesHook(Hook):
 
 
 class ProfilerHook(Hook):
-  """A ``jax.profiler`` trace of update steps ``first..last`` in ``run_dir/profile``."""
-
-  every = 1
+  """A ``jax.profiler`` trace of update steps ``first..last`` in ``run_dir/profile``: it
+  starts before update ``first`` is dispatched and stops right after ``last`` is (first of
+  the hooks, so no checkpoint, evaluation or sample of theirs is in it)."""
 
   def __init__(self, steps: tuple[int, int], run_dir: pathlib.Path):
     self.profiler = profiling.StepProfiler(steps, run_dir)
@@ -120,13 +127,13 @@ class ProfilerHook(Hook):
   def before_step(self, loop, step):
     self.profiler.before(step)
 
-  def on_step(self, loop):
+  def after_step(self, loop):
     self.profiler.after(loop.step, loop.state)
 
   def on_end(self, loop):
-    self.close()  # the run ended before the last profiled step
+    self.profiler.stop()  # the run ended before the last profiled step
 
-  def close(self) -> None:
+  def on_close(self, loop, failed):
     self.profiler.stop()
 
 
@@ -137,22 +144,26 @@ def profiler_hooks(spec: str, run_dir: pathlib.Path) -> list[Hook]:
 
 
 class TrackersHook(Hook):
-  """Train metrics (at ``log_every``), evaluations and samples to the external trackers
-  (``jaxstep.trainer.trackers``); at the end ``artifacts()`` (the loss plot, the config)
-  and a close. Their run ids go into every checkpoint's run state, so a resumed run
-  continues the same tracker runs."""
+  """Train metrics (at ``log_every`` and the last update), evaluations and samples to the
+  external trackers (``jaxstep.trainer.trackers``); after the final checkpoint
+  ``artifacts()`` (the loss plot, the config) and a close. Their run ids go into every
+  checkpoint's run state, so a resumed run continues the same tracker runs."""
 
   def __init__(self, trackers, *, log_every: int, total_steps: int, artifacts: Callable):
     self.trackers, self.log_every, self.total = trackers, log_every, total_steps
-    self.artifacts = artifacts
+    self.artifacts, self.sent = artifacts, None
 
   def on_start(self, loop):
     loop.run_info["trackers"] = dict(self.trackers.ids)
 
+  def _send(self, loop, record: dict) -> None:
+    self.trackers.metrics(record["step"], record, "train")
+    self.sent = record["step"]
+    loop.run_info["trackers"] = dict(self.trackers.ids)  # a tracker slow to start
+
   def on_metrics(self, loop, reported):
     if reported.step % self.log_every == 0 or reported.step == self.total:
-      self.trackers.metrics(reported.step, reported.record, "train")
-      loop.run_info["trackers"] = dict(self.trackers.ids)  # a tracker slow to start
+      self._send(loop, reported.record)
 
   def on_eval(self, loop, name, record):
     values = {k: v for k, v in record.items() if k not in ("step", "set")}
@@ -163,8 +174,79 @@ class TrackersHook(Hook):
     self.trackers.text(loop.step, "samples", text)
 
   def on_end(self, loop):
-    self.trackers.artifacts(self.artifacts())
-    self.close()
+    last = loop.last_record
+    if last and last["step"] != self.sent:  # a run stopped between two logged steps
+      self._send(loop, last)
 
-  def close(self) -> None:
-    self.trackers.close()
+  def on_close(self, loop, failed):
+    if not failed:
+      self.trackers.artifacts([p for p in self.artifacts() if p is not None])
+    self.trackers.close(failed=failed)
+
+
+EVAL_IN_FLIGHT = 4  # eval batches dispatched ahead of the host
+
+
+def in_flight(outputs, limit: int = EVAL_IN_FLIGHT):
+  """The host values of ``outputs`` (an iterator that dispatches one device computation
+  per item), with at most ``limit`` dispatched ahead of the host: dispatching a whole large
+  eval split at once (thousands of batches) starves XLA:CPU's collective rendezvous of
+  threads and the process aborts after its 40 s timeout; a short queue keeps the device
+  busy all the same."""
+  pending = collections.deque()
+  for out in outputs:
+    pending.append(out)
+    if len(pending) >= limit:
+      yield jax.device_get(pending.popleft())
+  while pending:
+    yield jax.device_get(pending.popleft())
+
+
+def trackers_hook(
+  train_cfg, run_dir: pathlib.Path, *, config: dict, mlflow, wandb, ids: dict, resumed: bool,
+  total_steps: int, writer: bool,
+) -> TrackersHook | None:  # fmt: skip
+  """The external trackers ``train.trackers`` names (process 0 only), continuing the
+  tracker runs of ``ids`` when ``resumed``; None when there are none."""
+  t = train_cfg
+  if not writer or not any(name in trackers_lib.EXTERNAL for name in t.trackers):
+    return None
+  trackers = trackers_lib.open_trackers(
+    t.trackers, run_dir=run_dir, config=config, mlflow=mlflow, wandb=wandb, ids=ids,
+    resumed=resumed,
+  )  # fmt: skip
+  return TrackersHook(
+    trackers,
+    log_every=t.log_every,
+    total_steps=total_steps,
+    artifacts=lambda: [plot_quietly(run_dir), run_dir / "config.yaml"],
+  )
+
+
+def standard_hooks(
+  train_cfg,
+  run_dir: pathlib.Path,
+  *,
+  writer: bool,
+  checkpoint_every: int,
+  callbacks: Sequence[Callback],
+  evaluate: Callable | None,
+  first_set: str | None,
+  samples: Callable | None = None,
+) -> list[Hook]:
+  """The built-in hooks of a run, in the order they act at one update step: the profiler
+  (first, so nothing else is in its trace), the guard, callbacks (with early stopping on
+  ``first_set``), checkpoints, evaluation, samples. Your hooks go after these and the
+  trackers after yours (``trackers_hook``), so they see what your hooks report."""
+  t = train_cfg
+  guard = NonFiniteGuard(t.nonfinite, run_dir if writer else None, t.max_consecutive_skips)
+  hooks = [*profiler_hooks(t.profile_steps, run_dir), GuardHook(guard)]
+  calls = callbacks_hook(callbacks, t.early_stopping_patience, first_set)
+  hooks += [calls] if calls else []
+  if checkpoint_every:
+    hooks.append(CheckpointHook(checkpoint_every))
+  if evaluate is not None:
+    hooks.append(EvalHook(evaluate, t.eval_every, params_of=lambda state: state))
+  if samples is not None:
+    hooks.append(SamplesHook(samples, t.sample_every))
+  return hooks

@@ -14,7 +14,7 @@ continues with the batch after the last one its checkpoint consumed:
 - a plain iterable (a list, a generator function's result) has no state to save: a
   resumed run iterates it again from its start and skips the batches already consumed,
   which is exact only when it yields the same batches each time (a one-shot generator
-  cannot be resumed at all). The Trainer says so in one warning at the start.
+  cannot be resumed at all). The Trainer says so in one warning at each start.
 """
 
 from __future__ import annotations
@@ -109,9 +109,13 @@ class TrainBatches:
   def where(self) -> dict:
     return {"epoch": 0, "batches": self.consumed}
 
-  def position(self) -> dict:
-    state = _to_json(self.iterator.get_state()) if self.resumable else None
-    return {"batches": self.consumed, "data": state}
+  def mark(self):
+    """The position after the batches taken so far: their count and the iterator's state."""
+    return self.consumed, self.iterator.get_state() if self.resumable else None
+
+  def position(self, mark) -> dict:
+    consumed, state = mark
+    return {"batches": consumed, "data": None if state is None else _to_json(state)}
 
 
 def check_batch(batch, g: int | None, what: str) -> dict:

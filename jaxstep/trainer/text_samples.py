@@ -63,9 +63,6 @@ class TextSamples:
     for i, prompt in enumerate(self.prompts):  # a prompt that cannot run fails before training
       self.generator.encode_prompt(prompt, i)
 
-  def due(self, step: int) -> bool:
-    return bool(self.every) and step % self.every == 0
-
   def __call__(self, step: int, params) -> list[dict]:
     self.generator.params = params
     records = []
