@@ -8,21 +8,37 @@ import jax
 import jax.numpy as jnp
 import optax
 
+# Batch fields a document-masked batch adds (``Windows.rows(..., document_mask=True)``),
+# passed to the model as keyword arguments of the same names: ``segment_ids`` and
+# ``positions``, both ``int32[B, S]``.
+DOCUMENT_FIELDS = ("segment_ids", "positions")
+
+
+def document_fields(batch) -> dict:
+  """The ``DOCUMENT_FIELDS`` ``batch`` holds, by name (``{}`` for a plain batch): what a
+  call of the model adds to ``apply_fn(params, batch["inputs"], …)`` so each document of a
+  packed window attends to itself only and counts its positions from its start."""
+  return {name: batch[name] for name in DOCUMENT_FIELDS if name in batch}
+
 
 def next_token_loss(apply_fn: Callable) -> Callable:
   """Wraps ``apply_fn(params, inputs, *, rng, train) -> logits`` into a step ``loss_fn``.
 
   The batch is ``{"inputs": int32[B, S], "targets": int32[B, S], "loss_mask": {0,1}[B, S]}``
-  with targets already shifted. The loss is the NLL *summed* over masked positions, in
-  fp32 (logits are upcast before the softmax, whatever the compute dtype); the step divides
-  by the global masked-token count.
+  with targets already shifted; a document-masked batch also holds ``segment_ids`` and
+  ``positions`` (``DOCUMENT_FIELDS``), which go to ``apply_fn`` as keyword arguments. A
+  batch without them calls ``apply_fn`` exactly as before (same trace, same program), so
+  an ``apply_fn`` that takes no such arguments keeps working on plain batches.
+
+  The loss is the NLL *summed* over masked positions, in fp32 (logits are upcast before the
+  softmax, whatever the compute dtype); the step divides by the global masked-token count.
 
   Returns:
     ``loss_fn(params, batch, rng) -> (nll_sum, {"correct": Σ mask·[argmax == target]})``.
   """
 
   def loss_fn(params, batch, rng):
-    logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
+    logits = apply_fn(params, batch["inputs"], rng=rng, train=True, **document_fields(batch))
     return masked_nll(logits, batch["targets"], batch["loss_mask"])
 
   return loss_fn

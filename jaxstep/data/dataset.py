@@ -40,8 +40,13 @@ class DataConfig:
   pack: bool = True  # concatenate documents into one stream before cutting windows
   eval_fraction: float = 0.05  # raw input: share of documents held out for eval (0 = none)
   sources: tuple[dict, ...] = ()  # a mixture: [{name, path, weight}, …] in place of path
+  document_mask: bool | str = "auto"  # attend within each document (auto: packed chat only)
 
   def __post_init__(self):
+    if self.document_mask not in (True, False, "auto"):
+      raise ConfigError(
+        f"data.document_mask must be true, false or auto, got {self.document_mask!r}"
+      )
     if self.sources:
       from jaxstep.data.mixture import check_sources  # the mixture module imports this one
 
@@ -186,6 +191,15 @@ def prepared_folder(data_cfg: DataConfig, progress: bool = False) -> pathlib.Pat
   return folder
 
 
+def document_mask_on(data_cfg: DataConfig, kind: str) -> bool:
+  """``data.document_mask`` resolved: ``auto`` masks packed chat (an SFT conversation must
+  not see the one before it in its window) and not pre-training text (where crossing a
+  document boundary is the usual packing); unpacked windows hold one document each."""
+  if data_cfg.document_mask == "auto":
+    return kind == "chat" and data_cfg.pack
+  return bool(data_cfg.document_mask) and data_cfg.pack
+
+
 def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> Dataset:
   """The train and eval windows of ``data_cfg`` (prepared first if it is raw input).
 
@@ -208,7 +222,11 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
     if entry is None:
       return None
     stream = TokenStream(folder, entry, manifest["dtype"])
-    return Windows(stream, seq_len, data_cfg.pack, tok["pad_id"])
+    windows = Windows(stream, seq_len, data_cfg.pack, tok["pad_id"])
+    windows.document_mask = masked
+    return windows
+
+  masked = document_mask_on(data_cfg, manifest["kind"])
 
   train, evals = windows("train"), windows("eval")
   if train is None or len(train) == 0 or manifest["splits"]["train"]["targets"] == 0:
@@ -220,7 +238,7 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
     train=train,
     eval=evals if evals is not None and len(evals) else None,
     kind=manifest["kind"],
-    fingerprint=_fingerprint(manifest, seq_len, data_cfg.pack),
+    fingerprint=_fingerprint(manifest, seq_len, data_cfg.pack, masked),
     pad_id=tok["pad_id"],
     vocab_size=tok["vocab_size"],
     folder=folder,
@@ -228,7 +246,7 @@ def load_dataset(data_cfg: DataConfig, seq_len: int, progress: bool = False) -> 
   )
 
 
-def _fingerprint(manifest: dict, seq_len: int, pack: bool) -> str:
+def _fingerprint(manifest: dict, seq_len: int, pack: bool, masked: bool = False) -> str:
   """Content, not paths: the shards' checksums, the tokenizer, and how windows are cut."""
   content = {
     "kind": manifest["kind"],
@@ -238,5 +256,6 @@ def _fingerprint(manifest: dict, seq_len: int, pack: bool) -> str:
     },
     "seq_len": seq_len,
     "pack": pack,
+    **({"document_mask": True} if masked else {}),  # attention changes: not the same run
   }
   return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]

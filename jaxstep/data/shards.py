@@ -65,6 +65,7 @@ class Windows:
 
   def __init__(self, stream: TokenStream, seq_len: int, pack: bool, pad_id: int):
     self.stream, self.seq_len, self.pad_id = stream, seq_len, pad_id
+    self.document_mask = False  # rows() adds segment_ids/positions (data.document_mask)
     total = len(stream)
     if pack:  # window i starts at i·S and may run to the stream's end: nothing to store
       self.count = max(0, -(-(total - 1) // seq_len))
@@ -105,12 +106,53 @@ class Windows:
     flags[starts[lo:hi] - start] = False
     return flags
 
-  def rows(self, index: np.ndarray, num_rows: int, pad_id: int) -> dict[str, np.ndarray]:
+  def rows(
+    self, index: np.ndarray, num_rows: int, pad_id: int, document_mask: bool = False
+  ) -> dict[str, np.ndarray]:
     """The windows at ``index`` as ``{"inputs", "targets", "loss_mask"}``, ``int32[rows,
-    S]``, padded to ``num_rows`` rows of PAD tokens with loss_mask 0."""
+    S]``, padded to ``num_rows`` rows of PAD tokens with loss_mask 0.
+
+    ``document_mask``: also ``segment_ids`` and ``positions``, ``int32[rows, S]``, for the
+    model to attend within each document only (``docs/data.md``, "Document masking"):
+    the input tokens of a window's documents are segments ``1, 2, 3, …`` in order and
+    count positions ``0, 1, 2, …`` from each document's start; padding is segment 0 at
+    position 0. A document starts at the offsets ``prepare`` recorded (its BOS in text
+    and in jaxstep's chat format; a chat template may write no BOS, the offset still
+    holds). A window that starts inside a document holds that document's tail as segment
+    1, counted from 0: the earlier tokens are in another window, which no query here can
+    see anyway, so the tail is a document of its own to the model. Without the flag the
+    output is the three fields, as they always were."""
     s = self.seq_len
     tokens = np.full((num_rows, s + 1), pad_id, np.int32)
     flags = np.zeros((num_rows, s + 1), np.int32)
     for row, i in enumerate(index):
       tokens[row], flags[row] = self.window(int(i))
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": flags[:, 1:]}
+    out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": flags[:, 1:]}
+    if document_mask or self.document_mask:
+      out["segment_ids"] = np.zeros((num_rows, s), np.int32)
+      out["positions"] = np.zeros((num_rows, s), np.int32)
+      for row, i in enumerate(index):
+        segments, positions = self._documents(int(i))
+        out["segment_ids"][row, : len(segments)] = segments
+        out["positions"][row, : len(positions)] = positions
+    return out
+
+  def _documents(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segment ids (from 1) and positions of window ``i``'s real input tokens (at most S:
+    the last token of a window is only a target). The stream offsets ``[start, start +
+    n)`` are cut where a document starts: at the window's start, and at every recorded
+    document start after it."""
+    if self.starts is None:
+      start, end = i * self.seq_len, len(self.stream)
+    else:
+      start, end = int(self.starts[i]), int(self.ends[i])
+    n = max(0, min(self.seq_len, end - start))
+    starts = self.stream.doc_starts
+    lo, hi = np.searchsorted(starts, [start + 1, start + n])  # starts in (start, start + n)
+    new = np.zeros(n, bool)
+    new[starts[lo:hi] - start] = True
+    new[:1] = True
+    segments = np.cumsum(new, dtype=np.int32)
+    first = np.flatnonzero(new)  # where each segment starts, in the window
+    positions = (np.arange(n) - first[segments - 1]).astype(np.int32)
+    return segments, positions

@@ -57,9 +57,11 @@ def build(
   model_config: GPTConfig | LlamaConfig, rng: jax.Array | int, *, abstract: bool = False
 ) -> tuple[Callable, dict]:
   """Builds the bundled GPT (or Llama, for a ``LlamaConfig``): ``(apply_fn, params)`` with
-  ``apply_fn(params, inputs, *, rng=None, train=False) -> logits``, params initialised
-  from ``rng``. Either model keeps no state besides its parameters, and takes its dropout
-  key as ``rng``. ``abstract``: the params are ``jax.ShapeDtypeStruct`` leaves, nothing
+  ``apply_fn(params, inputs, *, rng=None, train=False, segment_ids=None, positions=None)
+  -> logits``, params initialised from ``rng``; ``segment_ids`` and ``positions``
+  (``int32[B, S]``) are document masking (``DecoderStack.__call__``), None as before.
+  Either model keeps no state besides its parameters, and takes its dropout key as
+  ``rng``. ``abstract``: the params are ``jax.ShapeDtypeStruct`` leaves, nothing
   is initialised (to compile a model too large for this host)."""
   if model_config.vocab_size == 0:
     raise ConfigError("model.vocab_size 0 means 'the tokenizer's size': resolve it first")
@@ -67,8 +69,9 @@ def build(
   make = lambda: _module(model_config)(model_config, rngs=nnx.Rngs(params=rng))  # noqa: E731
   model = from_nnx(nnx.eval_shape(make) if abstract else make())
 
-  def apply_fn(params, inputs, *, rng=None, train=False):
-    return model.apply_fn(params, inputs, rng=rng, train=train)[0]
+  def apply_fn(params, inputs, *, rng=None, train=False, segment_ids=None, positions=None):
+    fields = {"segment_ids": segment_ids, "positions": positions}
+    return model.apply_fn(params, inputs, rng=rng, train=train, **fields)[0]
 
   params = model.params
   if model_config.lora.rank and not abstract:  # adapters from a stream of their own
@@ -96,8 +99,8 @@ def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
   def merged(params) -> GPT | Llama:
     return nnx.merge(graphdef, params, rest, copy=True)
 
-  def apply_fn(params, inputs):
-    return merged(params)(inputs)
+  def apply_fn(params, inputs, *, segment_ids=None, positions=None):
+    return merged(params)(inputs, segment_ids=segment_ids, positions=positions)
 
   def decode_fn(params, inputs, positions, cache):
     return merged(params).decode(inputs, positions, cache)

@@ -68,15 +68,16 @@ def from_nnx(module: nnx.Module) -> Model:
 
   ``train`` is passed to ``__call__`` if it takes it; otherwise the module is switched
   with ``.train()`` / ``.eval()`` (dropout on/off, BatchNorm batch/running statistics).
-  ``rng`` is passed on if ``__call__`` takes it. A module without other variables has
-  ``model_state == {}``, which ``train_step.init`` takes as no model state (3-argument
-  loss).
+  ``rng`` is passed on if ``__call__`` takes it. Any other keyword argument of
+  ``apply_fn`` goes to ``__call__`` as it is (the bundled decoders' ``segment_ids`` and
+  ``positions``). A module without other variables has ``model_state == {}``, which
+  ``train_step.init`` takes as no model state (3-argument loss).
   """
   graphdef, params, rng_state, model_state = nnx.split(module, nnx.Param, nnx.RngState, ...)
   rng_state = nnx.to_pure_dict(rng_state)
   accepts = _accepts(type(module).__call__)
 
-  def apply_fn(params, inputs, *, rng=None, train=False, model_state=None):
+  def apply_fn(params, inputs, *, rng=None, train=False, model_state=None, **call_kwargs):
     model = nnx.merge(
       graphdef, params, _fresh_streams(rng_state, rng), model_state or {}, copy=True
     )
@@ -89,7 +90,7 @@ def from_nnx(module: nnx.Module) -> Model:
       model.train()
     else:
       model.eval()
-    outputs = model(inputs, **kwargs)
+    outputs = model(inputs, **kwargs, **call_kwargs)
     return outputs, nnx.to_pure_dict(nnx.state(model, _NNX_STATE))
 
   return Model(apply_fn, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state))

@@ -14,6 +14,13 @@ Attention (``model.attention``):
 - ``auto``: ``blocked`` on CPU; on a GPU ``cudnn`` where it supports the dtype and head
   dim, else ``xla`` (logged once per reason); ``xla`` on any other platform.
 
+Document masking (``segment_ids``, ``docs/data.md``): query ``i`` also needs key ``j`` in
+its own document. ``blocked`` tests it inside its blocks
+(``cpu_kernels.segment_causal_attention``, same backward); ``xla`` takes it as the boolean
+``mask`` of ``jax.nn.dot_product_attention``, joined there with the causal one. ``cudnn``
+runs ``xla`` instead, logged once (``CUDNN_SEGMENT_PROBLEM`` says why). Without segment ids
+every kernel runs exactly the program it runs without this feature.
+
 The CPU-only backward tricks (``dense_dot_general`` for every projection, the closed-form
 ``LayerNorm`` backward) are used when the platform is CPU and nowhere else: on
 accelerators autodiff's backward is already what the hardware wants. Either way the
@@ -32,6 +39,16 @@ from jaxstep.models import cpu_kernels
 
 ATTENTION_BACKENDS = ("auto", "blocked", "xla", "cudnn")
 CUDNN_MAX_HEAD_DIM = 128
+# Why a document-masked batch does not run on cuDNN. The public API's cuDNN path has no
+# segment mask: it takes a boolean mask only by turning it into an additive bias [B, 1, S, S]
+# in the compute dtype, whose gradient it then always computes (a dbias that size per layer,
+# thrown away). Earlier jax releases refused that gradient for a bias with a batch over 1 or
+# fewer heads than the query (cuDNN's limit then); this one no longer checks, and no GPU has
+# shown it to work. cuDNN's packed-segment layout (per-sequence offsets) is not public API.
+CUDNN_SEGMENT_PROBLEM = (
+  "jax.nn.dot_product_attention's cuDNN path has no segment mask, only a dense [B, 1, S, S] "
+  "additive bias whose gradient cuDNN is not known to support for a batch over 1"
+)
 
 log = logging.getLogger("jaxstep")
 _logged: set[str] = set()
@@ -93,10 +110,33 @@ def resolve_attention(choice: str, dtype, head_dim: int) -> str:
   return "cudnn"
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str) -> jax.Array:
+def causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, choice: str, segment_ids: jax.Array | None = None
+) -> jax.Array:
   """Causal softmax attention ``[B, S, H, Dh]`` × 3 → ``[B, S, H, Dh]`` with the kernel
-  ``choice`` resolves to. Scores and softmax are fp32 in every kernel."""
+  ``choice`` resolves to. Scores and softmax are fp32 in every kernel.
+
+  ``segment_ids`` (``int32[B, S]``, or None): document masking, query ``i`` sees key ``j``
+  only if ``j ≤ i`` and both are in the same segment. None traces the plain causal kernel,
+  exactly as before."""
   kernel = resolve_attention(choice, q.dtype, q.shape[-1])
+  if segment_ids is not None:
+    return _segment_attention(q, k, v, kernel, segment_ids)
   if kernel == "blocked":
     return cpu_kernels.causal_attention(q, k, v)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
+
+
+def _segment_attention(q, k, v, kernel: str, segment_ids: jax.Array) -> jax.Array:
+  """``causal_attention`` within the segments of ``segment_ids`` on ``kernel``."""
+  if kernel == "blocked":
+    return cpu_kernels.segment_causal_attention(q, k, v, segment_ids)
+  if kernel == "cudnn":
+    if CUDNN_SEGMENT_PROBLEM not in _logged:
+      _logged.add(CUDNN_SEGMENT_PROBLEM)
+      log.warning("document-masked batches use xla, not cudnn: %s", CUDNN_SEGMENT_PROBLEM)
+    kernel = "xla"
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S], broadcast over heads
+  return jax.nn.dot_product_attention(
+    q, k, v, mask=same[:, None], is_causal=True, implementation=kernel
+  )

@@ -105,7 +105,7 @@ def query_blocks(s: int) -> list[tuple[int, int]]:
   return [(lo, min(lo + block, s)) for lo in range(0, s, block)]
 
 
-def _attention_fwd(q, k, v):
+def _attention_fwd(q, k, v, segment_ids=None):
   qh = q.transpose(0, 2, 1, 3)  # [B, H, Sq, Dh]
   kt = k.transpose(0, 2, 3, 1)  # [B, H, Dh, Sk]
   vh = v.transpose(0, 2, 1, 3)  # [B, H, Sk, Dh]
@@ -114,6 +114,9 @@ def _attention_fwd(q, k, v):
     scores = jnp.einsum("bhqd,bhdk->bhqk", qh[:, :, lo:hi], kt[..., :hi])
     scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
     causal = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+    if segment_ids is not None:  # [B, 1, hi - lo, hi]: causal and the same document
+      same = segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi]
+      causal = (causal & same)[:, None]
     p = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
     outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vh[:, :, :hi]))
     probs.append(p)
@@ -145,6 +148,36 @@ def _attention_bwd(residuals, do):
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_vjp
+def segment_causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
+) -> jax.Array:
+  """``causal_attention`` within documents: query ``i`` sees key ``j`` iff ``j ≤ i`` and
+  ``segment_ids[b, i] == segment_ids[b, j]`` (``segment_ids`` ``int32[B, S]``, as
+  ``Windows.rows(..., document_mask=True)`` makes them). ``[B, S, H, Dh]`` each.
+
+  The same blocks, arithmetic and backward as ``causal_attention``: the segment test joins
+  the causal one inside each block, and the backward needs no mask of its own because the
+  masked probabilities are exactly 0 (``exp`` of the fp32 minimum minus the row max
+  underflows), which zeroes their score gradients as it does the causal ones. Every query
+  sees at least itself, so no row is fully masked. Blocks whose keys are all in other
+  documents are still computed: which ones they are depends on the data, and skipping
+  them would need dynamic shapes; the saving is the causal one only.
+  """
+  return _attention_fwd(q, k, v, segment_ids)[0]
+
+
+def _segment_attention_fwd(q, k, v, segment_ids):
+  return _attention_fwd(q, k, v, segment_ids)
+
+
+def _segment_attention_bwd(residuals, do):
+  return (*_attention_bwd(residuals, do), None)  # segment ids: integers, no cotangent
+
+
+segment_causal_attention.defvjp(_segment_attention_fwd, _segment_attention_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

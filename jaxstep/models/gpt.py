@@ -131,11 +131,11 @@ class Block(nnx.Module):
     self.out = linear("out", cfg.mlp_ratio * d, d)
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def attention(self, x: jax.Array) -> jax.Array:
+  def attention(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     b, s, d = x.shape  # [B, S, D]
     h = self.n_heads
     q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)  # [B, S, H, Dh]
-    out = backends.causal_attention(q, k, v, self.attention_kernel)
+    out = backends.causal_attention(q, k, v, self.attention_kernel, segment_ids=segment_ids)
     return self.proj(out.reshape(b, s, d))
 
   def decode(self, x, cache, positions):
@@ -153,10 +153,14 @@ class Block(nnx.Module):
     x = x + self.proj(attention_over_cache(q, kt, vc, positions).reshape(b, s, d))
     return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)))), cache
 
-  def __call__(self, x, *, rng, train: bool):
+  def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None):
+    """``segment_ids`` ``[B, S]``: document masking (``DecoderStack.__call__``).
+    ``positions``: unused, the GPT's positions are embedded before the blocks."""
+    del positions
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
-      x = x + self.dropout(self.attention(self.ln1(x)), deterministic=not train, rngs=keys[0])
+      attn = self.attention(self.ln1(x), segment_ids)
+      x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
       mlp = self.out(jax.nn.gelu(self.fc(self.ln2(x))))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 

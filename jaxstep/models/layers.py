@@ -42,22 +42,26 @@ def layer(stacked: nnx.Module, i: int) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
-def _apply(graphdef, state, x, key, train):
-  return nnx.merge(graphdef, state)(x, rng=key, train=train)
+def _apply(graphdef, state, x, key, inputs, train):
+  return nnx.merge(graphdef, state)(x, rng=key, train=train, **inputs)
 
 
-def walk(blocks, x: jax.Array, keys, *, scanned: bool, remat: str, train: bool) -> jax.Array:
+def walk(
+  blocks, x: jax.Array, keys, *, scanned: bool, remat: str, train: bool, inputs=None
+) -> jax.Array:
   """``x`` through every block in order. ``blocks``: a list of modules, or one stacked
   module (``scanned``: walked by ``lax.scan``, one compiled block body); ``keys``: one
   dropout key per block (a ``[L, …]`` key array) or None; ``remat``: a ``REMAT_POLICIES``
-  name, applied to each block."""
-  policy = REMAT_POLICIES[remat]
+  name, applied to each block; ``inputs``: keyword arrays every block takes as they are
+  (document masking's ``segment_ids`` and ``positions``), None or ``{}`` for none, which
+  traces exactly the walk without them."""
+  policy, inputs = REMAT_POLICIES[remat], inputs or {}
   if scanned:
     graphdef, state = nnx.split(blocks)
 
     def body(x, layer_xs):
       layer_state, key = layer_xs
-      return _apply(graphdef, layer_state, x, key, train), None
+      return _apply(graphdef, layer_state, x, key, inputs, train), None
 
     if remat != "none":
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -65,11 +69,11 @@ def walk(blocks, x: jax.Array, keys, *, scanned: bool, remat: str, train: bool) 
   for i, block in enumerate(blocks):
     key = None if keys is None else keys[i]
     if remat == "none":
-      x = block(x, rng=key, train=train)
+      x = block(x, rng=key, train=train, **inputs)
     else:
       graphdef, state = nnx.split(block)
       apply = functools.partial(_apply, graphdef, train=train)
-      x = jax.checkpoint(apply, policy=policy)(state, x, key)
+      x = jax.checkpoint(apply, policy=policy)(state, x, key, inputs)
   return x
 
 

@@ -184,12 +184,14 @@ class LlamaBlock(nnx.Module):
     cos, sin = rope_tables(positions, freq, q.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def attention(self, x: jax.Array) -> jax.Array:
+  def attention(self, x: jax.Array, segment_ids=None, positions=None) -> jax.Array:
+    """Self-attention of ``x [B, S, D]``, rotated at ``positions`` (``[B, S]``; None:
+    ``0 … S-1``), within the documents of ``segment_ids`` (``[B, S]``; None: causal only)."""
     b, s, _ = x.shape
-    q, k, v = self.qkv(x, jnp.arange(s))
+    q, k, v = self.qkv(x, jnp.arange(s) if positions is None else positions)
     groups = self.cfg.n_heads // self.cfg.resolved_kv_heads
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the kernels take H heads each
-    out = backends.causal_attention(q, k, v, self.cfg.attention)
+    out = backends.causal_attention(q, k, v, self.cfg.attention, segment_ids=segment_ids)
     return self.o_proj(out.reshape(b, s, -1))
 
   def mlp(self, x: jax.Array) -> jax.Array:
@@ -209,10 +211,12 @@ class LlamaBlock(nnx.Module):
     x = x + self.o_proj(grouped_attention_over_cache(q, kt, vc, positions).reshape(b, s, -1))
     return x + self.mlp(self.post_attention_layernorm(x)), (kt, vc)
 
-  def __call__(self, x, *, rng, train: bool):
+  def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None):
+    """``segment_ids``, ``positions`` ``[B, S]``: document masking
+    (``DecoderStack.__call__``)."""
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
-      attn = self.attention(self.input_layernorm(x))
+      attn = self.attention(self.input_layernorm(x), segment_ids, positions)
       x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
       mlp = self.mlp(self.post_attention_layernorm(x))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])

@@ -4,7 +4,8 @@ forward pass and the forward pass over a key/value cache.
 A subclass sets ``cfg`` (with ``n_layers``, ``max_seq_len``, ``scan_layers``, ``remat``),
 ``blocks`` (a list, or one stacked module: ``layers.py``) and ``dropout``, and defines
 ``_embed(inputs, positions)``, ``_logits(x)`` and ``_cache_heads()``; each block has
-``__call__(x, rng=, train=)`` and ``decode(x, cache, positions)``.
+``__call__(x, rng=, train=, segment_ids=None, positions=None)`` and ``decode(x, cache,
+positions)``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,35 @@ class DecoderStack(nnx.Module):
   """Embeddings → blocks → logits ``[B, S, vocab]``, with or without a key/value cache."""
 
   def __call__(
-    self, inputs: jax.Array, *, rng: jax.Array | None = None, train: bool = False
+    self,
+    inputs: jax.Array,
+    *,
+    rng: jax.Array | None = None,
+    train: bool = False,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
   ) -> jax.Array:
     """Logits of ``inputs [B, S]`` at positions ``0 … S-1``; dropout (one key per block
-    and one for the embeddings, split from ``rng``) only when ``train``."""
+    and one for the embeddings, split from ``rng``) only when ``train``.
+
+    Document masking (a packed window of several documents, ``Windows.rows(...,
+    document_mask=True)``): ``segment_ids`` ``int32[B, S]`` lets query ``i`` attend to key
+    ``j`` only if ``j ≤ i`` and ``segment_ids[b, i] == segment_ids[b, j]``; ``positions``
+    ``int32[B, S]`` replace ``0 … S-1`` in the position embeddings (GPT) or rotations
+    (Llama). With both, each document's logits are those it gets run alone from position 0.
+    Either may come without the other; neither (None) is the plain causal forward pass,
+    traced exactly as it is without this feature."""
     s, n = inputs.shape[1], self.cfg.n_layers
     if s > self.cfg.max_seq_len:
       raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+    block_inputs = {}
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+      if value is not None:
+        if value.shape != inputs.shape:
+          raise BatchError(f"{name} has shape {value.shape}, the inputs {inputs.shape}")
+        block_inputs[name] = value
     keys = jax.random.split(rng, n + 1) if rng is not None else None
-    x = self._embed(inputs, jnp.arange(s))
+    x = self._embed(inputs, jnp.arange(s) if positions is None else positions)
     x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
     x = layers.walk(
       self.blocks,
@@ -38,6 +59,7 @@ class DecoderStack(nnx.Module):
       scanned=self.cfg.scan_layers,
       remat=self.cfg.remat,
       train=train,
+      inputs=block_inputs,
     )
     return self._logits(x)
 

@@ -145,7 +145,9 @@ def evaluate(
   apply_fn = models.decoder(saved.cfg.model).apply_fn
   step = jax.jit(
     make_eval_step(
-      lambda p, x, train: apply_fn(p, x), saved.tokenizer.token_bytes(), saved.cfg.model.vocab_size
+      lambda p, x, train, **doc: apply_fn(p, x, **doc),
+      saved.tokenizer.token_bytes(),
+      saved.cfg.model.vocab_size,
     )
   )
   rows = min(batch_size or saved.cfg.train.global_batch_size, max(1, *map(len, windows)))

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxstep import models, parallel
 from jaxstep.core import freeze
 from jaxstep.core.loss_scale import DynamicLossScale
-from jaxstep.core.losses import masked_nll, next_token_loss
+from jaxstep.core.losses import document_fields, masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
 from jaxstep.core.step import make_train_step
 from jaxstep.models import lora
@@ -140,7 +140,7 @@ def make_eval_step(apply_fn, token_bytes, vocab_size: int) -> Callable:
   table = jnp.zeros(vocab_size, jnp.float32).at[: len(token_bytes)].set(token_bytes)
 
   def eval_step(params, batch):
-    logits = apply_fn(params, batch["inputs"], train=False)
+    logits = apply_fn(params, batch["inputs"], train=False, **document_fields(batch))
     nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return nll_sum, jnp.sum(mask), jnp.sum(table[batch["targets"]] * mask)
