@@ -16,18 +16,33 @@ the corpus: the only arrays built up front are the document offsets (unpacked wi
 
 from __future__ import annotations
 
+import mmap
 import pathlib
 
 import numpy as np
 
 
+def _random_access(array: np.memmap) -> np.memmap:
+  """Training reads windows in a shuffled order: the kernel is told not to read ahead, which
+  on a disk with a large read-ahead (8 MiB is common on cloud VMs) would otherwise read
+  megabytes for each window of a few kilobytes (a global batch took seconds instead of
+  milliseconds on a 200 GB corpus)."""
+  handle = getattr(array, "_mmap", None)
+  if handle is not None and hasattr(mmap, "MADV_RANDOM"):
+    handle.madvise(mmap.MADV_RANDOM)
+  return array
+
+
 class TokenStream:
-  """One split of a prepared folder: tokens (and chat flags) across its shard files."""
+  """One split of a prepared folder: tokens (and chat flags) across its shard files,
+  memory-mapped for random access."""
 
   def __init__(self, folder: pathlib.Path, entry: dict, dtype: str):
-    self.tokens = [np.memmap(folder / s["file"], dtype, mode="r") for s in entry["shards"]]
+    self.tokens = [
+      _random_access(np.memmap(folder / s["file"], dtype, mode="r")) for s in entry["shards"]
+    ]
     self.flags = (
-      [np.memmap(folder / s["file"], np.uint8, mode="r") for s in entry["flags"]]
+      [_random_access(np.memmap(folder / s["file"], np.uint8, mode="r")) for s in entry["flags"]]
       if entry.get("flags")
       else None
     )
