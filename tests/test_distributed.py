@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, RunDirError
 from jaxstep.parallel import distributed
 from jaxstep.trainer import config as config_lib
 
@@ -161,3 +162,96 @@ def test_process_0_on_a_busy_port_exits_2_naming_it(tmp_path):
   assert f"could not start the multi-process job at 127.0.0.1:{port}" in errors[0]
   assert "choose a free port in mesh.coordinator" in errors[0]
   assert "Traceback" not in proc.stderr
+
+
+class FakeJob:
+  """Process ``index`` of a 2-process job whose collectives are faked: the broadcast hands
+  over ``sent`` (process 0's own bytes when ``None``), the all-gather adds ``peer``, the
+  other process's ``ok flag + host name`` row."""
+
+  def __init__(self, monkeypatch, index: int, peer: bytes, sent: bytes | None = None):
+    from jax.experimental import multihost_utils
+
+    from jaxstep.trainer import run_dir as run_dir_lib
+
+    monkeypatch.setattr(run_dir_lib.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_dir_lib.jax, "process_index", lambda: index)
+    monkeypatch.setattr(run_dir_lib, "SHARED_WAIT_S", 0.3)
+    fake = np.frombuffer(sent.ljust(32), np.uint8) if sent is not None else None
+    monkeypatch.setattr(
+      multihost_utils, "broadcast_one_to_all", lambda x: x if fake is None else fake
+    )
+    row = np.frombuffer(peer.ljust(64), np.uint8)
+    rows = (lambda x: [x, row]) if index == 0 else (lambda x: [row, x])
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack(rows(x)))
+    self.check = run_dir_lib.check_shared
+
+
+def test_a_host_that_does_not_see_run_dir_stops_the_job_naming_it(monkeypatch, tmp_path):
+  check = FakeJob(monkeypatch, 0, peer=b"0host-b").check
+  with pytest.raises(RunDirError, match=r"process 1 \(host-b\) cannot read what process 0"):
+    check(tmp_path / "run")
+  assert not (tmp_path / "run").exists()  # the token and the folder it made are gone
+
+
+def test_a_shared_run_dir_passes_and_keeps_only_what_was_there(monkeypatch, tmp_path):
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+  FakeJob(monkeypatch, 0, peer=b"1host-b").check(tmp_path / "run")
+  assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_process_that_cannot_read_the_token_writes_nothing(monkeypatch, tmp_path):
+  check = FakeJob(monkeypatch, 1, peer=b"1host-a", sent=b"a" * 32).check
+  start = time.monotonic()
+  with pytest.raises(RunDirError, match=r"process 1 \(.+\) cannot read .* process 0 \(host-a\)"):
+    check(tmp_path / "elsewhere")
+  assert time.monotonic() - start < 3 and not (tmp_path / "elsewhere").exists()
+
+
+def test_one_process_checks_nothing(tmp_path):
+  from jaxstep.trainer import run_dir as run_dir_lib
+
+  run_dir_lib.check_shared(tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_processes_that_see_different_run_dirs_are_refused(tmp_path):
+  """As if each host had its own disk: every process exits 2 with the same line, and
+  neither run_dir is left behind."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "jaxstep",
+        "train",
+        "train.max_steps=1",
+        f"run_dir={tmp_path / f'host{i}'}",
+      ],
+      env={
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "JAXSTEP_COORDINATOR": f"127.0.0.1:{port}",
+        "JAXSTEP_NUM_PROCESSES": "2",
+        "JAXSTEP_PROCESS_ID": str(i),
+      },
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=180) for p in procs]
+  for p, (_, err) in zip(procs, outs, strict=True):
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1, err[-3000:]
+    assert f"run_dir {tmp_path / 'host'}" in errors[0]
+    assert "is not on storage every host shares: process 1 (" in errors[0]
+    assert "Traceback" not in err
+  assert not (tmp_path / "host0").exists() and not (tmp_path / "host1").exists()

@@ -49,10 +49,12 @@ def main(argv=None) -> int:
     from jaxstep.parallel import initialize_distributed
     from jaxstep.trainer.loop import train
     from jaxstep.trainer.plan import configure_devices
+    from jaxstep.trainer.run_dir import check_shared
 
     configure_devices(cfg)
     m = cfg.mesh
     initialize_distributed(m.coordinator, m.num_processes, m.process_id, m.initialization_timeout)
+    check_shared(cfg.run_dir)  # every host must see run_dir before anything is written there
     result = train(cfg, resume=not args.no_resume, resume_from=args.resume_from)
   except JaxstepError as e:
     if args.debug and not isinstance(e, RunDirError):

@@ -1,6 +1,8 @@
 """Many devices: the ``("data", "fsdp")`` mesh, where every array lies on it, and the
 multi-process start. The rules (pure functions) live in ``jaxstep.core.layout``; ``mesh``
-builds meshes and feeds batches; ``cpu_devices`` splits a CPU-only host into virtual devices."""
+builds meshes and feeds batches; ``cpu_devices`` splits a CPU-only host into virtual devices;
+``launchers`` reads a multi-process job from its launcher's environment (SLURM, Open MPI,
+Kubernetes, Cloud TPU) and ``distributed`` starts it."""
 
 from jaxstep.core.layout import AXES, batch_sharding, leaf_spec, tree_shardings, tree_specs
 from jaxstep.parallel.distributed import initialize_distributed

@@ -12,10 +12,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 import jax
 
 from jaxstep.errors import ConfigError, first_line
+from jaxstep.parallel import launchers
 from jaxstep.parallel.cpu_devices import ACCELERATOR_PLUGINS
 
 log = logging.getLogger("jaxstep")
@@ -27,32 +29,50 @@ def initialize_distributed(
   num_processes: int = 0,
   process_id: int = -1,
   initialization_timeout: int = 300,
+  env: Mapping[str, str] | None = None,
 ) -> None:
-  """``jax.distributed.initialize`` from config, ``JAXSTEP_*`` env, or cluster detection.
+  """``jax.distributed.initialize`` from config, ``JAXSTEP_*`` env, or the cluster launcher.
 
   Precedence per field: config value, then ``JAXSTEP_COORDINATOR`` / ``JAXSTEP_NUM_PROCESSES``
-  / ``JAXSTEP_PROCESS_ID``. With no coordinator anywhere, JAX's own cluster detection runs
-  only under a multi-task SLURM / Open MPI launch; otherwise this is a single process.
+  / ``JAXSTEP_PROCESS_ID``, then the launcher ``launchers.detect`` recognizes (SLURM, Open
+  MPI, a Kubernetes Job, a Cloud TPU pod). No coordinator and no multi-process launcher: a
+  single process, nothing is started. The devices a process drives always follow the
+  launcher's layout (all of a node's GPUs with one task per node).
 
   A process other than 0 first waits up to ``initialization_timeout`` seconds for the
   coordinator's port to accept a connection and raises ``ConfigError`` if it never does:
   JAX itself would abort the whole process (no Python exception) when its own wait runs out.
   """
-  coordinator = coordinator or os.environ.get("JAXSTEP_COORDINATOR", "")
-  num_processes = num_processes or int(os.environ.get("JAXSTEP_NUM_PROCESSES", "0"))
+  env = os.environ if env is None else env
+  coordinator = coordinator or env.get("JAXSTEP_COORDINATOR", "")
+  num_processes = num_processes or int(env.get("JAXSTEP_NUM_PROCESSES", "0"))
   if process_id < 0:
-    process_id = int(os.environ.get("JAXSTEP_PROCESS_ID", "-1"))
-  if coordinator:
-    _initialize_with_coordinator(coordinator, num_processes, process_id, initialization_timeout)
-  elif (
-    int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-  ):
-    jax.distributed.initialize(initialization_timeout=initialization_timeout)
-  else:
+    process_id = int(env.get("JAXSTEP_PROCESS_ID", "-1"))
+  launch = launchers.detect(env)
+  if not coordinator and launch is None:
     return
+  if not coordinator and launch.coordinator is None:
+    _initialize_through_jax(launch, initialization_timeout)
+    _log_started(launch.name)
+    return
+  source = "mesh.coordinator" if coordinator else launch.name
+  coordinator = coordinator or launch.coordinator
+  if launch:  # the launcher fills what config and environment leave out
+    num_processes = num_processes or launch.num_processes or 0
+    if process_id < 0 and launch.process_id is not None:
+      process_id = launch.process_id
+  devices = launch.local_device_ids if launch else None
+  _initialize_with_coordinator(
+    coordinator, num_processes, process_id, initialization_timeout, devices
+  )
+  _log_started(source)
+
+
+def _log_started(source: str) -> None:
+  """One line: who started the job, this process's place in it, and its devices."""
   log.info(
-    "process %d of %d, %d local / %d global devices",
+    "%s: process %d of %d, %d local / %d global devices",
+    source,
     jax.process_index(),
     jax.process_count(),
     jax.local_device_count(),
@@ -60,11 +80,57 @@ def initialize_distributed(
   )
 
 
+NO_COORDINATOR = {  # a launcher that should name process 0's host, but does not
+  "openmpi": "this Open MPI launch does not say where its launcher runs (Open MPI 5 no longer "
+  "sets OMPI_MCA_orte_hnp_uri); set mesh.coordinator or JAXSTEP_COORDINATOR to host:port "
+  "of rank 0's host",
+  "slurm": "SLURM runs several tasks but names no node list (SLURM_STEP_NODELIST, "
+  "SLURM_JOB_NODELIST); start the command with srun, or set mesh.coordinator or "
+  "JAXSTEP_COORDINATOR",
+}
+
+
+def _initialize_through_jax(launch: launchers.Launch, timeout: int) -> None:
+  """A launcher whose job size and coordinator only JAX can find (Kubernetes: through the
+  cluster's API): JAX's own detection does it all."""
+  if launch.name in NO_COORDINATOR:
+    raise ConfigError(NO_COORDINATOR[launch.name])
+  if launch.name == "kubernetes" and importlib.util.find_spec("kubernetes") is None:
+    raise ConfigError(
+      "a Kubernetes Job was detected (JOB_COMPLETION_INDEX), but finding its size and "
+      "coordinator needs the kubernetes package: pip install 'jax[k8s]', or set "
+      "JAXSTEP_COORDINATOR, JAXSTEP_NUM_PROCESSES and JAXSTEP_PROCESS_ID"
+    )
+  if uses_gloo():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  line = (
+    f"error: process {launch.process_id} of the {launch.name} job waited {timeout} s for "
+    f"the others to join; check that every pod runs, or raise mesh.initialization_timeout"
+  )
+  try:
+    with _ends_the_process_after(timeout, line):  # JAX's own end is an abort (exit 134)
+      jax.distributed.initialize(
+        local_device_ids=launch.local_device_ids and list(launch.local_device_ids),
+        initialization_timeout=timeout + JAX_GRACE_S,
+      )
+  except (RuntimeError, ValueError) as e:
+    raise ConfigError(
+      f"process {launch.process_id} of the {launch.name} job could not start the "
+      f"multi-process job ({first_line(e)})"
+    ) from None
+
+
 def _initialize_with_coordinator(
-  coordinator: str, num_processes: int, process_id: int, timeout: int
+  coordinator: str,
+  num_processes: int,
+  process_id: int,
+  timeout: int,
+  devices: tuple[int, ...] | None = None,
 ) -> None:
   """Checks the three fields, waits for the coordinator (processes other than 0), picks the
-  CPU transport, and starts ``jax.distributed``."""
+  CPU transport, and starts ``jax.distributed`` on ``devices`` (``None``: all this process
+  sees). JAX's own cluster detection is off here: every value is known, and under SLURM or
+  Open MPI it would restrict the process to one GPU."""
   if num_processes <= 0 or process_id < 0:
     raise ConfigError(
       "a coordinator needs mesh.num_processes and mesh.process_id "
@@ -100,6 +166,8 @@ def _initialize_with_coordinator(
         coordinator,
         num_processes,
         process_id,
+        local_device_ids=None if devices is None else list(devices),
+        cluster_detection_method="deactivate",
         initialization_timeout=int(left) + JAX_GRACE_S,
       )
     except Exception as e:  # noqa: BLE001 - JAX's runtime errors: one line, not a stack
@@ -212,7 +280,12 @@ def uses_gloo(platforms: str | None = None) -> bool:
   ``jax.distributed.initialize``. GPU and TPU hosts keep their own transport (NCCL, ICI).
   """
   if platforms is None:
-    platforms = jax.config.jax_platforms or ""
+    platforms = _platforms()
   if platforms.strip():
     return platforms.split(",")[0].strip() == "cpu"
   return not any(importlib.util.find_spec(p) for p in ACCELERATOR_PLUGINS)
+
+
+def _platforms() -> str:
+  """``jax_platforms`` as set (``JAX_PLATFORMS``), ``""`` when unset."""
+  return jax.config.jax_platforms or ""

@@ -163,3 +163,67 @@ def first_writes(run_dir: pathlib.Path, ckpt, state, write) -> None:
       f"writing {e.filename or run_dir} failed ({e.strerror or e}); make room, make run_dir "
       f"writable, or choose another run_dir"
     ) from None
+
+
+SHARED_CHECK = ".shared-check"  # the token file check_shared writes and removes
+SHARED_WAIT_S = 10.0  # how long a host waits to see it (a network filesystem may lag)
+
+
+def check_shared(run_dir: str | pathlib.Path) -> None:
+  """Multi-process jobs: ``RunDirError`` on every process unless all see the same run_dir.
+
+  Process 0 writes a random token to ``run_dir/.shared-check``; every process reads it
+  back (retrying for ``SHARED_WAIT_S``), and all agree through two collectives, so every
+  process stops with the same message naming the hosts that do not see it. Orbax writes a
+  checkpoint from all processes together: on unshared storage each host would hold only
+  its own shards, and no host a checkpoint that restores. The token is removed, and a
+  run_dir this call created is removed again if empty: nothing else is written.
+  """
+  if jax.process_count() <= 1:
+    return
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  run_dir, token = pathlib.Path(run_dir), os.urandom(16).hex()
+  path, created, wrote, failure = run_dir / SHARED_CHECK, not run_dir.exists(), b"", None
+  if jax.process_index() == 0:
+    try:
+      run_dir.mkdir(parents=True, exist_ok=True)
+      path.write_text(token)
+      wrote = token.encode()
+    except OSError as e:
+      failure = _unusable(run_dir, e)
+  # process 0's token once it is on disk (empty if it could not write), as int32 numbers
+  sent = multihost_utils.broadcast_one_to_all(
+    np.frombuffer(wrote.ljust(32), np.uint8).astype(np.int32)
+  )
+  token = np.asarray(sent).astype(np.uint8).tobytes().decode().strip()
+  seen, deadline = False, time.monotonic() + SHARED_WAIT_S
+  while token:
+    with contextlib.suppress(OSError):
+      os.listdir(run_dir)  # refreshes a network filesystem's cached view of the folder
+    with contextlib.suppress(OSError):
+      seen = path.read_text() == token
+    if seen or time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  host = (b"1" if seen else b"0") + os.uname().nodename.encode()[:63].ljust(63)
+  row = np.frombuffer(host, np.uint8).astype(np.int32)
+  hosts = np.asarray(multihost_utils.process_allgather(row)).astype(np.uint8)
+  names = [h[1:].tobytes().decode(errors="replace").strip() for h in hosts]
+  if jax.process_index() == 0:
+    with contextlib.suppress(OSError):
+      path.unlink(missing_ok=True)
+      if created:
+        run_dir.rmdir()  # only if empty; locked() creates it again
+    if not token:
+      raise failure
+  blind = [f"process {i} ({names[i]})" for i, h in enumerate(hosts) if h[0] != ord("1")]
+  if not token:
+    raise RunDirError(f"process 0 could not write to run_dir {run_dir}")
+  if blind:
+    raise RunDirError(
+      f"run_dir {run_dir} is not on storage every host shares: {', '.join(blind)} cannot "
+      f"read what process 0 ({names[0]}) wrote there in {SHARED_WAIT_S:.0f} s; put run_dir "
+      f"on a filesystem every host mounts at the same path"
+    )
