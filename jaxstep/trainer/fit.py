@@ -26,7 +26,6 @@ import yaml
 
 from jaxstep import parallel
 from jaxstep.core import freeze
-from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.optim import OptimConfig, make_optimizer
 from jaxstep.core.step import default_units_fn, make_train_step
 from jaxstep.errors import CheckpointError, ConfigError
@@ -135,12 +134,7 @@ class Trainer:
       freeze.check_patterns(params, self.optimizer_cfg.trainable)
       trainable = freeze.by_patterns(self.optimizer_cfg.trainable)
     self.trainable = trainable
-    if not isinstance(train_data, Iterable):
-      raise ConfigError(
-        f"train_data must be iterable (a Grain dataset, a resumable iterator or an "
-        f"iterable of global batches), got {type(train_data).__name__}"
-      )
-    self.train_data = train_data
+    self.train_data = sources.require_iterable(train_data)  # refused here, not at fit()
     self.eval_sets = {k: sources.eval_source(k, v) for k, v in (eval_sets or {}).items()}
     self.mlflow, self.wandb = mlflow or MlflowConfig(), wandb or WandbConfig()
     self.hparams, self.callbacks = dict(hparams or {}), list(callbacks)
@@ -157,13 +151,6 @@ class Trainer:
 
   def _step(self):
     t = self.t
-    scaler = (
-      DynamicLossScale(
-        t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min, t.loss_scale_max
-      )
-      if t.precision == "fp16"
-      else None
-    )
     return make_train_step(
       self.loss_fn,
       self.optimizer,
@@ -172,7 +159,7 @@ class Trainer:
       precision=t.precision,
       mesh=self.mesh,
       scan_unroll=t.scan_unroll,
-      loss_scale=scaler,
+      loss_scale=steps.loss_scaler(t),
       spike_factor=t.spike_factor,
       spike_window=t.spike_window,
       trainable=self.trainable,

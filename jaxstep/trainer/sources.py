@@ -49,6 +49,16 @@ def _from_json(state):
   return state
 
 
+def require_iterable(data):
+  """``data`` if it can be train data at all; else a ``ConfigError`` saying what can."""
+  if not isinstance(data, Iterable):
+    raise ConfigError(
+      f"train_data must be iterable (a Grain dataset, a resumable iterator or an "
+      f"iterable of global batches), got {type(data).__name__}"
+    )
+  return data
+
+
 class TrainBatches:
   """The ``BatchSource`` of a ``Trainer``: batches of ``data`` checked for G rows, with the
   iterator state (or the count of batches consumed) as the position.
@@ -60,12 +70,7 @@ class TrainBatches:
   """
 
   def __init__(self, data: Iterable, global_batch_size: int):
-    if not isinstance(data, Iterable):
-      raise ConfigError(
-        f"train_data must be iterable (a Grain dataset, a resumable iterator or an "
-        f"iterable of global batches), got {type(data).__name__}"
-      )
-    self.data, self.g = data, global_batch_size
+    self.data, self.g = require_iterable(data), global_batch_size
     self.iterator = iter(data)
     self.resumable = _resumable(self.iterator)
     self.one_shot = self.iterator is data and not self.resumable

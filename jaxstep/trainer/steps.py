@@ -20,7 +20,7 @@ from jaxstep.models import lora
 from jaxstep.trainer import config as config_lib
 
 
-def _loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
+def loss_scaler(t: config_lib.TrainConfig) -> DynamicLossScale | None:
   """Dynamic loss scaling for fp16 from ``train.loss_scale_*``; None otherwise."""
   if t.precision != "fp16":
     return None
@@ -52,7 +52,7 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     grad_accum_steps=k,
     precision=t.precision,
     mesh=mesh if mesh.devices.size > 1 else None,
-    loss_scale=_loss_scaler(t),
+    loss_scale=loss_scaler(t),
     spike_factor=t.spike_factor,
     spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
