@@ -157,6 +157,25 @@ def test_a_failure_before_the_first_update_leaves_no_checkpoint(tmp_path):
   trainer(tmp_path, train={"seed": 5, "max_steps": 2}).fit()  # the fixed run starts cleanly
 
 
+def test_a_write_failing_because_run_dir_went_away_says_so(tmp_path):
+  """Whichever comes first after ``run_dir`` is moved away, the liveness check or a write
+  that fails for want of its folder, the one error names the removal."""
+  import shutil
+
+  from jaxstep.errors import RunIOError
+
+  def remove_then_write(loop):
+    if loop.step == 5:
+      loop.ckpt.wait()  # step 4's save has landed: only this hook's write can fail
+      shutil.move(loop.run_dir, tmp_path / "moved")
+      (loop.run_dir / "notes.txt").write_text("x")  # FileNotFoundError
+
+  t = trainer(tmp_path)
+  t.add_hook(remove_then_write, every=1)
+  with pytest.raises(RunIOError, match="was removed or replaced during the run"):
+    t.fit()
+
+
 def _records(run_dir: pathlib.Path) -> list[dict]:
   lines = (run_dir / "metrics.jsonl").read_text().splitlines()
   return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]

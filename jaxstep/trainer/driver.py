@@ -191,7 +191,7 @@ class Loop:
       if isinstance(e, OSError):
         self._close_quietly(self.ckpt)  # a save in flight finishes; another would fail too
         self._close_hooks(failed=True)
-        raise self._io_failure(e) from e
+        raise self._io_failure(e, started_in) from e
       if self.step > self.start_step:  # nothing new to keep before the first update: a
         self._final_save(quiet=True)  # run failing there leaves no checkpoint 0 behind
       else:
@@ -204,7 +204,7 @@ class Loop:
     except RunIOError as e:
       self._close_quietly(self.ckpt)
       self._close_hooks(failed=True)
-      raise self._io_failure(e) from e
+      raise self._io_failure(e, started_in) from e
     self._close_hooks(failed=False)  # trackers upload after the checkpoint is safe
     if self.stopped_by is not None:
       name = signal.Signals(self.stopped_by).name
@@ -274,10 +274,14 @@ class Loop:
       return
     self.ckpt.close()
 
-  def _io_failure(self, error: OSError) -> RunIOError:
+  def _io_failure(self, error: OSError, started_in: int | None) -> RunIOError:
     """A failed write as one ``RunIOError`` naming what failed and the checkpoint to resume
-    from."""
+    from; a write that failed because ``run_dir`` itself went away says that instead."""
     run_dir = self.run_dir
+    try:
+      run_dir_lib.check_still_there(run_dir, started_in)
+    except run_dir_lib.RemovedError as removed:
+      error = removed
     if isinstance(error, run_dir_lib.RemovedError):
       return _removed(error, run_dir)
     if isinstance(error, RunIOError):
