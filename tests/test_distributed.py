@@ -194,6 +194,26 @@ def test_a_host_that_does_not_see_run_dir_stops_the_job_naming_it(monkeypatch, t
   assert not (tmp_path / "run").exists()  # the token and the folder it made are gone
 
 
+def test_a_trainer_whose_hosts_do_not_share_run_dir_stops_before_writing(monkeypatch, tmp_path):
+  import jax.numpy as jnp
+  import optax
+
+  import jaxstep
+
+  FakeJob(monkeypatch, 0, peer=b"0host-b")
+  trainer = jaxstep.Trainer(
+    lambda params, batch, rng: (jnp.sum(params["w"] * batch["x"]), {}),
+    {"w": jnp.zeros(2)},
+    optax.sgd(0.1),
+    train_data=[{"x": np.ones((4, 2), np.float32)}],
+    run_dir=tmp_path / "run",
+    train={"global_batch_size": 4, "max_steps": 1, "progress": False},
+  )
+  with pytest.raises(RunDirError, match=r"process 1 \(host-b\) cannot read what process 0"):
+    trainer.fit()
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_shared_run_dir_passes_and_keeps_only_what_was_there(monkeypatch, tmp_path):
   (tmp_path / "run").mkdir()
   (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")

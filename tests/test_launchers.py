@@ -193,6 +193,19 @@ def test_slurm_one_task_per_node_drives_all_eight_gpus(start):
   assert kwargs["cluster_detection_method"] == "deactivate"  # JAX would pick [0]
 
 
+def test_a_busy_port_under_slurm_names_the_variable_that_moves_it(monkeypatch):
+  """The port came from the job id (or ``JAX_COORDINATOR_PORT``), not from the config: the
+  advice names the environment variable to set."""
+  monkeypatch.setattr(distributed, "uses_gloo", lambda: False)
+  with socket.socket() as busy:
+    busy.bind(("", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = {**SLURM_PER_NODE, "SLURM_PROCID": "0", "JAX_COORDINATOR_PORT": str(port)}
+    with pytest.raises(ConfigError, match=f"port {port} is in use.*set JAX_COORDINATOR_PORT"):
+      distributed.initialize_distributed(initialization_timeout=7, env=env)
+
+
 def test_slurm_one_task_per_gpu_drives_its_own_gpu(start):
   [(args, kwargs)] = start(SLURM_PER_GPU)
   assert args == ("gpu007:61586", 16, 11) and kwargs["local_device_ids"] == [3]

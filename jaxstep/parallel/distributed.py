@@ -62,8 +62,13 @@ def initialize_distributed(
     if process_id < 0 and launch.process_id is not None:
       process_id = launch.process_id
   devices = launch.local_device_ids if launch else None
+  port_fix = (
+    "choose a free port in mesh.coordinator"
+    if source == "mesh.coordinator"
+    else f"set JAX_COORDINATOR_PORT to a free port (or mesh.coordinator) for this {source} job"
+  )
   _initialize_with_coordinator(
-    coordinator, num_processes, process_id, initialization_timeout, devices
+    coordinator, num_processes, process_id, initialization_timeout, devices, port_fix
   )
   _log_started(source)
 
@@ -126,11 +131,13 @@ def _initialize_with_coordinator(
   process_id: int,
   timeout: int,
   devices: tuple[int, ...] | None = None,
+  port_fix: str = "choose a free port in mesh.coordinator",
 ) -> None:
   """Checks the three fields, waits for the coordinator (processes other than 0), picks the
   CPU transport, and starts ``jax.distributed`` on ``devices`` (``None``: all this process
-  sees). JAX's own cluster detection is off here: every value is known, and under SLURM or
-  Open MPI it would restrict the process to one GPU."""
+  sees); ``port_fix`` is the advice for a busy port (where the port came from). JAX's own
+  cluster detection is off here: every value is known, and under SLURM or Open MPI it would
+  restrict the process to one GPU."""
   if num_processes <= 0 or process_id < 0:
     raise ConfigError(
       "a coordinator needs mesh.num_processes and mesh.process_id "
@@ -143,7 +150,7 @@ def _initialize_with_coordinator(
   address = parse_coordinator(coordinator)
   deadline = time.monotonic() + timeout  # one bound for the probe and the join together
   if process_id == 0:
-    refuse_a_busy_port(address[1], coordinator)
+    refuse_a_busy_port(address[1], coordinator, port_fix)
     log.info(
       "process 0: coordinator on %s, waiting up to %d s for %d processes to join",
       coordinator,
@@ -171,14 +178,16 @@ def _initialize_with_coordinator(
         initialization_timeout=int(left) + JAX_GRACE_S,
       )
     except Exception as e:  # noqa: BLE001 - JAX's runtime errors: one line, not a stack
-      advice = "; choose a free port in mesh.coordinator" if process_id == 0 else ""
+      advice = f"; {port_fix}" if process_id == 0 else ""
       raise ConfigError(
         f"process {process_id} could not start the multi-process job at {coordinator} "
         f"({first_line(e)}){advice}"
       ) from None
 
 
-def refuse_a_busy_port(port: int, coordinator: str) -> None:
+def refuse_a_busy_port(
+  port: int, coordinator: str, fix: str = "choose a free port in mesh.coordinator"
+) -> None:
   """``ConfigError`` if another program already listens on ``port``: process 0 serves the
   coordinator there on every interface, and JAX's runtime crashes (signal 11) on a busy
   port instead of raising. Both families are tried: an IPv6 socket may not see an IPv4
@@ -194,7 +203,7 @@ def refuse_a_busy_port(port: int, coordinator: str) -> None:
       if e.errno == errno.EADDRINUSE:
         raise ConfigError(
           f"process 0 could not start the multi-process job at {coordinator} (port {port} "
-          f"is in use); choose a free port in mesh.coordinator"
+          f"is in use); {fix}"
         ) from None
 
 

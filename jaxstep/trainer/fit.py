@@ -203,6 +203,7 @@ class Trainer:
     Raises what ``jaxstep train`` exits with: ``Interrupted`` after a signal's save,
     ``NonFiniteError``, ``RunIOError`` (a failed write), ``CheckpointError`` …
     """
+    run_dir_lib.check_shared(self.run_dir)  # multi-host: every host must see run_dir
     step = self._step()
     state = step.init(self.params, self.t.seed, model_state=self.model_state)
     step_fn, put = self._jitted(step, state)
