@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 
-from jaxstep import ConfigError, trainer
+from jaxstep import ConfigError
 from jaxstep import config as config_lib
 from jaxstep.data import load_dataset, steps_per_epoch
 from jaxstep.trainer.plan import make_plan, resolve_vocab, split_k, total_update_steps
@@ -57,12 +57,8 @@ def test_auto_counts_as_one_until_chosen(tmp_path):
 
 @pytest.mark.slow
 def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
-  import importlib
-
   from jaxstep.cli import check
-  from jaxstep.trainer import memory, plan
-
-  build = importlib.import_module("jaxstep.trainer.build")  # the package exports build()
+  from jaxstep.trainer import build, memory, plan
 
   cfg = make_cfg(tmp_path, "train.max_steps=3", "train.schedule_steps=0")
   seen = []
@@ -74,7 +70,7 @@ def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
 
   monkeypatch.setattr(plan, "make_plan", spy)  # memory and check import it when called
   monkeypatch.setattr(build, "make_plan", spy)
-  run = trainer.build(cfg)[0]
+  run = build.build(cfg)[0]
   mem = memory.compiled_memory(cfg)
   check.check_config(cfg)
   assert len(seen) == 3

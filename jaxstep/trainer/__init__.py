@@ -17,19 +17,33 @@ TensorBoard, progress, one-update-late read-back), ``guards`` (skipped updates),
 ``loss_plot``.
 """
 
-from jaxstep.trainer.build import Run, build
-from jaxstep.trainer.callbacks import Callback, EarlyStopping, TrainerControl
-from jaxstep.trainer.loop import TrainResult, evaluate, train
-from jaxstep.trainer.run_state import RunState
+from __future__ import annotations
 
-__all__ = [
-  "Callback",
-  "EarlyStopping",
-  "Run",
-  "RunState",
-  "TrainResult",
-  "TrainerControl",
-  "build",
-  "evaluate",
-  "train",
-]
+import importlib
+
+# Loaded on first use: ``config`` (and so every ``--help`` and config error) must not wait
+# for jax, orbax and TensorBoard to import.
+_LAZY = {
+  "Callback": "jaxstep.trainer.callbacks",
+  "EarlyStopping": "jaxstep.trainer.callbacks",
+  "TrainerControl": "jaxstep.trainer.callbacks",
+  "Run": "jaxstep.trainer.build",
+  "RunState": "jaxstep.trainer.run_state",
+  "TrainResult": "jaxstep.trainer.loop",
+  "evaluate": "jaxstep.trainer.loop",
+  "train": "jaxstep.trainer.loop",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(_LAZY[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY})
