@@ -13,6 +13,7 @@ import time
 import pytest
 
 from jaxstep.errors import ConfigError
+from jaxstep.trainer import tracker_backends
 from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
 
@@ -227,7 +228,7 @@ def test_scalars_and_flatten():
     "eval/valid/bad": 0.0,
   }
   nested = {"a": {"b": {"c": 1}, "d": [1, 2]}, "e": None, "f": (3,)}
-  assert trackers_lib.flatten(nested) == {"a.b.c": 1, "a.d": "[1, 2]", "e": None, "f": "(3,)"}
+  assert tracker_backends.flatten(nested) == {"a.b.c": 1, "a.d": "[1, 2]", "e": None, "f": "(3,)"}
 
 
 def test_check_names_and_sections():

@@ -8,13 +8,13 @@ and eval steps of a config), ``build`` (everything built once), ``driver`` (the 
 loop, ``Loop``), ``hooks`` (what a hook is and when it is called), ``run_hooks`` (the
 built-in hooks both clients use), ``loop`` (``train``: the bundled models' client),
 ``fit`` / ``fit_eval`` / ``sources`` (``Trainer``: any model's client, its eval sets and
-data sources), ``eval_sets`` (named eval sets of a config), ``trackers`` (MLflow, W&B),
-``run_state`` (the host-side position), ``checkpoint``, ``checkpoint_read`` and ``resume``
-(orbax saves, the one verified read path, restore and reconcile), ``run_dir`` (the output
-folder), ``records`` (kept files: JSON lines, atomic rewrites), ``metrics`` (JSONL,
-TensorBoard, progress, one-update-late read-back), ``guards`` (skipped updates),
-``callbacks``, ``signals`` (SIGTERM/SIGINT), ``perf`` (MFU), ``memory`` (the ledger) and
-``loss_plot``.
+data sources), ``eval_sets`` (named eval sets of a config), ``trackers`` and
+``tracker_backends`` (MLflow, W&B), ``run_state`` (the host-side position), ``checkpoint``,
+``checkpoint_read`` and ``resume`` (orbax saves, the one verified read path, restore and
+reconcile), ``run_dir`` (the output folder), ``records`` (kept files: JSON lines, atomic
+rewrites), ``metrics`` (JSONL, TensorBoard, progress, one-update-late read-back),
+``guards`` (skipped updates), ``callbacks``, ``signals`` (SIGTERM/SIGINT), ``perf`` (MFU),
+``memory`` (the ledger) and ``loss_plot``.
 """
 
 from __future__ import annotations

@@ -14,23 +14,18 @@ uses them, never by importing this module. Only process 0 opens trackers.
 from __future__ import annotations
 
 import dataclasses
-import html
 import importlib.util
 import logging
 import numbers
-import os
 import pathlib
 import queue
-import re
-import secrets
-import shutil
 import threading
 import time
-import urllib.parse
 
 import numpy as np
 
 from jaxstep.errors import ConfigError, first_line
+from jaxstep.trainer import tracker_backends as backends
 
 log = logging.getLogger("jaxstep")
 
@@ -38,10 +33,6 @@ EXTERNAL = ("mlflow", "wandb")  # the trackers this module drives
 KNOWN = ("jsonl", "tensorboard", *EXTERNAL)  # every name train.trackers accepts
 QUEUE_EVENTS = 10_000  # events waiting for the tracker thread; more are dropped, counted
 START_WAIT_S = 10.0  # open_trackers waits this long at most for the trackers to start
-WANDB_INIT_TIMEOUT_S = 60.0
-MLFLOW_BATCH = 1000  # metrics per log_batch (MLflow's limit)
-MLFLOW_PARAM_BATCH = 100  # params per log_batch (MLflow's limit)
-MLFLOW_PARAM_CHARS = 6000  # MLflow's longest param value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +116,12 @@ def open_trackers(
   with one warning.
   """
   check_names(names)
-  backends = []
+  opened = []
   if "mlflow" in names:
-    backends.append(_Mlflow(mlflow, run_dir, config, ids.get("mlflow") if resumed else None))
+    opened.append(backends.Mlflow(mlflow, run_dir, config, ids.get("mlflow") if resumed else None))
   if "wandb" in names and wandb.mode != "disabled":
-    backends.append(_Wandb(wandb, run_dir, config, ids.get("wandb") if resumed else None))
-  trackers = Trackers(backends)
+    opened.append(backends.Wandb(wandb, run_dir, config, ids.get("wandb") if resumed else None))
+  trackers = Trackers(opened)
   trackers._started.wait(START_WAIT_S)
   return trackers
 
@@ -247,168 +238,3 @@ def scalars(values: dict, prefix: str) -> dict[str, float]:
     if isinstance(value, bool | np.bool_ | numbers.Real):
       out[f"{prefix}/{key}"] = float(value)
   return out
-
-
-def flatten(config: dict, prefix: str = "") -> dict:
-  """A nested config as ``{"optim.lr": …}``; values other than str/int/float/bool/None as
-  ``str``."""
-  flat = {}
-  for key, value in config.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      flat.update(flatten(value, f"{name}."))
-    elif value is None or isinstance(value, str | int | float | bool):
-      flat[name] = value
-    else:
-      flat[name] = str(value)
-  return flat
-
-
-def _split(items: list, size: int):
-  return (items[i : i + size] for i in range(0, len(items), size))
-
-
-class _Mlflow:
-  """An MLflow run through ``MlflowClient`` (no global active run)."""
-
-  name = "mlflow"
-
-  def __init__(self, cfg: MlflowConfig, run_dir: pathlib.Path, config: dict, run_id):
-    self.uri = cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
-    self.cfg, self.run_name, self.params = cfg, run_dir.name, flatten(config)
-    self.run_id, self.client, self.texts = run_id, None, {}
-
-  def start(self) -> None:
-    """Continues ``run_id`` when it exists there, else creates a run; logs new params.
-    MLflow 3 refuses its file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set (the database
-    stores need SQLAlchemy, which ``mlflow-skinny`` lacks), so a file store URI sets it."""
-    if urllib.parse.urlparse(self.uri).scheme in ("", "file"):
-      os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient
-
-    self.client = MlflowClient(self.uri)
-    logged = self._resume() if self.run_id else None
-    if logged is None:
-      experiment = self.client.get_experiment_by_name(self.cfg.experiment)
-      eid = experiment.experiment_id if experiment else None
-      eid = eid or self.client.create_experiment(self.cfg.experiment)
-      self.run_id, logged = self.client.create_run(eid, run_name=self.run_name).info.run_id, {}
-    self._log_params({k: v for k, v in self.params.items() if k not in logged})
-
-  def _resume(self) -> dict | None:
-    """The params of the run to continue, marked running again; None if it is not there."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-      run = self.client.get_run(self.run_id)
-    except MlflowException as e:
-      if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-        raise
-      log.info("mlflow run %s not found at %s; starting a new one", self.run_id, self.uri)
-      return None
-    self.client.update_run(self.run_id, status="RUNNING")
-    return run.data.params
-
-  def _log_params(self, params: dict) -> None:
-    from mlflow.entities import Param
-
-    entries = [Param(k, str(v)[:MLFLOW_PARAM_CHARS]) for k, v in params.items()]
-    for chunk in _split(entries, MLFLOW_PARAM_BATCH):
-      self.client.log_batch(self.run_id, params=chunk)
-
-  def handle(self, events: list[tuple]) -> None:
-    """The metrics of all ``events`` in few ``log_batch`` calls, then text and files."""
-    from mlflow.entities import Metric
-
-    metrics = []
-    for event in events:
-      if event[0] == "metrics":
-        _, step, values, ms = event
-        metrics += [Metric(_mlflow_key(k), v, ms, step) for k, v in values.items()]
-    for chunk in _split(metrics, MLFLOW_BATCH):
-      self.client.log_batch(self.run_id, metrics=chunk)
-    for event in events:
-      if event[0] == "text":
-        self._text(*event[1:])
-      elif event[0] == "artifacts":
-        for path in event[1]:
-          if path.is_file():
-            self.client.log_artifact(self.run_id, str(path))
-
-  def _text(self, step: int, key: str, text: str) -> None:
-    """``<key>/step_000100.txt``; a second text of the same step is appended to it."""
-    last_step, earlier = self.texts.get(key, (None, ""))
-    text = f"{earlier}\n{text}" if last_step == step else text
-    self.texts[key] = (step, text)
-    self.client.log_text(self.run_id, text, f"{key}/step_{step:06d}.txt")
-
-  def finish(self, failed: bool) -> None:
-    self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
-
-
-def _mlflow_key(key: str) -> str:
-  """MLflow accepts letters, digits and ``_-. :/`` in a metric name; others become ``_``."""
-  return re.sub(r"[^/\w.\- :]", "_", key)
-
-
-class _Wandb:
-  """A W&B run. Its id is chosen here, so it is known before the run starts. Every value
-  is logged with ``update_step`` as its x-axis instead of W&B's own step, which must only
-  grow: a resumed run logs again the steps after its last checkpoint, and W&B would drop
-  those."""
-
-  name = "wandb"
-
-  def __init__(self, cfg: WandbConfig, run_dir: pathlib.Path, config: dict, run_id):
-    self.cfg, self.run_dir, self.config = cfg, run_dir, flatten(config)
-    self.run_id, self.run = run_id or secrets.token_hex(4), None  # W&B ids: [a-z0-9]
-
-  def start(self) -> None:
-    """``wandb.init`` writing under ``run_dir/wandb``, silent, without console capture.
-    Online without stored credentials it fails instead of prompting for a key."""
-    import wandb
-
-    if self.cfg.mode == "online" and not wandb.login(prompt=False, verify=False):
-      raise RuntimeError(
-        "no W&B API key: run `wandb login`, set WANDB_API_KEY, or set wandb.mode: offline"
-      )
-    settings = wandb.Settings(silent=True, console="off", init_timeout=WANDB_INIT_TIMEOUT_S)
-    self.run = wandb.init(
-      project=self.cfg.project,
-      entity=self.cfg.entity or None,
-      mode=self.cfg.mode,
-      dir=str(self.run_dir),
-      id=self.run_id,
-      name=self.run_dir.name,
-      resume="allow",
-      config=self.config,
-      reinit="create_new",
-      settings=settings,
-    )
-    self.run.define_metric("update_step")
-    self.run.define_metric("*", step_metric="update_step")
-
-  def handle(self, events: list[tuple]) -> None:
-    import wandb
-
-    for event in events:
-      if event[0] == "metrics":
-        self.run.log({**event[2], "update_step": event[1]})
-      elif event[0] == "text":
-        page = wandb.Html(f"<pre>{html.escape(event[3])}</pre>")
-        self.run.log({event[2]: page, "update_step": event[1]})
-      elif event[0] == "artifacts":
-        self._save(event[1])
-
-  def _save(self, paths) -> None:
-    """Copies into the run's ``files/jaxstep`` (W&B keeps its own ``config.yaml`` there),
-    uploaded as they are now."""
-    folder = pathlib.Path(self.run.dir) / "jaxstep"
-    folder.mkdir(exist_ok=True)
-    for path in paths:
-      if path.is_file():
-        shutil.copyfile(path, folder / path.name)
-        self.run.save(str(folder / path.name), base_path=self.run.dir, policy="now")
-
-  def finish(self, failed: bool) -> None:
-    self.run.finish(exit_code=1 if failed else 0)
