@@ -127,6 +127,9 @@ def test_bad_input_is_one_clear_error(tmp_path):
     trainer(tmp_path / "b", train={"max_steps": 0})
   with pytest.raises(ConfigError, match="one-shot iterator"):
     trainer(tmp_path / "c", eval_sets={"x": iter([batch_of(0)])})
+  with pytest.raises(BatchError, match=r"eval_sets\['x'\]'s first batch is a list"):
+    trainer(tmp_path / "e", eval_sets={"x": [[1.0, 2.0]]}).fit()  # found before training
+  assert not (tmp_path / "e").exists()
   one_shot = (batch_of(i) for i in range(100))
   trainer(tmp_path / "d", data=one_shot, train={"max_steps": 2}).fit()
   with pytest.raises(ConfigError, match="cannot be resumed"):
@@ -234,6 +237,19 @@ def test_sigterm_saves_at_the_update_boundary_and_raises_interrupted(tmp_path):
     t.fit()
   assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["5"]
   assert trainer(tmp_path).fit().step == 12  # and the same call resumes
+
+
+def test_eval_batches_that_do_not_split_over_the_mesh_are_refused_up_front():
+  import types
+
+  from jaxstep.trainer.fit_eval import check_first_batches
+
+  four = types.SimpleNamespace(devices=np.zeros((2, 2)))
+  check_first_batches({"e": lambda: [batch_of(0)]}, four)  # 8 rows over 4 devices
+  odd = dict(batch_of(0), x=np.zeros((6, 3)), y=np.zeros(6), loss_mask=np.ones(6))
+  with pytest.raises(BatchError, match=r"eval_sets\['e'\]'s first batch has 6 rows.* 4 dev"):
+    check_first_batches({"e": lambda: [odd]}, four)
+  check_first_batches({"e": lambda: [odd], "empty": lambda: []})  # one device: any rows
 
 
 MESH_SCRIPT = """

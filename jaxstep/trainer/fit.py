@@ -36,7 +36,7 @@ from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
 from jaxstep.trainer.driver import Loop, LoopResult
-from jaxstep.trainer.fit_eval import Evaluator
+from jaxstep.trainer.fit_eval import Evaluator, check_first_batches
 from jaxstep.trainer.hooks import Hook, as_hook
 from jaxstep.trainer.metrics import open_records
 from jaxstep.trainer.resume import refuse_history_without_checkpoint
@@ -204,6 +204,7 @@ class Trainer:
     ``NonFiniteError``, ``RunIOError`` (a failed write), ``CheckpointError`` …
     """
     run_dir_lib.check_shared(self.run_dir)  # multi-host: every host must see run_dir
+    check_first_batches(self.eval_sets, self.mesh)
     step = self._step()
     state = step.init(self.params, self.t.seed, model_state=self.model_state)
     step_fn, put = self._jitted(step, state)

@@ -8,10 +8,29 @@ import jax
 import numpy as np
 
 from jaxstep import parallel
+from jaxstep.errors import BatchError
 from jaxstep.trainer import sources
 from jaxstep.trainer.run_hooks import in_flight
 
 RESERVED = ("loss", "tokens")  # the sums every set reports; an aux of these names is kept apart
+
+
+def check_first_batches(sets: dict, mesh=None) -> None:
+  """``BatchError`` naming the set if its first batch is not a dict of arrays with equal
+  rows, or (with a mesh) its rows do not split over the mesh's devices: found at the
+  start of the run, not at its first evaluation an hour in. Reads one batch per set."""
+  devices = 1 if mesh is None else mesh.devices.size
+  for name, make in sets.items():
+    first = next(iter(make()), None)
+    if first is None:
+      continue
+    batch = sources.check_batch(first, None, f"eval_sets[{name!r}]'s first batch")
+    rows = next(iter(batch.values())).shape[0]
+    if rows % devices:
+      raise BatchError(
+        f"eval_sets[{name!r}]'s first batch has {rows} rows, which do not split over the "
+        f"mesh's {devices} devices; give its batches a multiple of {devices} rows"
+      )
 
 
 class Evaluator:
