@@ -6,7 +6,9 @@ the collectives found inside the scan's while body of the compiled step.
 """
 
 import json
+import pathlib
 import re
+import sys
 
 import jax
 import numpy as np
@@ -16,6 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxstep import TrainState, make_train_step, models, parallel
 from jaxstep.core.losses import next_token_loss
 from jaxstep.core.optim import OptimConfig, make_optimizer
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.scaling import COMPUTATION, loop_computations  # noqa: E402
 
 CFG = models.GPTConfig(vocab_size=32, max_seq_len=8, d_model=32, n_layers=1, n_heads=2)
 G, S = 32, 8
@@ -34,17 +39,9 @@ def batches():
 
 
 def loop_collectives(hlo: str) -> dict:
-  """Collectives in computations reachable from any while loop's body."""
-  comps = dict(re.findall(r"\n(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
-  todo = re.findall(r"body=%?([\w.\-]+)", hlo)
-  seen = set()
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    todo += re.findall(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", comps[name])
-  text = "\n".join(comps[n] for n in seen)
+  """How many of each collective the computations reachable from a while loop hold."""
+  comps = dict(COMPUTATION.findall(hlo))
+  text = "\n".join(comps[n] for n in loop_computations(hlo))
   return {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
 
 
