@@ -90,6 +90,13 @@ def test_eval_sets_report_the_sums_of_an_independent_computation(tmp_path):
     got = result.evals[name]
     assert got["step"] == 12 and got["eval_tokens"] == rows and got["eval_rows"] == rows
     np.testing.assert_allclose(got["eval_loss"], sse / rows, rtol=1e-5)
+  again = trainer(tmp_path, eval_sets=sets, train={"eval_every": 6}).fit()  # writes nothing
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert again.stop_reason == "already finished at update step 12"
+  assert again.last_record == json.loads(lines[-1]) and again.evals == {
+    "a": records[2],
+    "b": records[3],
+  }
 
 
 def test_a_plain_iterable_resumes_by_skipping_what_was_consumed(tmp_path):

@@ -217,9 +217,11 @@ class Trainer:
       ckpt = Checkpointer(run_dir / "checkpoints", keep=self.c.keep, async_save=self.c.async_)
       if start >= self.t.max_steps:
         ckpt.close()
-        log.info("already finished at update step %d; nothing to do (run_dir %s)", start, run_dir)
+        reason = f"already finished at update step {start}"
+        log.info("%s; nothing to do (run_dir %s)", reason, run_dir)
         position = source.position(source.mark())
-        return LoopResult(state, start, position, {}, {}, "already finished", run_info)
+        last, evals = records.recorded_end(run_dir, next(iter(self.eval_sets), ""))
+        return LoopResult(state, start, position, last, evals, reason, run_info)
       run_dir_lib.first_writes(run_dir, ckpt, state, lambda: self._write_config(run_dir))
       return self._loop(run_dir, ckpt, state, start, step_fn, put, run_info, source).run()
 

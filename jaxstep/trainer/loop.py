@@ -183,10 +183,7 @@ def _already_finished(state: TrainState, rs: RunState, run_dir) -> TrainResult:
   """A re-run of a finished command: reports the recorded end, writes nothing."""
   reason = f"already finished at update step {rs.step}"
   log.info("%s; nothing to do (run_dir %s)", reason, run_dir)
-  last = (records.read_records(run_dir / "metrics.jsonl") or [{}])[-1]
-  evals: dict[str, dict] = {}
-  for record in records.read_records(run_dir / "eval.jsonl"):
-    evals[record.get("set", eval_sets.HELDOUT)] = record
+  last, evals = records.recorded_end(run_dir, eval_sets.HELDOUT)
   first = evals.get(eval_sets.HELDOUT) or next(iter(evals.values()), None)
   return TrainResult(state, rs, last, first, reason, evals)
 

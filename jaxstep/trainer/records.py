@@ -78,3 +78,13 @@ def truncate_records(path: pathlib.Path, last_step: int) -> None:
   if path.exists():
     keep = [r for r in read_records(path) if r.get("step", 0) <= last_step]
     write_atomic(path, "".join(dumps(r) + "\n" for r in keep))
+
+
+def recorded_end(run_dir: pathlib.Path, default_set: str) -> tuple[dict, dict[str, dict]]:
+  """What a finished run recorded last: its last ``metrics.jsonl`` line and the last
+  ``eval.jsonl`` line of each eval set (a line without ``set`` is ``default_set``'s)."""
+  last = (read_records(run_dir / "metrics.jsonl") or [{}])[-1]
+  evals: dict[str, dict] = {}
+  for record in read_records(run_dir / "eval.jsonl"):
+    evals[record.get("set", default_set)] = record
+  return last, evals
