@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.assemble import build
 from jaxstep.trainer.auto_accum import GIB
-from jaxstep.trainer.build import build
 from jaxstep.trainer.checkpoint import Checkpointer
 from jaxstep.trainer.perf import mfu, peak_flops_per_device
 

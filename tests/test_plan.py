@@ -58,7 +58,7 @@ def test_auto_counts_as_one_until_chosen(tmp_path):
 @pytest.mark.slow
 def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
   from jaxstep.cli import check
-  from jaxstep.trainer import build, memory, plan
+  from jaxstep.trainer import assemble, memory, plan
 
   cfg = make_cfg(tmp_path, "train.max_steps=3", "train.schedule_steps=0")
   seen = []
@@ -69,8 +69,8 @@ def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
     return seen[-1]
 
   monkeypatch.setattr(plan, "make_plan", spy)  # memory and check import it when called
-  monkeypatch.setattr(build, "make_plan", spy)
-  run = build.build(cfg)[0]
+  monkeypatch.setattr(assemble, "make_plan", spy)
+  run = assemble.build(cfg)[0]
   mem = memory.compiled_memory(cfg)
   check.check_config(cfg)
   assert len(seen) == 3

@@ -24,7 +24,7 @@ from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import eval_sets, records, run_hooks
 from jaxstep.trainer import resume as resume_lib
 from jaxstep.trainer import run_dir as run_dir_lib
-from jaxstep.trainer.build import Run, build
+from jaxstep.trainer.assemble import Run, build
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer
 from jaxstep.trainer.driver import Loop
