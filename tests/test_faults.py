@@ -244,6 +244,7 @@ def test_two_concurrent_runs_on_one_run_dir_and_a_killed_holder(tmp_path, capsys
       *SMALL,
       "train.max_steps=100000",
       "train.log_every=1",
+      "train.eval_every=100000",  # no new file of its own while the second run is refused
       "checkpoint.every=5",
       f"data.path={tmp_path / 'corpus.txt'}",
       f"run_dir={run_dir}",
