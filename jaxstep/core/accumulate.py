@@ -206,9 +206,10 @@ def sharded_accumulate(
   Under ``jax.shard_map`` over ``("data", "fsdp")`` each device: all-gathers its fsdp-sharded
   parameters once, splits ITS rows of the global batch into K micro-batches (the same
   micro-batch membership as the unsharded split when ``K`` divides the per-device rows),
-  scans them into a local fp32 accumulator, and only after the scan reduces: ``psum`` over
-  ``data`` then ``psum_scatter`` over ``fsdp`` (or ``psum`` over both for replicated
-  leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside every micro-step.
+  scans them into a local fp32 accumulator, and only after the scan reduces:
+  ``psum_scatter`` over ``fsdp`` then ``psum`` over ``data`` of the shard (or ``psum`` over
+  both for replicated leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside
+  every micro-step.
 
   The model state is laid out like params; each device threads it through its own rows'
   micro-steps, and after the scan its floating leaves are averaged over all devices (other
@@ -286,7 +287,8 @@ def _reduce(grads, sums, param_specs):
   Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
   one ``psum``: gloo (the multi-process CPU transport) runs a tuple all-reduce of many
   operands far slower than one buffer of the same size (docs/performance.md).
-  fsdp-sharded leaves: ``psum`` over data, then ``psum_scatter`` over fsdp.
+  fsdp-sharded leaves: ``psum_scatter`` over fsdp first, then ``psum`` over data of each
+  device's 1/fsdp shard: the data all-reduce carries 1/fsdp of the gradient, not all of it.
   """
   leaves, treedef = jax.tree.flatten(grads)
   dims = [_fsdp_dim(spec) for spec in treedef.flatten_up_to(param_specs)]
@@ -297,7 +299,6 @@ def _reduce(grads, sums, param_specs):
     leaves[i] = g
   for i, dim in enumerate(dims):
     if dim is not None:
-      leaves[i] = jax.lax.psum_scatter(
-        jax.lax.psum(leaves[i], "data"), "fsdp", scatter_dimension=dim, tiled=True
-      )
+      shard = jax.lax.psum_scatter(leaves[i], "fsdp", scatter_dimension=dim, tiled=True)
+      leaves[i] = jax.lax.psum(shard, "data")
   return jax.tree.unflatten(treedef, leaves), *sums
