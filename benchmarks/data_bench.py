@@ -258,7 +258,7 @@ def scale_suite(quick: bool) -> dict:
   g, s = 256, 1024
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-scale-"))
   try:
-    batch = {"kind": "global_batch", "g": g, "s": s, "batches": 8 if quick else 32}
+    batch = {"kind": "global_batch", "g": g, "s": s, "batches": 2 if quick else 32}
     load = {"kind": "data_startup", "s": s}
     specs = {
       "batch_1m": {**batch, "windows": 10**6},
@@ -266,7 +266,7 @@ def scale_suite(quick: bool) -> dict:
       "startup_10m": {**load, "data": str(sparse_prepared(root / "t10m", 10**7, 2048))},
       "startup_2b": {**load, "data": str(sparse_prepared(root / "t2b", 2 * 10**9, 2048))},
     }
-    res, info, _ = measure(specs, rounds=5 if quick else 15)
+    res, info, _ = measure(specs, rounds=2 if quick else 15)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   cost = ratio_stats(

@@ -34,7 +34,7 @@ class Worker:
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
       text=True,
-      env={**os.environ, **(env or {})},
+      env={**_uncached(os.environ), **(env or {})},
       cwd=pathlib.Path(__file__).resolve().parent.parent,
     )
     self._info = None
@@ -109,6 +109,12 @@ def ratio_stats(numerators, denominators) -> dict:
   r = np.asarray(numerators, float) / np.asarray(denominators, float)
   q1, med, q3 = np.percentile(r, [25, 50, 75])
   return {"median": float(med), "q1": float(q1), "q3": float(q3), "rounds": len(r)}
+
+
+def _uncached(env) -> dict:
+  """``env`` without JAX's persistent compilation cache: every worker compiles (compile
+  times are measured, and a warm-up must not differ between contenders)."""
+  return {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
 
 
 def environment() -> dict:

@@ -8,6 +8,13 @@ import tempfile
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Raw data is prepared into a cache on first use: one per test session, never the user's.
 os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cache-"))
+# Compiled programs too: the many subprocess runs of the same small configs compile each
+# train step once per session instead of once per process. Processes a test kills pass
+# ``killable(env)``: jax writes cache entries in place, and a kill mid-write would leave a
+# truncated one for the next process to warn about.
+JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
+os.environ.setdefault(JIT_CACHE, tempfile.mkdtemp(prefix="jaxstep-test-jit-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -165,6 +172,12 @@ def restore_logging():
   root.handlers[:], root.level = handlers, level
 
 
+def killable(env: dict) -> dict:
+  """``env`` for a process a test may kill: it reads nothing from and writes nothing to the
+  session's compilation cache."""
+  return {k: v for k, v in env.items() if k != JIT_CACHE}
+
+
 def straight_and_killed(tmp_path, args, kill_at: int):
   """Trains ``args`` (``jaxstep.train`` overrides) into ``tmp_path/straight`` to the end, and
   into ``tmp_path/killed`` with a SIGKILL once the checkpoint of update step ``kill_at``
@@ -182,7 +195,7 @@ def straight_and_killed(tmp_path, args, kill_at: int):
 
   done = subprocess.run(command("straight"), env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-2000:]
-  proc = subprocess.Popen(command("killed"), env=env, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(command("killed"), env=killable(env), stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while not (tmp_path / "killed" / "checkpoints" / str(kill_at)).exists():
     assert time.time() < deadline and proc.poll() is None, "no checkpoint to kill after"

@@ -154,7 +154,12 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+SLOW_INPUTS = ("empty_dataset", "malformed_jsonl", "vocab")  # these read and tokenize data
+
+
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_INPUTS else n for n in BAD_INPUTS]
+)
 def test_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, name):
   make_args, message = BAD_INPUTS[name]
   run_dir = tmp_path / "run"

@@ -2,10 +2,11 @@
 two runs on one run_dir, checkpoints corrupted in place, changed configs on resume. Each
 must end in one ``error:`` line, a documented exit code, no hang, and nothing lost."""
 
+import os
 import pathlib
 
 import pytest
-from conftest import SMALL_MODEL, can_mount, make_cfg, remount_read_only_when_free
+from conftest import SMALL_MODEL, can_mount, killable, make_cfg, remount_read_only_when_free
 
 from jaxstep.cli import train as train_cli
 
@@ -249,6 +250,7 @@ def test_two_concurrent_runs_on_one_run_dir_and_a_killed_holder(tmp_path, capsys
       f"data.path={tmp_path / 'corpus.txt'}",
       f"run_dir={run_dir}",
     ],
+    env=killable(dict(os.environ)),
     stderr=subprocess.DEVNULL,
   )
   try:

@@ -75,6 +75,7 @@ def test_the_gradient_norm_is_over_the_trainable_leaves_only():
   assert expected < full
 
 
+@pytest.mark.slow
 def test_k_micro_steps_equal_one_big_batch_with_frozen_leaves():
   results = []
   sgd = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))  # Adam's first step is
@@ -86,6 +87,7 @@ def test_k_micro_steps_equal_one_big_batch_with_frozen_leaves():
     np.testing.assert_allclose(results[1][name], leaf, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_frozen_leaf_may_stay_in_bf16():
   _, params, step = setup()
   params = jax.tree_util.tree_map_with_path(
@@ -158,6 +160,7 @@ def test_frozen_leaves_on_an_fsdp_mesh_train_as_on_one_device(tmp_path):
   np.testing.assert_allclose(losses["fsdp"], losses["one"], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_resuming_with_other_trainable_leaves_names_the_key(tmp_path, capsys):
   from conftest import SMALL_MODEL
 

@@ -274,6 +274,7 @@ def params_bytes(saved):
   return sum(x.nbytes for x in jax.tree.leaves(saved.params))
 
 
+@pytest.mark.slow
 def test_num_samples_just_within_a_small_limit_runs_and_one_more_is_refused(
   trained, monkeypatch, capsys
 ):

@@ -97,6 +97,7 @@ def force_end_of_turn(path, token_id):
   safetensors_numpy.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 def test_chat_generates_from_the_rendered_ids_and_stops_at_end_of_turn(
   folder,  # noqa: F811
   monkeypatch,

@@ -81,6 +81,7 @@ def test_imported_logits_equal_transformers(tmp_path, family):
   np.testing.assert_allclose(imported_logits(tmp_path, ids), torch_logits(model, ids), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_sharded_bf16_folder_reads_the_same_values(tmp_path):
   model = save_tiny(tmp_path, "qwen3", dtype=torch.bfloat16, max_shard_size="20KB")
   assert (tmp_path / hf_weights.INDEX).is_file()

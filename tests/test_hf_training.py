@@ -37,7 +37,8 @@ def torch_grads(model, tokens: np.ndarray, mask: np.ndarray) -> dict:
   return {name: p.grad.numpy() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "qwen3"])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)

@@ -113,6 +113,7 @@ def test_a_folder_without_config_json_is_one_line_exit_2(tmp_path, capsys):
   assert code == 2 and "has no config.json" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_the_folders_weights_and_exports_what_transformers_loads(
   folder,  # noqa: F811
   tmp_path,

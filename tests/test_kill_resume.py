@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL_MODEL, make_cfg, read_lines, restore_state_arrays
+from conftest import SMALL_MODEL, killable, make_cfg, read_lines, restore_state_arrays
 
 from jaxstep.trainer.checkpoint import list_checkpoints
 
@@ -88,7 +88,9 @@ def test_sigkill_at_random_moments_never_loses_or_corrupts(tmp_path):
   rng = random.Random(0)
   kills = 0
   for _ in range(25):
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+      args, env=killable(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     if kills < 6:
       time.sleep(rng.uniform(2.0, 6.0))  # import, compile, train or in the middle of a save
       if proc.poll() is None:

@@ -130,6 +130,7 @@ def test_resume_on_prepared_shards_is_bitwise_and_records_one_position(tmp_path,
     assert "loader" not in run and run["epoch"] * spe + run["step_in_epoch"] == run["step"]
 
 
+@pytest.mark.slow
 def test_damaged_shards_stop_the_cli_before_anything_runs(tmp_path, bpe_data):
   import shutil
 

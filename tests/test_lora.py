@@ -28,7 +28,13 @@ def names(tree):
 
 @pytest.mark.parametrize(
   "cfg",
-  [LLAMA, GPT, dataclasses.replace(LLAMA, scan_layers=True, remat="block")],
+  [
+    pytest.param(LLAMA, marks=pytest.mark.slow),
+    GPT,
+    pytest.param(
+      dataclasses.replace(LLAMA, scan_layers=True, remat="block"), marks=pytest.mark.slow
+    ),
+  ],
   ids=["llama", "gpt", "llama-scanned"],
 )
 def test_adapters_at_init_leave_the_base_models_logits_and_weights(cfg):
@@ -259,7 +265,13 @@ def test_your_own_linen_model_gets_adapters_by_path_pattern():
     lora.add_adapters(params, ["attn"], rank=2, rng=jax.random.PRNGKey(1))
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, dataclasses.replace(GPT, scan_layers=True, remat="block")])
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    LLAMA,
+    pytest.param(dataclasses.replace(GPT, scan_layers=True, remat="block"), marks=pytest.mark.slow),
+  ],
+)
 def test_adapter_dropout_acts_in_training_only_and_repeats_with_its_key(cfg):
   cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=4, dropout=0.5))
   apply_fn, params = models.build(cfg, 0)

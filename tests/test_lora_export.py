@@ -55,7 +55,9 @@ def peft_reference(base: str, adapter_config: dict, tmp_path):
   "overrides",
   [
     pytest.param((), marks=pytest.mark.slow),
-    ("model.family=llama", "model.lora.targets=[q_proj, v_proj]"),
+    pytest.param(
+      ("model.family=llama", "model.lora.targets=[q_proj, v_proj]"), marks=pytest.mark.slow
+    ),
     pytest.param(("model.scan_layers=true",), marks=pytest.mark.slow),
   ],
   ids=["every-projection", "q-and-v", "stacked"],

@@ -118,6 +118,7 @@ def test_frozen_parameters_have_no_moments_or_accumulator_in_the_layout():
   assert jaxstep_layout(1000, trainable=1000) == full
 
 
+@pytest.mark.slow
 def test_the_memory_command_shows_the_trainable_split_of_a_lora_config(capsys):
   from jaxstep.cli import run as run_command
 

@@ -130,7 +130,7 @@ def test_k_micro_steps_equal_one_big_batch(case):
   k_micro_steps_equal_one_big_batch(case)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(uneven_batches())
 def test_k_micro_steps_equal_one_big_batch_on_a_few_cases(case):
   """The same property in the fast tier, on fewer drawn batches."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import killable
 
 import jaxstep
 from jaxstep.errors import BatchError, CheckpointError, ConfigError
@@ -202,7 +203,9 @@ def _run_example(run_dir, steps, *, kill_after_step=None):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
-  proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(
+    command, env=killable(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+  )
   metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
   while True:
     assert proc.poll() is None and time.time() < deadline, "ended before the kill"
