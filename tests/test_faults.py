@@ -570,7 +570,10 @@ def test_the_checkpoints_command_reports_bytes_changed_in_place(four_steps, tmp_
   assert checkpoints.main([str(tmp_path / "run")]) == 0
   rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
   assert rows["2"].endswith("ok")
-  assert "INVALID" in rows["4"] and "checksum mismatch" in rows["4"]
+  # the zeroed bytes land on raw array data (a checksum mismatch) or, as the arrays' order
+  # in orbax's data file varies from save to save, on what the reader decodes (unreadable)
+  assert "INVALID" in rows["4"]
+  assert "checksum mismatch" in rows["4"] or "unreadable" in rows["4"]
 
 
 def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
