@@ -23,6 +23,8 @@ from jaxstep.parallel.cpu_devices import ACCELERATOR_PLUGINS
 log = logging.getLogger("jaxstep")
 PROBE_INTERVAL = 0.5  # seconds between connection attempts to the coordinator
 
+PORT_FIX = "choose a free port in mesh.coordinator"  # a busy port the config chose
+
 
 def initialize_distributed(
   coordinator: str = "",
@@ -63,7 +65,7 @@ def initialize_distributed(
       process_id = launch.process_id
   devices = launch.local_device_ids if launch else None
   port_fix = (
-    "choose a free port in mesh.coordinator"
+    PORT_FIX
     if source == "mesh.coordinator"
     else f"set JAX_COORDINATOR_PORT to a free port (or mesh.coordinator) for this {source} job"
   )
@@ -131,7 +133,7 @@ def _initialize_with_coordinator(
   process_id: int,
   timeout: int,
   devices: tuple[int, ...] | None = None,
-  port_fix: str = "choose a free port in mesh.coordinator",
+  port_fix: str = PORT_FIX,
 ) -> None:
   """Checks the three fields, waits for the coordinator (processes other than 0), picks the
   CPU transport, and starts ``jax.distributed`` on ``devices`` (``None``: all this process
@@ -185,9 +187,7 @@ def _initialize_with_coordinator(
       ) from None
 
 
-def refuse_a_busy_port(
-  port: int, coordinator: str, fix: str = "choose a free port in mesh.coordinator"
-) -> None:
+def refuse_a_busy_port(port: int, coordinator: str, fix: str = PORT_FIX) -> None:
   """``ConfigError`` if another program already listens on ``port``: process 0 serves the
   coordinator there on every interface, and JAX's runtime crashes (signal 11) on a busy
   port instead of raising. Both families are tried: an IPv6 socket may not see an IPv4

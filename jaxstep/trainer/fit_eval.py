@@ -16,9 +16,9 @@ RESERVED = ("loss", "tokens")  # the sums every set reports; an aux of these nam
 
 
 def check_first_batches(sets: dict, mesh=None) -> None:
-  """``BatchError`` naming the set if its first batch is not a dict of arrays with equal
-  rows, or (with a mesh) its rows do not split over the mesh's devices: found at the
-  start of the run, not at its first evaluation an hour in. Reads one batch per set."""
+  """``BatchError`` naming the set if its first batch is not a dict, or (with a mesh) its
+  rows do not split over the mesh's devices: found at the start of the run, not at its
+  first evaluation an hour in. Reads one batch per set."""
   devices = 1 if mesh is None else mesh.devices.size
   for name, make in sets.items():
     first = next(iter(make()), None)
