@@ -5,9 +5,11 @@
 Names map one to one (``hf_name``): ``model.layers.{i}.self_attn.q_proj.weight`` is
 ``params["blocks"][i]["q_proj"]["kernel"]``, transposed, since PyTorch's ``Linear`` stores
 ``[out, in]`` and flax's ``[in, out]``; norms' ``weight`` is ``scale``; a tied model has no
-``lm_head.weight``. Tensors are read one at a time from the memory-mapped files and each is
-handed to ``place`` (e.g. ``jax.device_put`` onto its target sharding) before the next is
-read, so host memory holds about one tensor beyond what ``place`` keeps.
+``lm_head.weight``. Tensors are read one at a time, each straight into its final layout and
+dtype (one copy, no intermediate), and handed to ``place`` (e.g. ``jax.device_put`` onto its
+target sharding) before the next is read. Each tensor opens its file anew, so the mapped
+file's pages leave the process as soon as the tensor is copied: host memory holds what
+``place`` keeps plus about one tensor, not the file as well.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Buffers some older checkpoints carry that are recomputed here, not parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Bytes of one block of rows copied (cast, transposed) from the file at a time.
+BLOCK_BYTES = 4 << 20
 
 
 def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
@@ -152,31 +156,47 @@ def read_params(
       f"{', '.join(missing[:3])}"
     )
   params: dict = {}
-  by_file: dict[pathlib.Path, list] = {}
   for path, name, transposed in wanted:
-    by_file.setdefault(files[name], []).append((path, name, transposed))
-  for file, entries in by_file.items():
-    with _opened(file) as f:
-      for path, name, transposed in entries:
-        array = _tensor(f, file, name)
-        needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
-        if tuple(array.shape) != needed:
-          raise ConfigError(
-            f"{file.name}: tensor {name} has shape {tuple(array.shape)}, config.json needs {needed}"
-          )
-        array = _transposed(array, dtype) if transposed else np.asarray(array, dtype=dtype)
-        _set(params, path, place(path, array) if place else array)
+    file = files[name]
+    needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
+    with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
+      array = _read(f, file, name, needed, transposed, dtype)
+    _set(params, path, place(path, array) if place else array)
   return params
 
 
-def _transposed(array: np.ndarray, dtype, rows: int = 256) -> np.ndarray:
-  """``array.T`` as a new contiguous array of ``dtype``, copied ``rows`` source rows at a
-  time: each block's reads and writes stay in cache, about twice as fast as numpy's
-  transposing copy of a large matrix."""
-  out = np.empty(array.shape[::-1], dtype)
-  for i in range(0, array.shape[0], rows):
-    out[:, i : i + rows] = array[i : i + rows].T
+def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype):
+  """Tensor ``name`` of the open file, checked against ``needed`` (the file's layout), cast
+  to ``dtype`` and transposed if asked, into a new 64-byte-aligned array, a block of rows
+  (about ``BLOCK_BYTES``) at a time: no second copy of the tensor is ever made, and a CPU
+  ``jax.device_put`` adopts the aligned result instead of copying it."""
+  try:
+    source = f.get_slice(name)
+    shape = tuple(source.get_shape())
+  except Exception as e:  # noqa: BLE001 - a shard the index names may lack it
+    raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
+  if shape != needed:
+    raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, config.json needs {needed}")
+  out = aligned_empty(shape[::-1] if transposed else shape, dtype)
+  rows = max(1, BLOCK_BYTES // max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:]))))
+  try:
+    for i in range(0, shape[0], rows):
+      end = min(i + rows, shape[0])  # safetensors refuses a slice past the end
+      if transposed:
+        out[:, i:end] = source[i:end].T
+      else:
+        out[i:end] = source[i:end]
+  except Exception as e:  # noqa: BLE001 - a cut file fails here
+    raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
   return out
+
+
+def aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
+  """``np.empty(shape, dtype)`` whose data starts on an ``alignment``-byte boundary."""
+  nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  start = -raw.ctypes.data % alignment
+  return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 @contextlib.contextmanager
@@ -190,13 +210,6 @@ def _opened(file: pathlib.Path):
     raise ConfigError(f"{file} is not a readable safetensors file ({first_line(e)})") from None
   with handle as f:
     yield f
-
-
-def _tensor(f, file: pathlib.Path, name: str) -> np.ndarray:
-  try:
-    return f.get_tensor(name)
-  except Exception as e:  # noqa: BLE001 - a shard the index names may lack it, or be cut
-    raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
 
 
 def _set(tree: dict, path: tuple, value) -> None:
