@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxstep import models
-from jaxstep.models import cpu_kernels
+from jaxstep.models import backends, cpu_kernels
 from jaxstep.models.cpu_kernels import causal_attention, dense_dot_general, query_blocks
 
 
@@ -108,6 +108,34 @@ def test_attention_value_and_grads_match_autodiff(shape, dtype):
   expected = jax.grad(objective(reference_attention), argnums=(0, 1, 2))(q, k, v)
   chex.assert_trees_all_close(grads, expected, rtol=tol, atol=tol)
   assert [g.dtype for g in grads] == [dtype] * 3
+
+
+@pytest.mark.parametrize(("groups", "segments"), [(2, False), (3, True)])
+def test_grouped_heads_equal_the_repeated_heads(groups, segments):
+  """Grouped-query attention (``KV`` key/value heads shared by ``H / KV`` query heads each)
+  equals attention over the key/value heads repeated to ``H`` (query head ``h`` reading
+  head ``h // groups``), value and gradients, on both the blocked kernel and ``xla``; the
+  keys' and values' gradients sum over their group."""
+  b, s, kv, dh = 2, 70, 2, 4  # two query blocks of 64 + 6 rows
+  q = jax.random.normal(jax.random.key(0), (b, s, kv * groups, dh))
+  k, v = (jax.random.normal(jax.random.key(i), (b, s, kv, dh)) for i in (1, 2))
+  seg = (
+    jnp.cumsum(jax.random.bernoulli(jax.random.key(3), 0.1, (b, s)), axis=1) if segments else None
+  )
+  probe = jax.random.normal(jax.random.key(9), q.shape)
+
+  def repeated(q, k, v):
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    return backends.causal_attention(q, k, v, "xla", segment_ids=seg)
+
+  want_out = repeated(q, k, v)
+  want = jax.grad(lambda *a: jnp.sum(repeated(*a) * probe), argnums=(0, 1, 2))(q, k, v)
+  for kernel in ("blocked", "xla"):
+    fn = lambda q, k, v: backends.causal_attention(q, k, v, kernel, segment_ids=seg)  # noqa: B023, E731
+    chex.assert_trees_all_close(fn(q, k, v), want_out, rtol=1e-5, atol=1e-6)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * probe), argnums=(0, 1, 2)))(q, k, v)  # noqa: B023
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[1].shape == k.shape
 
 
 def test_attention_is_causal():

@@ -113,8 +113,10 @@ def resolve_attention(choice: str, dtype, head_dim: int) -> str:
 def causal_attention(
   q: jax.Array, k: jax.Array, v: jax.Array, choice: str, segment_ids: jax.Array | None = None
 ) -> jax.Array:
-  """Causal softmax attention ``[B, S, H, Dh]`` × 3 → ``[B, S, H, Dh]`` with the kernel
-  ``choice`` resolves to. Scores and softmax are fp32 in every kernel.
+  """Causal softmax attention ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` →
+  ``[B, S, H, Dh]`` with the kernel ``choice`` resolves to; ``KV`` divides ``H`` and query
+  head ``h`` reads key/value head ``h // (H / KV)`` (every kernel takes the grouped heads
+  as they are: none repeats them). Scores and softmax are fp32 in every kernel.
 
   ``segment_ids`` (``int32[B, S]``, or None): document masking, query ``i`` sees key ``j``
   only if ``j ≤ i`` and both are in the same segment. None traces the plain causal kernel,

@@ -81,14 +81,19 @@ def dense_dot_general(x, w, dimension_numbers, precision=None, preferred_element
 
 @jax.custom_vjp
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Causal softmax attention, ``[B, S, H, Dh]`` each -> ``[B, S, H, Dh]``.
+  """Causal softmax attention: ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` with ``KV``
+  dividing ``H`` -> ``[B, S, H, Dh]``; query head ``h`` reads key/value head
+  ``h // (H / KV)`` (grouped-query attention; ``KV = H`` is plain multi-head).
 
   ``softmax(q·kᵀ / √Dh + causal mask) · v`` per head, the softmax in fp32 whatever the
-  compute dtype. Two things differ from autodiff of the plain einsum, not the math:
+  compute dtype. Three things differ from autodiff of the plain einsum, not the math:
 
   - The query rows go in blocks (``query_blocks``) and block ``[lo, hi)`` only meets keys
     ``[0, hi)``: the fully masked scores right of the diagonal block are never computed,
     (nb + 1) / (2 nb) of the S² work is (3/4 at 128 tokens, 9/16 from 1024 on).
+  - The ``H / KV`` query heads of a group are stacked as rows of one matrix against their
+    shared key/value head: the keys and values are never repeated, the dots are larger, and
+    the backward's ``dk``, ``dv`` sum over the group inside their dots.
   - The backward is written out (``dp = do·vᵀ``, ``ds = p ⊙ (dp − Σ dp ⊙ p)``, ``dq =
     ds·k``, ``dk = dsᵀ·q``, ``dv = pᵀ·do``, summed over the query blocks) so every dot
     transposes only a small ``[S, Dh]`` operand: autodiff lets XLA:CPU transpose the
@@ -105,46 +110,68 @@ def query_blocks(s: int) -> list[tuple[int, int]]:
   return [(lo, min(lo + block, s)) for lo in range(0, s, block)]
 
 
+def _grouped(x: jax.Array, kv: int) -> jax.Array:
+  """``[B, S, H, Dh]`` -> ``[B, KV, G, S, Dh]``: each key/value head's ``G = H / KV`` query
+  heads (``h = n·G + g``)."""
+  b, s, h, dh = x.shape
+  return x.reshape(b, s, kv, h // kv, dh).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x: jax.Array) -> jax.Array:
+  """``_grouped``'s inverse: ``[B, KV, G, S, Dh]`` -> ``[B, S, KV·G, Dh]``."""
+  b, kv, g, s, dh = x.shape
+  return x.transpose(0, 3, 1, 2, 4).reshape(b, s, kv * g, dh)
+
+
+def _rows(x: jax.Array, lo: int, hi: int) -> jax.Array:
+  """Query rows ``[lo, hi)`` of grouped ``[B, KV, G, S, Dh]``, the group's heads stacked:
+  ``[B, KV, G·(hi - lo), Dh]``."""
+  b, kv, g, _, dh = x.shape
+  return x[:, :, :, lo:hi].reshape(b, kv, g * (hi - lo), dh)
+
+
 def _attention_fwd(q, k, v, segment_ids=None):
-  qh = q.transpose(0, 2, 1, 3)  # [B, H, Sq, Dh]
-  kt = k.transpose(0, 2, 3, 1)  # [B, H, Dh, Sk]
-  vh = v.transpose(0, 2, 1, 3)  # [B, H, Sk, Dh]
+  kv, g = k.shape[2], q.shape[2] // k.shape[2]
+  qg = _grouped(q, kv)  # [B, KV, G, Sq, Dh]
+  kt = k.transpose(0, 2, 3, 1)  # [B, KV, Dh, Sk]
+  vh = v.transpose(0, 2, 1, 3)  # [B, KV, Sk, Dh]
   outs, probs = [], []
   for lo, hi in query_blocks(q.shape[1]):  # keys [0, hi): the rest is masked for all rows
-    scores = jnp.einsum("bhqd,bhdk->bhqk", qh[:, :, lo:hi], kt[..., :hi])
+    scores = jnp.einsum("bnqd,bndk->bnqk", _rows(qg, lo, hi), kt[..., :hi])
     scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
-    causal = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
-    if segment_ids is not None:  # [B, 1, hi - lo, hi]: causal and the same document
-      same = segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi]
-      causal = (causal & same)[:, None]
-    p = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), axis=-1)
-    outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vh[:, :, :hi]))
+    allowed = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [hi - lo, hi]
+    if segment_ids is not None:  # [B, hi - lo, hi]: causal and the same document
+      allowed = allowed & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
+    allowed = jnp.tile(allowed, (g, 1))  # the group's heads are stacked row blocks
+    allowed = allowed[:, None] if segment_ids is not None else allowed
+    p = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    out = jnp.einsum("bnqk,bnkd->bnqd", p.astype(v.dtype), vh[:, :, :hi])
+    outs.append(out.reshape(*qg.shape[:3], hi - lo, -1))
     probs.append(p)
-  out = jnp.concatenate(outs, axis=2)
-  return out.transpose(0, 2, 1, 3), (qh, kt, vh, tuple(probs))
+  out = _ungrouped(jnp.concatenate(outs, axis=3))
+  return out, (qg, kt, vh, tuple(probs))
 
 
 def _attention_bwd(residuals, do):
-  qh, kt, vh, probs = residuals  # probs: fp32 [B, H, hi - lo, hi] per block, 0 where masked
-  s, f32 = qh.shape[2], jnp.float32
-  doh = do.transpose(0, 2, 1, 3)  # [B, H, Sq, Dh]
+  qg, kt, vh, probs = residuals  # probs: fp32 [B, KV, G·(hi - lo), hi] per block, 0 masked
+  s, f32 = qg.shape[3], jnp.float32
+  dog = _grouped(do, qg.shape[1])  # [B, KV, G, Sq, Dh]
   dqs, dkt, dvt = [], jnp.zeros(kt.shape, f32), jnp.zeros(kt.shape, f32)
   for (lo, hi), p in zip(query_blocks(s), probs, strict=True):
-    do_b, pad = doh[:, :, lo:hi], [(0, 0)] * 3 + [(0, s - hi)]
-    dp = jnp.einsum("bhqd,bhdk->bhqk", do_b, vh[:, :, :hi].transpose(0, 1, 3, 2)).astype(f32)
+    do_b, q_b, pad = _rows(dog, lo, hi), _rows(qg, lo, hi), [(0, 0)] * 3 + [(0, s - hi)]
+    dp = jnp.einsum("bnqd,bndk->bnqk", do_b, vh[:, :, :hi].transpose(0, 1, 3, 2)).astype(f32)
     dv_b = jnp.einsum(
-      "bhdq,bhqk->bhdk", do_b.transpose(0, 1, 3, 2), p.astype(do.dtype), preferred_element_type=f32
+      "bndq,bnqk->bndk", do_b.transpose(0, 1, 3, 2), p.astype(do.dtype), preferred_element_type=f32
     )
-    ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(qh.shape[-1])
-    ds = ds.astype(qh.dtype)  # d(q·kᵀ); masked entries are 0 since p is
-    dqs.append(jnp.einsum("bhqk,bhkd->bhqd", ds, kt[..., :hi].transpose(0, 1, 3, 2)))
-    dk_b = jnp.einsum(
-      "bhdq,bhqk->bhdk", qh[:, :, lo:hi].transpose(0, 1, 3, 2), ds, preferred_element_type=f32
-    )
+    ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(qg.shape[-1])
+    ds = ds.astype(qg.dtype)  # d(q·kᵀ); masked entries are 0 since p is
+    dq_b = jnp.einsum("bnqk,bnkd->bnqd", ds, kt[..., :hi].transpose(0, 1, 3, 2))
+    dqs.append(dq_b.reshape(*qg.shape[:3], hi - lo, -1))
+    dk_b = jnp.einsum("bndq,bnqk->bndk", q_b.transpose(0, 1, 3, 2), ds, preferred_element_type=f32)
     dkt, dvt = dkt + jnp.pad(dk_b, pad), dvt + jnp.pad(dv_b, pad)
-  dq = jnp.concatenate(dqs, axis=2)
+  dq = _ungrouped(jnp.concatenate(dqs, axis=3))
   dk, dv = dkt.astype(kt.dtype), dvt.astype(vh.dtype)
-  return dq.transpose(0, 2, 1, 3), dk.transpose(0, 3, 1, 2), dv.transpose(0, 3, 1, 2)
+  return dq, dk.transpose(0, 3, 1, 2), dv.transpose(0, 3, 1, 2)
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
@@ -156,7 +183,8 @@ def segment_causal_attention(
 ) -> jax.Array:
   """``causal_attention`` within documents: query ``i`` sees key ``j`` iff ``j ≤ i`` and
   ``segment_ids[b, i] == segment_ids[b, j]`` (``segment_ids`` ``int32[B, S]``, as
-  ``Windows.rows(..., document_mask=True)`` makes them). ``[B, S, H, Dh]`` each.
+  ``Windows.rows(..., document_mask=True)`` makes them). Shapes and grouping as
+  ``causal_attention``'s.
 
   The same blocks, arithmetic and backward as ``causal_attention``: the segment test joins
   the causal one inside each block, and the backward needs no mask of its own because the

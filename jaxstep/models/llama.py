@@ -34,7 +34,6 @@ from jaxstep.models.llama_parts import (
   apply_rope,
   grouped_attention_over_cache,
   inv_freq,
-  repeat_kv,
   rope_scaling_of,
   rope_tables,
 )
@@ -189,8 +188,6 @@ class LlamaBlock(nnx.Module):
     ``0 … S-1``), within the documents of ``segment_ids`` (``[B, S]``; None: causal only)."""
     b, s, _ = x.shape
     q, k, v = self.qkv(x, jnp.arange(s) if positions is None else positions)
-    groups = self.cfg.n_heads // self.cfg.resolved_kv_heads
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # the kernels take H heads each
     out = backends.causal_attention(q, k, v, self.cfg.attention, segment_ids=segment_ids)
     return self.o_proj(out.reshape(b, s, -1))
 

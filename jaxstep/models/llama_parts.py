@@ -123,12 +123,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def repeat_kv(x: jax.Array, groups: int) -> jax.Array:
-  """``[B, S, KV, Dh]`` → ``[B, S, KV·groups, Dh]``, query head ``h`` reading key/value
-  head ``h // groups`` (Hugging Face's ``repeat_kv``)."""
-  return x if groups == 1 else jnp.repeat(x, groups, axis=2)
-
-
 def grouped_attention_over_cache(q, kt, v, positions):
   """``gpt.attention_over_cache`` for grouped queries: ``q [B, S, H, Dh]`` against a cache
   of ``KV`` heads, keys ``kt [B, KV, Dh, T]``, values ``v [B, KV, T, Dh]``; query head
