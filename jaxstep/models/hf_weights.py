@@ -168,8 +168,8 @@ def read_params(
 def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype):
   """Tensor ``name`` of the open file, checked against ``needed`` (the file's layout), cast
   to ``dtype`` and transposed if asked, into a new 64-byte-aligned array, a block of rows
-  (about ``BLOCK_BYTES``) at a time: no second copy of the tensor is ever made, and a CPU
-  ``jax.device_put`` adopts the aligned result instead of copying it."""
+  (about ``BLOCK_BYTES``) at a time: besides the result only one block is ever held, and a
+  CPU ``jax.device_put`` adopts the aligned result instead of copying it."""
   try:
     source = f.get_slice(name)
     shape = tuple(source.get_shape())
