@@ -20,10 +20,10 @@ import time
 from benchmarks.hf_load import (
   FOLDER,
   QUICK_FOLDER,
-  _fresh_rounds,
-  _in_fresh_process,
   folder_info,
   folder_path,
+  fresh_rounds,
+  in_fresh_process,
   load_results,
 )
 
@@ -107,14 +107,14 @@ CONTENDERS = {
 
 
 def _load_then_measure(path: str, load_rounds: int, specs: dict, rounds: int, overlap: bool):
-  """``_fresh_rounds`` of the loads, then ``harness.measure`` of ``specs``; ``overlap``: the
+  """``fresh_rounds`` of the loads, then ``harness.measure`` of ``specs``; ``overlap``: the
   loads run while the workers of ``specs`` build."""
   from benchmarks.harness import measure
 
   loads = {}
 
   def load():
-    loads["load"] = _fresh_rounds(path, load_rounds)
+    loads["load"] = fresh_rounds(path, load_rounds)
 
   if not overlap:
     load()
@@ -146,7 +146,7 @@ def suite_hf(quick: bool) -> dict:
   if (kept / "complete").is_file():
     folder = folder_info(kept)
   else:  # torch is imported only in processes of its own
-    folder = _in_fresh_process("folder", json.dumps(shape))
+    folder = in_fresh_process("folder", json.dumps(shape))
   phase_s["folder"] = time.perf_counter() - t
 
   base = {"model": model, "g": g, "k": k}

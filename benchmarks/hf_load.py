@@ -10,9 +10,10 @@ after round. ``load_pretrained`` is timed whole, tokenizer included (``tokenizer
 share, timed again after the load). Peak RSS increase of the load (sampled every 2 ms and
 ``ru_maxrss``) ÷ the model's fp32 bytes.
 
-The floor of any loader that copies the weights into memory of its own: the jaxstep process
-also times first-touching as many fresh bytes as the model has (``fresh_touch_s``, one write
-per page, after the load), since ``from_pretrained`` maps the file and copies nothing.
+The floor of any loader that copies the weights into memory of its own, since
+``from_pretrained`` maps the file and copies nothing: ``fresh_memory``, a third fresh process
+in every round that starts the same backend, then times allocating as many fresh bytes as
+the folder's weights have and writing one byte per page.
 """
 
 from __future__ import annotations
@@ -194,7 +195,6 @@ def load_jax(path: str) -> dict:
   hf_folder.folder_tokenizer(path)
   tokenizer_s = time.perf_counter() - t
   leaves = jax.tree.leaves(loaded.params)
-  fresh_touch_s = _fresh_touch(sum(x.nbytes for x in leaves))
   return {
     "seconds": seconds,
     "import_s": import_s,
@@ -203,19 +203,23 @@ def load_jax(path: str) -> dict:
     "rss_anon_increase": rss.anon_increase,
     "rss_after_increase": rss.after - rss.before,
     "tokenizer_s": tokenizer_s,
-    "fresh_touch_s": fresh_touch_s,
     "params": sum(x.size for x in leaves),
     "dtype": str(leaves[0].dtype),
   }
 
 
-def _fresh_touch(nbytes: int) -> float:
-  """Seconds to allocate ``nbytes`` of fresh memory and write one byte of each page: what any
-  loader that copies the weights out of the file pays before copying a byte."""
+def touch_fresh(path: str) -> dict:
+  """The floor of a copying loader of ``path``: allocating as many fresh bytes as its
+  safetensors files hold and writing one byte per page, after the same imports and backend
+  start as ``load_jax``."""
+  import jax
+
+  jax.block_until_ready(jax.device_put(np.zeros(1, np.float32)))
+  nbytes = sum(p.stat().st_size for p in pathlib.Path(path).glob("*.safetensors"))
   t = time.perf_counter()
   fresh = np.empty(nbytes, np.uint8)
   fresh[:: os.sysconf("SC_PAGE_SIZE")] = 1
-  return time.perf_counter() - t
+  return {"seconds": time.perf_counter() - t, "bytes": nbytes}
 
 
 def load_hf(path: str) -> dict:
@@ -254,10 +258,10 @@ def load_hf(path: str) -> dict:
   }
 
 
-LOADERS = {"jaxstep": load_jax, "transformers": load_hf}
+LOADERS = {"jaxstep": load_jax, "transformers": load_hf, "fresh_memory": touch_fresh}
 
 
-def _in_fresh_process(*args: str) -> dict:
+def in_fresh_process(*args: str) -> dict:
   """``python -m benchmarks.hf_load ARGS…`` (nothing else imported): its JSON line, and
   ``process_s``, the interpreter's whole life from start to exit, timed from here."""
   import subprocess
@@ -277,7 +281,7 @@ def _in_fresh_process(*args: str) -> dict:
   return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": process_s}
 
 
-def _fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
+def fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
   """``rounds`` rounds; in each, every loader loads ``path`` once in a fresh interpreter, in
   a fresh random order."""
   rng = random.Random(seed)
@@ -286,7 +290,7 @@ def _fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
     order = list(LOADERS)
     rng.shuffle(order)
     for name in order:
-      results[name].append(_in_fresh_process(name, path))
+      results[name].append(in_fresh_process(name, path))
   return results
 
 
@@ -294,12 +298,12 @@ def _fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
 
 
 def load_results(load: dict, folder: dict) -> tuple[dict, list, dict]:
-  """The ratios of ``_fresh_rounds``' loads (``load``) of ``folder``: ``(ratios by name,
+  """The ratios of ``fresh_rounds``' loads (``load``) of ``folder``: ``(ratios by name,
   table rows, summary keys)``."""
   from benchmarks.harness import fmt, ratio_stats
 
   out, summary = {}, {}
-  jl, hl = load["jaxstep"], load["transformers"]
+  jl, hl, fl = load["jaxstep"], load["transformers"], load["fresh_memory"]
   model_bytes = 4 * folder["params"]
   mb = f"{folder['params'] / 1e6:.0f} M params, {model_bytes / 2**20:.0f} MiB fp32"
 
@@ -322,8 +326,8 @@ def load_results(load: dict, folder: dict) -> tuple[dict, list, dict]:
       model_bytes,
     ),
     "tokenizer_share": (per_round(jl, "tokenizer_s"), per_round(jl, "seconds")),
-    "import_over_fresh_touch": (per_round(jl, "seconds"), per_round(jl, "fresh_touch_s")),
-    "fresh_touch_over_transformers": (per_round(jl, "fresh_touch_s"), per_round(hl, "seconds")),
+    "import_over_fresh_memory": (per_round(jl, "seconds"), per_round(fl, "seconds")),
+    "fresh_memory_over_transformers": (per_round(fl, "seconds"), per_round(hl, "seconds")),
   }
   for name, (num, den) in ratios.items():
     out[name] = ratio_stats(num, den)
@@ -355,7 +359,7 @@ def load_results(load: dict, folder: dict) -> tuple[dict, list, dict]:
     (
       "the floor of a copying loader: first-touching as many fresh bytes as the model has "
       "÷ from_pretrained · load_pretrained ÷ that floor",
-      f"{fmt(out['fresh_touch_over_transformers'])} · {fmt(out['import_over_fresh_touch'])}",
+      f"{fmt(out['fresh_memory_over_transformers'])} · {fmt(out['import_over_fresh_memory'])}",
       "",
     ),
     (

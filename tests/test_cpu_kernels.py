@@ -110,13 +110,16 @@ def test_attention_value_and_grads_match_autodiff(shape, dtype):
   assert [g.dtype for g in grads] == [dtype] * 3
 
 
-@pytest.mark.parametrize(("groups", "segments"), [(2, False), (3, True)])
-def test_grouped_heads_equal_the_repeated_heads(groups, segments):
+@pytest.mark.parametrize(
+  ("groups", "segments", "s"),
+  [(2, False, 8), (3, True, 8), pytest.param(2, True, 300, marks=pytest.mark.slow)],
+)
+def test_grouped_heads_equal_the_repeated_heads(groups, segments, s):
   """Grouped-query attention (``KV`` key/value heads shared by ``H / KV`` query heads each)
   equals attention over the key/value heads repeated to ``H`` (query head ``h`` reading
   head ``h // groups``), value and gradients, on both the blocked kernel and ``xla``; the
   keys' and values' gradients sum over their group."""
-  b, s, kv, dh = 2, 8, 2, 4  # two query blocks of 4 rows
+  b, kv, dh = 2, 2, 4  # 8 tokens: two query blocks of 4 rows; 300: 4 × 64 + 44
   q = jax.random.normal(jax.random.key(0), (b, s, kv * groups, dh))
   k, v = (jax.random.normal(jax.random.key(i), (b, s, kv, dh)) for i in (1, 2))
   starts = jax.random.bernoulli(jax.random.key(3), 0.3, (b, s))

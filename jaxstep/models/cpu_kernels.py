@@ -131,6 +131,8 @@ def _rows(x: jax.Array, lo: int, hi: int) -> jax.Array:
 
 
 def _attention_fwd(q, k, v, segment_ids=None):
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads")
   kv, g = k.shape[2], q.shape[2] // k.shape[2]
   qg = _grouped(q, kv)  # [B, KV, G, Sq, Dh]
   kt = k.transpose(0, 2, 3, 1)  # [B, KV, Dh, Sk]

@@ -5,8 +5,9 @@
 Names map one to one (``hf_name``): ``model.layers.{i}.self_attn.q_proj.weight`` is
 ``params["blocks"][i]["q_proj"]["kernel"]``, transposed, since PyTorch's ``Linear`` stores
 ``[out, in]`` and flax's ``[in, out]``; norms' ``weight`` is ``scale``; a tied model has no
-``lm_head.weight``. Tensors are read one at a time, each straight into its final layout and
-dtype (one copy, no intermediate), and handed to ``place`` (e.g. ``jax.device_put`` onto its
+``lm_head.weight``. Tensors are read one at a time, each a block of rows at a time (copied
+out of the file, then cast and transposed into place: no whole-tensor intermediate) into
+its final layout and dtype, and handed to ``place`` (e.g. ``jax.device_put`` onto its
 target sharding) before the next is read. Each tensor opens its file anew, so the mapped
 file's pages leave the process as soon as the tensor is copied: host memory holds what
 ``place`` keeps plus about one tensor, not the file as well.
@@ -162,6 +163,7 @@ def read_params(
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
       array = _read(f, file, name, needed, transposed, dtype)
     _set(params, path, place(path, array) if place else array)
+    del array  # a copying ``place`` has its own: not held while the next is read
   return params
 
 
@@ -186,7 +188,9 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
         out[:, i:end] = source[i:end].T
       else:
         out[i:end] = source[i:end]
-  except Exception as e:  # noqa: BLE001 - a cut file fails here
+  except MemoryError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the data cannot be read or cast
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
   return out
 
