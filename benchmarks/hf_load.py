@@ -18,16 +18,17 @@ the folder's weights have and writing one byte per page.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pathlib
-import random
 import resource
 import shutil
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -282,16 +283,12 @@ def in_fresh_process(*args: str) -> dict:
 
 
 def fresh_rounds(path: str, rounds: int, seed: int = 0) -> dict[str, list]:
-  """``rounds`` rounds; in each, every loader loads ``path`` once in a fresh interpreter, in
-  a fresh random order."""
-  rng = random.Random(seed)
-  results = {name: [] for name in LOADERS}
-  for _ in range(rounds):
-    order = list(LOADERS)
-    rng.shuffle(order)
-    for name in order:
-      results[name].append(in_fresh_process(name, path))
-  return results
+  """``harness.interleaved`` rounds of the loaders: in each, every loader loads ``path``
+  once in a fresh interpreter, in a fresh random order."""
+  from benchmarks.harness import interleaved
+
+  loads = {n: SimpleNamespace(run=functools.partial(in_fresh_process, n, path)) for n in LOADERS}
+  return interleaved(loads, rounds, seed)
 
 
 # ---------------------------------------------------------------------------- the results

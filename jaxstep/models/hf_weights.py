@@ -179,7 +179,7 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
   if shape != needed:
     raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, config.json needs {needed}")
-  out = aligned_empty(shape[::-1] if transposed else shape, dtype)
+  out = _aligned_empty(shape[::-1] if transposed else shape, dtype)
   rows = max(1, BLOCK_BYTES // max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:]))))
   try:
     for i in range(0, shape[0], rows):
@@ -195,7 +195,7 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
   return out
 
 
-def aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
+def _aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
   """``np.empty(shape, dtype)`` whose data starts on an ``alignment``-byte boundary."""
   nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
   raw = np.empty(nbytes + alignment, np.uint8)
