@@ -38,6 +38,7 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
 HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_import_over_transformers",
   "hf_import_rss_over_model_bytes",
+  "hf_read_floor_over_transformers",
   "llama_tokens_vs_pytorch",
   "llama_decode_vs_hf",
 }
