@@ -140,7 +140,7 @@ def step_metrics(*, loss, spike, updated, skipped_total, grad_norm=1.0):
 
 def late_metrics():
   return LateMetrics(
-    NullSink(), log_every=1, total_steps=10, tokens_per_step=8, flops_per_token=1.0, peak_flops=0
+    NullSink(), log_every=1, total_steps=10, tokens_per_step=8, flops_per_token=1.0, peak_flops=1.0
   )
 
 

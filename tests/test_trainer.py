@@ -307,16 +307,22 @@ def test_only_the_runs_writer_threads_stop_it():
   def helper():
     raise ConnectionError("a tracker's server went away")
 
-  with watch_threads() as errors:
-    other = threading.Thread(target=helper)
-    other.start()
-    other.join()
-    assert errors.errors == []
-    writer = Writer()
-    writer.start()
-    writer.join()
-    with pytest.raises(OSError, match="No space"):
-      errors.check()
+  passed_on = []
+  previous, threading.excepthook = threading.excepthook, lambda args: passed_on.append(args)
+  try:
+    with watch_threads() as errors:
+      other = threading.Thread(target=helper)
+      other.start()
+      other.join()
+      assert errors.errors == []
+      assert [a.exc_type for a in passed_on] == [ConnectionError]  # to the hook before
+      writer = Writer()
+      writer.start()
+      writer.join()
+      with pytest.raises(OSError, match="No space"):
+        errors.check()
+  finally:
+    threading.excepthook = previous
 
 
 def test_a_second_fit_starts_the_data_from_its_beginning(tmp_path):
