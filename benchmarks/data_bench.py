@@ -1,5 +1,6 @@
-"""Data-path contenders: start-up against corpus size, prepare against its tokenizer, and
-the loader alone; and how the loader's and start-up's costs scale with the corpus.
+"""The data suite (``suite_data``) and its contenders: start-up against corpus size, prepare
+against its tokenizer, and the loader alone; and how the loader's and start-up's costs
+scale with the corpus.
 
 Corpora are synthetic text of random words (bytes ≈ tokens with the byte tokenizer) made
 in a temporary folder by ``make_corpus``; nothing is downloaded. The scaling measurements
@@ -249,10 +250,8 @@ def scale_suite(quick: bool) -> dict:
     (goal ≤ 1 s: sizes and times, not bytes).
 
   Paired per round (``harness.measure``); returns ``raw``, ``summary`` and ``rows`` for
-  ``benchmarks.run``'s data suite to merge.
+  ``suite_data`` to merge.
   """
-  import tempfile
-
   from benchmarks.harness import fmt, measure, ratio_stats
 
   g, s = 256, 1024
@@ -308,3 +307,77 @@ CONTENDERS = {
   "data_startup": data_startup_contender,
   "global_batch": global_batch_contender,
 }
+
+
+def suite_data(quick: bool) -> dict:
+  """Start-up and peak RSS against corpus size, prepare against its tokenizer, the loader."""
+  from benchmarks.harness import fmt, measure, ratio_stats
+  from jaxstep.data import prepare, train_bpe
+  from jaxstep.data.readers import read_documents
+
+  root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-bench-"))
+  sizes = (
+    {"small": 300_000, "big": 1_200_000} if quick else {"small": 10_000_000, "big": 200_000_000}
+  )
+  folders = {}
+  for name, size in sizes.items():
+    make_corpus(root / f"{name}.txt", size)
+    folders[name] = str(root / name)
+    prepare([str(root / f"{name}.txt")], folders[name], workers=os.cpu_count(), progress=False)
+  docs = read_documents(str(root / "small.txt"))[0]
+  train_bpe(docs[:2000], 4096, root / "tokenizer.json")
+  text, tok = str(root / "small.txt"), str(root / "tokenizer.json")
+  specs = {
+    "startup_small": {"kind": "startup", "data": folders["small"]},
+    "startup_big": {"kind": "startup", "data": folders["big"]},
+    "tokenize_raw": {"kind": "tokenize_raw", "text": text, "tokenizer": tok},
+    "prepare": {"kind": "prepare", "text": text, "tokenizer": tok},
+  }
+  res, _, _ = measure(specs, rounds=1 if quick else 5)
+  small, big = res["startup_small"], res["startup_big"]
+  startup = ratio_stats([b["seconds"] - a["seconds"] for a, b in zip(small, big, strict=True)], 1)
+  rss = ratio_stats([b["rss_mib"] - a["rss_mib"] for a, b in zip(small, big, strict=True)], 1)
+  prep = ratio_stats(
+    [r["tokens_per_s"] for r in res["prepare"]], [r["tokens_per_s"] for r in res["tokenize_raw"]]
+  )
+  g, s, n = (64, 256, 4) if quick else (256, 1024, 8)
+  loader_spec = {"kind": "loader", "data": folders["big"], "g": g, "s": s, "batches": n}
+  loader_res, _, _ = measure({"loader": loader_spec}, rounds=1 if quick else 5)
+  loader = ratio_stats([r["tokens_per_s"] for r in loader_res["loader"]], 1)
+  big_mt, small_mt = sizes["big"] // 10**6, sizes["small"] // 10**6
+  shutil.rmtree(root, ignore_errors=True)
+  scale = scale_suite(quick)  # per-batch and start-up costs at 10^8 windows / 2 G tokens
+  return {
+    "sizes_bytes": sizes,
+    "raw": {**res, **loader_res, **scale["raw"]},
+    "startup_delta_s": startup,
+    "rss_delta_mib": rss,
+    "prepare_over_tokenizers": prep,
+    "loader_tokens_per_s": loader,
+    "summary": {
+      "data_startup_delta_s_200m_10m": startup["median"],
+      "data_rss_delta_mib_200m_10m": rss["median"],
+      "prepare_over_tokenizers": prep["median"],
+      "loader_tokens_per_s": loader["median"],
+      **scale["summary"],
+    },
+    "rows": [
+      *scale["rows"],
+      (
+        f"start-up to the first update: {big_mt} M − {small_mt} M prepared tokens (s)",
+        fmt(startup),
+        "≤ +5",
+      ),
+      (f"peak RSS: {big_mt} M − {small_mt} M prepared tokens (MiB)", fmt(rss), "≤ +200"),
+      (
+        "prepare tokens/s ÷ its tokenizer's encode_batch tokens/s (BPE 4096, 1 worker)",
+        fmt(prep),
+        "≥ 0.8",
+      ),
+      (
+        f"loader alone, global batches of {g} × {s} (tokens/s)",
+        f"{loader['median']:,.0f} ({loader['q1']:,.0f}–{loader['q3']:,.0f})",
+        "≫ 262,144 per update",
+      ),
+    ],
+  }
