@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import pathlib
-import re
-import reprlib
-import types
 import typing
 from typing import Any
 
@@ -27,6 +23,7 @@ from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of, hf_config, hf_gpt2
 from jaxstep.trainer import profiling, trackers
+from jaxstep.trainer.config_values import coerce, expand_path, quoted
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 from jaxstep.trainer.sections import CheckpointConfig, EvalConfig, MeshConfig
 from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
@@ -232,72 +229,6 @@ def _unknown(key: str) -> ConfigError:
   return ConfigError(f"unknown config key {key!r}{hint}")
 
 
-def _quoted(value: Any, limit: int = 200) -> str:
-  """``repr(value)`` cut to ``limit`` characters: a YAML alias can expand to gigabytes."""
-  text = reprlib.Repr()
-  text.maxstring = text.maxother = limit
-  text.maxlist = text.maxdict = 8
-  text.maxlevel = 3
-  shown = text.repr(value)
-  return shown if len(shown) <= limit else shown[:limit] + "…"
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-  """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
-  allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
-  if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-    if type(None) in allowed:
-      return None
-  for t in allowed:
-    if typing.get_origin(t) is tuple:
-      if isinstance(value, str):  # on the command line: a YAML list, or one item
-        value = yaml.safe_load(value) if value.lstrip().startswith("[") else [value]
-      if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-      if isinstance(value, list | tuple) and typing.get_args(t)[0] is dict:
-        return tuple(value)  # a list of mappings (data.sources): its owner checks them
-    elif t is bool:
-      if isinstance(value, bool):
-        return value
-      if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.lower() in ("true", "yes", "1")
-    elif t is int and not isinstance(value, bool):
-      if isinstance(value, int):
-        return value
-      if isinstance(value, str):
-        try:
-          return int(value)
-        except ValueError:
-          pass
-    elif t is float and not isinstance(value, bool):
-      number = None
-      if isinstance(value, int | float):
-        number = float(value)
-      elif isinstance(value, str):
-        try:
-          number = float(value)
-        except ValueError:
-          pass
-      if number is not None and not math.isfinite(number):
-        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
-      if number is not None:
-        return number
-    elif t is str and isinstance(value, str | int | float) and not isinstance(value, bool):
-      return str(value)
-    elif typing.get_origin(t) is dict:  # {name: path}: its owner checks the entries
-      if isinstance(value, str) and value.lstrip().startswith("{"):  # on the command line
-        value = yaml.safe_load(value)
-      if isinstance(value, dict):
-        return dict(value)
-    elif dataclasses.is_dataclass(t):
-      if isinstance(value, str) and value.lstrip().startswith("{"):  # on the command line
-        value = yaml.safe_load(value)
-      if isinstance(value, dict):
-        return value  # a nested setting (model.rope_scaling): its owner converts and checks it
-  names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
-  raise ConfigError(f"config key {key!r}: expected {names}, got {_quoted(value)}")
-
-
 def _build(default, values: dict[str, Any], prefix: str = ""):
   """``default`` (a config dataclass instance) with ``values`` set: a partial section keeps
   the defaults of the keys it does not name, its owner's defaults included."""
@@ -315,11 +246,11 @@ def _build(default, values: dict[str, Any], prefix: str = ""):
     elif dataclasses.is_dataclass(hints[name]):
       if not isinstance(value, dict):
         raise ConfigError(
-          f"config key {key!r} is a section; give it a mapping, got {_quoted(value)}"
+          f"config key {key!r} is a section; give it a mapping, got {quoted(value)}"
         )
       kwargs[name] = _build(getattr(default, name), value, f"{key}.")
     else:
-      kwargs[name] = _coerce(key, value, hints[name])
+      kwargs[name] = coerce(key, value, hints[name])
   return dataclasses.replace(default, **kwargs)
 
 
@@ -341,7 +272,7 @@ def _build_model(default, values: Any):
   """The model section: ``model.family`` (default: the family of ``default``) picks the
   config class; the other keys must be that family's."""
   if not isinstance(values, dict):
-    raise ConfigError(f"config key 'model' is a section; give it a mapping, got {_quoted(values)}")
+    raise ConfigError(f"config key 'model' is a section; give it a mapping, got {quoted(values)}")
   values = dict(values)
   folder = values.get("init_from") if "family" not in values else None
   of_folder = _folder_family(folder)
@@ -422,38 +353,25 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
   return _expand_paths(cfg)
 
 
-_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
-
-
-def _expand(key: str, path: str) -> str:
-  """``~`` and ``$VAR`` in a path, as a shell would expand them (``bundled:…`` unchanged);
-  a variable that is not set is an error, not a folder literally named ``$VAR``."""
-  expanded = os.path.expandvars(path)
-  unset = _VARIABLE.search(expanded)
-  if unset:
-    raise ConfigError(
-      f"{key} {path!r} names the environment variable {unset.group(0)}, which is not set; "
-      f"set it or write the path out"
-    )
-  return os.path.expanduser(expanded)
-
-
 def _expand_paths(cfg: Config) -> Config:
   """The config with ``~`` and environment variables expanded in every path key."""
   data = dataclasses.replace(
     cfg.data,
-    path=_expand("data.path", cfg.data.path),
-    tokenizer=_expand("data.tokenizer", cfg.data.tokenizer),
+    path=expand_path("data.path", cfg.data.path),
+    tokenizer=expand_path("data.tokenizer", cfg.data.tokenizer),
   )
-  model = dataclasses.replace(cfg.model, init_from=_expand("model.init_from", cfg.model.init_from))
-  sets = {name: _expand(f"eval.sets.{name}", path) for name, path in cfg.eval.sets.items()}
+  model = dataclasses.replace(
+    cfg.model, init_from=expand_path("model.init_from", cfg.model.init_from)
+  )
+  sets = {name: expand_path(f"eval.sets.{name}", path) for name, path in cfg.eval.sets.items()}
   sources = tuple(
-    {**e, "path": _expand(f"data.sources {e['name']!r} path", e["path"])} for e in cfg.data.sources
+    {**e, "path": expand_path(f"data.sources {e['name']!r} path", e["path"])}
+    for e in cfg.data.sources
   )
   data = dataclasses.replace(data, sources=sources)
   return dataclasses.replace(
     cfg,
-    run_dir=_expand("run_dir", cfg.run_dir),
+    run_dir=expand_path("run_dir", cfg.run_dir),
     data=data,
     model=model,
     eval=dataclasses.replace(cfg.eval, sets=sets),
