@@ -236,6 +236,7 @@ def touch_fresh(path: str) -> dict:
         offset += n
     finally:
       os.close(fd)
+    assert offset == file.stat().st_size, f"read {offset} of {file}'s bytes"
   return {"seconds": seconds, "read_s": time.perf_counter() - t, "bytes": nbytes}
 
 

@@ -1,5 +1,6 @@
-"""Suites that time the training loop itself (``loop_bench``'s workers): host overhead per
-update step, document masking's cost, checkpoint stalls, and fsdp's per-device state."""
+"""Suites that time the training loop itself (``loop_bench``'s and ``memory_bench``'s
+workers): host overhead per update step, document masking's cost, checkpoint stalls, and
+fsdp's per-device state."""
 
 from __future__ import annotations
 

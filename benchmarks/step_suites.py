@@ -1,5 +1,6 @@
-"""Suites of the step itself (``step_bench``'s workers): against its compute floor and
-other ways to accumulate, compile time and memory against K, and against depth."""
+"""Suites of the step itself (``step_bench``'s and ``memory_bench``'s workers): against its
+compute floor and other ways to accumulate, compile time and memory against K, and against
+depth."""
 
 from __future__ import annotations
 

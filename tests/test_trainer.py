@@ -321,6 +321,7 @@ def test_only_the_runs_writer_threads_stop_it():
       writer.join()
       with pytest.raises(OSError, match="No space"):
         errors.check()
+      assert [a.exc_type for a in passed_on] == [ConnectionError]  # the writer's stayed here
   finally:
     threading.excepthook = previous
 

@@ -348,7 +348,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     _set_dotted(tree, key.strip(), value)
   try:
     cfg = _build(Config(), tree)
-  except TypeError as e:  # a dataclass refused a value _coerce let through
+  except TypeError as e:  # a dataclass refused a value coerce let through
     raise ConfigError(str(e)) from None
   return _expand_paths(cfg)
 
