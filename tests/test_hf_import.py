@@ -165,3 +165,19 @@ def test_a_damaged_safetensors_file_is_named(tmp_path):
   weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as an interrupted copy
   with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors file"):
     hf_weights.read_params(tmp_path, cfg)
+
+
+def test_an_fp16_folder_widens_every_weight_exactly(tmp_path):
+  """Llama 2 and many fine-tunes ship fp16 weights: each tensor reads as its fp32 value,
+  kernels transposed, nothing rounded or dropped."""
+  model = save_tiny(tmp_path, "llama", dtype=torch.float16)
+  cfg = hf_config.model_config(hf_config.read_config(tmp_path))
+  params = hf_weights.read_params(tmp_path, cfg)
+  weights = model.state_dict()
+  for path, name, transposed in hf_weights.hf_names(cfg):
+    leaf = params
+    for key in path:
+      leaf = leaf[key]
+    want = weights[name].float().numpy()
+    assert leaf.dtype == np.float32, name
+    np.testing.assert_array_equal(leaf, want.T if transposed else want, err_msg=name)
