@@ -45,6 +45,7 @@ import numpy as np
 
 from jaxstep.data import encoding, hf_folder, out_folder, readers
 from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, read_manifest, sha256
+from jaxstep.data.shard_writer import ShardWriter
 from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
 from jaxstep.errors import ConfigError, DataError, RunIOError
 
@@ -64,81 +65,6 @@ def eval_mask(first: int, count: int, eval_fraction: float) -> np.ndarray:
   z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
   z = z ^ (z >> np.uint64(31))
   return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53 < eval_fraction
-
-
-class _ShardWriter:
-  """Appends documents of one split to fixed-size shard files, hashing as it writes."""
-
-  def __init__(self, folder: pathlib.Path, split: str, dtype, shard_tokens: int, chat: bool):
-    self.folder, self.split, self.dtype = folder, split, np.dtype(dtype)
-    self.shard_tokens, self.chat = shard_tokens, chat
-    self.shards: list[dict] = []
-    self.flag_shards: list[dict] = []
-    self.doc_starts: list[np.ndarray] = []
-    self.tokens = 0
-    self.targets = 0  # tokens that may be a target: all but BOS (text), flagged ones (chat)
-    self._open = None
-
-  def _roll(self) -> None:
-    self._close()
-    index = len(self.shards)
-    names = [f"{self.split}-{index:05d}.bin"] + (
-      [f"{self.split}-{index:05d}.flags.bin"] if self.chat else []
-    )
-    self._open = [
-      (open(self.folder / n, "wb"), hashlib.sha256(), {"file": n, "tokens": 0}) for n in names
-    ]
-
-  def _close(self) -> None:
-    if self._open is None:
-      return
-    for i, (f, h, entry) in enumerate(self._open):
-      f.close()
-      entry.update(bytes=(self.folder / entry["file"]).stat().st_size, sha256=h.hexdigest())
-      (self.shards if i == 0 else self.flag_shards).append(entry)
-    self._open = None
-
-  def add(self, tokens: np.ndarray, flags: np.ndarray, lengths: np.ndarray) -> None:
-    """Appends documents: their tokens and flags back to back, ``lengths`` each."""
-    self.doc_starts.append(self.tokens + np.cumsum(lengths) - lengths)
-    self.targets += int(np.count_nonzero(flags))
-    done = 0
-    while done < len(tokens):
-      if self._open is None or self._open[0][2]["tokens"] == self.shard_tokens:
-        self._roll()
-      room = self.shard_tokens - self._open[0][2]["tokens"]
-      parts = [tokens[done : done + room].astype(self.dtype)]
-      if self.chat:
-        parts.append(flags[done : done + room].astype(np.uint8))
-      for (f, h, entry), part in zip(self._open, parts, strict=True):
-        data = part.tobytes()
-        f.write(data)
-        h.update(data)
-        entry["tokens"] += len(part)
-      done += len(parts[0])
-    self.tokens += len(tokens)
-
-  def abort(self) -> None:
-    """Closes the open shard files, which are being discarded (on a full disk closing fails,
-    yet frees the descriptor, and so the space once the files are removed)."""
-    for f, _, _ in self._open or []:
-      with contextlib.suppress(OSError):
-        f.close()
-    self._open = None
-
-  def finish(self) -> dict:
-    self._close()
-    docs = f"{self.split}.docs.bin"
-    starts = np.concatenate(self.doc_starts) if self.doc_starts else np.zeros(0, np.int64)
-    starts.astype(np.uint64).tofile(self.folder / docs)
-    return {
-      "tokens": self.tokens,
-      "targets": self.targets,
-      "documents": len(starts),
-      "shards": self.shards,
-      "flags": self.flag_shards if self.chat else None,
-      "docs": {"file": docs, "sha256": sha256(self.folder / docs)},
-    }
 
 
 def _batches(listings: dict[str, list], fmt: str, bar) -> Iterator[tuple[str, list]]:
@@ -389,7 +315,7 @@ def _tokenize(
   import tqdm  # the progress bar: only when preparing
 
   bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="prepare")
-  writers: dict[str, _ShardWriter] = {}
+  writers: dict[str, ShardWriter] = {}
   kind, index, start = "text", 0, time.perf_counter()
   try:
     with encoding.encoder(workers, spec) as encode:
@@ -400,7 +326,7 @@ def _tokenize(
           if docs.any():
             if split not in writers:
               chat = kind == "chat"
-              writers[split] = _ShardWriter(tmp, split, _dtype(tok), shard_tokens, chat)
+              writers[split] = ShardWriter(tmp, split, _dtype(tok), shard_tokens, chat)
             writers[split].add(tokens[rows], flags[rows], lengths[docs])
         index += len(lengths)
         rate = sum(w.tokens for w in writers.values()) / (time.perf_counter() - start)
