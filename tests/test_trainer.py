@@ -354,3 +354,36 @@ def test_an_aux_named_loss_does_not_overwrite_the_eval_sums(tmp_path):
   sse = float(np.sum(b["y"] ** 2 * b["loss_mask"]))
   np.testing.assert_allclose(got["eval_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)
   np.testing.assert_allclose(got["eval_aux_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)
+
+
+def test_only_the_echoes_of_a_reported_checkpoint_failure_are_dropped():
+  """After a damaged checkpoint's failed reads, tensorstore's callbacks into orbax's closed
+  loop raise "Event loop is closed" from threads: dropped, like a dead TensorBoard writer's
+  OSError at exit; any other unraisable exception still reaches the hook before."""
+  import sys
+  from types import SimpleNamespace
+
+  from jaxstep.trainer.background import drop_closed_loop_echoes
+
+  class Writer:
+    pass
+
+  Writer.__module__ = "tensorboardX.event_file_writer"
+  seen, previous = [], sys.unraisablehook
+  sys.unraisablehook = seen.append
+  try:
+    drop_closed_loop_echoes()
+    drop_closed_loop_echoes()  # once: not wrapped twice
+    echoes = [
+      SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None),
+      SimpleNamespace(exc_value=OSError(28, "No space left on device"), object=Writer()),
+    ]
+    others = [
+      SimpleNamespace(exc_value=RuntimeError("something else"), object=None),
+      SimpleNamespace(exc_value=OSError(28, "No space left on device"), object=None),
+    ]
+    for unraisable in echoes + others:
+      sys.unraisablehook(unraisable)
+  finally:
+    sys.unraisablehook = previous
+  assert seen == others

@@ -17,6 +17,7 @@ from jaxstep.errors import (
   RunDirError,
   RunIOError,
 )
+from jaxstep.trainer import background
 
 # Bad input: nothing was trained, or nothing was written; the user changes something.
 BAD_INPUT = (ConfigError, DataError, CheckpointError, RunDirError, PromptError)
@@ -73,8 +74,7 @@ def setup_logging() -> None:
   absl.setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   if not any(isinstance(f, _OrbaxErrorsRaisedToUs) for f in absl.filters):
     absl.addFilter(_OrbaxErrorsRaisedToUs())
-  if not getattr(sys.unraisablehook, "drops_reported_write_echoes", False):  # once
-    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
+  background.drop_closed_loop_echoes()
 
 
 class _OrbaxErrorsRaisedToUs(logging.Filter):
@@ -84,25 +84,6 @@ class _OrbaxErrorsRaisedToUs(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     return record.levelno < logging.ERROR or "orbax" not in record.pathname
-
-
-def _without_closed_loop_noise(hook):
-  """Drops the echoes of a failed write that the run already reported in one line: after
-  a failed orbax write, tensorstore's callbacks into orbax's closed asyncio loops print an
-  "Event loop is closed" traceback each (dozens), and on a full disk tensorboardX's exit
-  handler fails to flush again. Every other unraisable exception still reaches ``hook``."""
-
-  def filtered(unraisable):
-    value = unraisable.exc_value
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-      return
-    owner = getattr(unraisable.object, "__module__", "") or ""
-    if isinstance(value, OSError) and owner.startswith("tensorboardX"):
-      return
-    hook(unraisable)
-
-  filtered.drops_reported_write_echoes = True
-  return filtered
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 
 from jaxstep.core import freeze
 from jaxstep.errors import CheckpointError, RunDirError, RunIOError, first_line
-from jaxstep.trainer import checkpoint_read, integrity
+from jaxstep.trainer import background, checkpoint_read, integrity
 from jaxstep.trainer.checkpoint_read import RUN, STATE, VERIFY, step_dirs
 from jaxstep.trainer.run_dir import stamped
 
@@ -103,6 +103,7 @@ class Checkpointer:
     read_only: bool = False,
     stored: freeze.Trainable | None = None,
   ):
+    background.drop_closed_loop_echoes()  # a failed background write echoes from threads
     self.directory = pathlib.Path(directory).resolve()
     self.stored = stored
     self.read_only = read_only

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import CheckpointError, first_line
-from jaxstep.trainer import block_layout, integrity
+from jaxstep.trainer import background, block_layout, integrity
 
 log = logging.getLogger("jaxstep")
 STATE, RUN, VERIFY = "state", "run", "verify"
@@ -176,6 +176,7 @@ def read_step(path, target=None, *, params_only: bool = False, arrays: bool = Tr
   Returns:
     A ``StepRead``: the state and run-state JSON, or the reason the step is not usable.
   """
+  background.drop_closed_loop_echoes()  # a damaged step's failed reads echo from threads
   path = pathlib.Path(path).resolve()  # orbax reads relative paths as missing
   step = int(path.name)
   if problem := layout_problem(path):
