@@ -14,11 +14,7 @@ import time
 
 from benchmarks.data_bench import suite_data
 from benchmarks.generate_bench import suite_generate
-from benchmarks.harness import (
-  RESULTS,
-  environment,
-  write,
-)
+from benchmarks.harness import RESULTS, environment, write
 from benchmarks.hf_bench import suite_hf
 from benchmarks.loop_suites import (
   suite_checkpoint,
