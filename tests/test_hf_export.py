@@ -4,19 +4,24 @@ the export reads back into the same params bit for bit (nothing is downloaded)."
 
 import dataclasses
 import json
+import os
+import pathlib
+import shutil
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_config, hf_export, hf_weights, layers
+from jaxstep.models import export_folder, hf_config, hf_export, hf_weights, layers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits  # noqa: E402
 
+MARKER = export_folder.MARKER
 IDS = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
 
 
@@ -174,25 +179,95 @@ def test_a_bf16_export_holds_the_rounded_weights_and_loads(tmp_path):
   np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
 
 
-def test_a_foreign_non_empty_folder_is_refused_and_untouched(tmp_path):
-  save_tiny(tmp_path / "src", "llama")
-  (tmp_path / "out").mkdir()
-  (tmp_path / "out" / "notes.txt").write_text("mine")
-  with pytest.raises(ConfigError, match="not empty and has no config.json"):
-    export(tmp_path / "src", tmp_path / "out")
-  assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
-  assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+def _earlier_export(folder, src):
+  export(src, folder, max_shard_bytes=20_000)  # shards: the next export writes one file
 
 
-def test_an_export_over_a_model_folder_keeps_its_other_files(tmp_path):
+def _with_a_note(folder, src):
+  _earlier_export(folder, src)
+  (folder / "notes.txt").write_text("mine")
+
+
+def _damaged_marker(folder, src):
+  _earlier_export(folder, src)
+  (folder / MARKER).write_text("{")
+
+
+TARGETS = {  # kind of target → (how it is made, whether an export may write it)
+  "absent": (lambda folder, src: None, True),
+  "empty": (lambda folder, src: folder.mkdir(), True),
+  "an earlier export": (_earlier_export, True),
+  "an earlier export with a file added": (_with_a_note, False),
+  "an earlier export with a damaged marker": (_damaged_marker, False),
+  "a model folder jaxstep did not write": (lambda folder, src: save_tiny(folder, "llama"), False),
+  "a folder of other files": (lambda folder, src: (folder.mkdir(), (folder / "a").touch()), False),
+  "a file": (lambda folder, src: folder.write_text("x"), False),
+}
+
+
+@pytest.mark.parametrize("kind", list(TARGETS))
+def test_an_export_replaces_only_a_folder_jaxstep_wrote(tmp_path, kind):
   save_tiny(tmp_path / "src", "llama")
-  out = export(tmp_path / "src", tmp_path / "out", max_shard_bytes=20_000)
-  (out / "tokenizer.json").write_text("{}")
-  export(tmp_path / "src", out)
-  names = sorted(p.name for p in out.iterdir())
-  assert names == ["config.json", "model.safetensors", "tokenizer.json"]
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+  out = tmp_path / "out"
+  make, allowed = TARGETS[kind]
+  make(out, tmp_path / "src")
+  before = _snapshot(out)
+  if allowed:
+    export(tmp_path / "src", out, provenance={"run": "r", "step": 3})
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["files"] == sorted(p.name for p in out.iterdir() if p.name != MARKER)
+    assert marker["step"] == 3 and marker["kind"] == "model"
+    assert sorted(marker["files"]) == ["config.json", "model.safetensors"]  # old shards gone
+  else:
+    with pytest.raises(ConfigError, match=f"{out}.*nothing was written"):
+      export(tmp_path / "src", out)
+    assert _snapshot(out) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"][: 1 + out.exists()]
+
+
+def _snapshot(path):
+  if path.is_file():
+    return path.read_bytes()
+  if not path.exists():
+    return None
+  return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_protected_folder_is_never_replaced_even_if_jaxstep_wrote_it(tmp_path):
+  save_tiny(tmp_path / "src", "llama")
+  base = export(tmp_path / "src", tmp_path / "base")
+  before = _snapshot(base)
+  with pytest.raises(ConfigError, match="is the run's base model .* nothing was written"):
+    export(tmp_path / "src", tmp_path / "base", protected={base: "the run's base model (x)"})
+  assert _snapshot(base) == before
+
+
+def test_the_tokenizer_files_arrive_with_the_weights_in_one_rename(tmp_path, monkeypatch):
+  """Every file is in the staging folder before the one rename that publishes it."""
+  save_tiny(tmp_path / "src", "llama")
+  (tmp_path / "tokenizer.json").write_text("{}")
+  renamed = []
+  real_rename = os.rename
+
+  def rename(a, b):
+    renamed.append(sorted(p.name for p in pathlib.Path(a).iterdir()))
+    real_rename(a, b)
+
+  monkeypatch.setattr(os, "rename", rename)
+  export(tmp_path / "src", tmp_path / "out", extra_files=[tmp_path / "tokenizer.json"])
+  names = ["config.json", MARKER, "model.safetensors", "tokenizer.json"]
+  assert renamed == [sorted(names)]
+
+
+def test_the_staging_folders_of_a_killed_export_are_removed_by_the_next(tmp_path):
+  save_tiny(tmp_path / "src", "llama")
+  gone = tmp_path / f".out{export_folder.PARTIAL}999999999-abc"  # past any pid_max
+  alive = tmp_path / f".out{export_folder.PARTIAL}{os.getppid()}-abc"  # a running process
+  for leftover in (gone, alive, gone.with_name(gone.name + ".old")):
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_text("cut")
+  export(tmp_path / "src", tmp_path / "out")
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", "src", alive.name])
 
 
 def test_a_failure_midway_leaves_no_folder(tmp_path, monkeypatch):
@@ -223,3 +298,73 @@ def test_a_mismatched_architecture_or_params_tree_is_refused(tmp_path):
   with pytest.raises(ConfigError, match=r"1 leaves the config has no tensor for: \['extra'\]"):
     hf_export.save_pretrained(tmp_path / "out", cfg, params, architecture="Qwen2ForCausalLM")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+KILLED_EXPORT = """
+import os, pathlib, shutil, signal, sys
+import safetensors.numpy
+from jaxstep.models import hf_config, hf_export, hf_weights
+
+src, out, tokenizer, at = sys.argv[1:5]
+calls = [0]
+
+def counted(fn):  # SIGKILL at the at-th file written, copied or renamed
+  def wrapper(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(at):
+      os.kill(os.getpid(), signal.SIGKILL)
+    return fn(*args, **kwargs)
+  return wrapper
+
+safetensors.numpy.save_file = counted(safetensors.numpy.save_file)
+pathlib.Path.write_text = counted(pathlib.Path.write_text)
+shutil.copy2, os.rename = counted(shutil.copy2), counted(os.rename)
+hf = hf_config.read_config(src)
+cfg = hf_config.model_config(hf, attention="xla")
+hf_export.save_pretrained(
+  out, cfg, hf_weights.read_params(src, cfg), architecture=hf["architectures"][0],
+  base_config=hf, max_shard_bytes=20_000, extra_files=[tokenizer], provenance={"step": int(at)},
+)
+"""
+
+
+def _whole_or_absent(out, steps):
+  """``out`` is absent, or a complete export of one of ``steps`` that transformers loads."""
+  if not out.exists():
+    return
+  marker = json.loads((out / MARKER).read_text())
+  assert marker["step"] in steps
+  assert sorted(p.name for p in out.iterdir()) == sorted([*marker["files"], MARKER])
+  assert "tokenizer.json" in marker["files"] and "model.safetensors.index.json" in marker["files"]
+  loaded(out)
+
+
+@pytest.mark.slow
+def test_an_export_killed_at_any_file_leaves_the_target_whole_or_absent(tmp_path):
+  """SIGKILL at each file an export writes, copies or renames, first into a new folder and
+  then over an earlier export: the target is absent, the earlier export or the new one,
+  never a mix; the next export removes what the killed one left and completes."""
+  import sys
+
+  save_tiny(tmp_path / "src", "llama")
+  (tmp_path / "tokenizer.json").write_text("{}")
+  out = tmp_path / "out"
+
+  def run(at):
+    args = [tmp_path / "src", out, tmp_path / "tokenizer.json", at]
+    return subprocess.run(
+      [sys.executable, "-c", KILLED_EXPORT, *map(str, args)], capture_output=True, text=True
+    )
+
+  for earlier in (None, 0):
+    at = 1
+    while (proc := run(at)).returncode != 0:
+      assert proc.returncode == -9, proc.stderr[-2000:]
+      _whole_or_absent(out, {earlier, at} - {None})
+      at += 1
+    _whole_or_absent(out, {at})
+    assert at > 5  # killed at every shard, the index, the config, the copy and the renames
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "tokenizer.json"]
+    shutil.rmtree(out)
+    assert run(0).returncode == 0  # the earlier export of the second round
+    _whole_or_absent(out, {0})

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_hf_folder import CHATML_TEMPLATE, MESSAGES, tokenizer_files  # noqa: F401 - fixture
 from test_hf_import import SHAPE
+from tolerance import assert_close, assert_far, planted
 
 import jaxstep
 from jaxstep import models
@@ -18,6 +19,10 @@ from jaxstep.models import layers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+# jaxstep against transformers on the folder's weights: the longest sum (the MLP's down
+# projection) once per layer
+FOLDER_TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 
 
 @pytest.fixture
@@ -50,7 +55,9 @@ def test_one_call_reads_the_model_its_tokenizer_and_its_template(folder):
   apply_fn, _ = models.build(got.config, 0, abstract=True)
   with torch.no_grad():
     expected = model(torch.tensor(ids)).logits.numpy()
-  np.testing.assert_allclose(np.asarray(apply_fn(got.params, ids)), expected, atol=1e-4)
+  ours = np.asarray(apply_fn(got.params, ids))
+  assert_close(ours, expected, terms=FOLDER_TERMS)
+  assert_far(planted(ours), expected, terms=FOLDER_TERMS)
 
 
 def test_every_tensor_goes_through_place_and_scan_layers_stacks(folder):
@@ -83,6 +90,11 @@ def test_save_writes_a_folder_that_reads_back_bitwise(folder, tmp_path):
   again = jaxstep.load_pretrained(out)  # a whole folder: the tokenizer came along
   assert again.chat_template == got.chat_template
   assert again.tokenizer.describe()["folder_files"] == got.tokenizer.describe()["folder_files"]
+  assert got.save(out) == out  # its own earlier save is replaced
+  before = {p.name: p.read_bytes() for p in path.iterdir()}
+  with pytest.raises(ConfigError, match="is the folder these weights were read from"):
+    got.save(path)
+  assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
 
 def test_a_folder_that_is_not_a_model_is_one_clear_error(tmp_path):

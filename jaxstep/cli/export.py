@@ -5,15 +5,14 @@ Writes ``config.json``, the weights as safetensors (``model.safetensors``, or sh
 (with the chat template and generation config of the folder it was imported from), so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it. ``--step N`` exports
 another checkpoint than the newest valid one; ``--dtype bf16`` halves the files. ``DIR``
-must be new, empty or an earlier export (its weights and config are replaced); the folder
-appears whole or not at all.
+must be new, empty or an earlier export of jaxstep's (replaced whole), never the run's base
+model or a folder with files jaxstep did not write; the folder appears whole or not at all.
 
 A LoRA run (``model.lora.rank > 0``) exports with its adapters merged into the weights
 (``W + (α/r)·A·B``). ``--adapter`` writes the adapters alone in PEFT's format instead
 (``adapter_config.json`` + ``adapter_model.safetensors``, plus the tokenizer files), for
 ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)``;
-``DIR`` must then be new, empty or an earlier adapter export, and ``--dtype`` applies to the
-adapter tensors.
+``--dtype`` then applies to the adapter tensors.
 """
 
 from __future__ import annotations

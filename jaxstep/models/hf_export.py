@@ -12,7 +12,8 @@ leaf one layer at a time), so host memory holds at most one shard file's tensors
 (``max_shard_bytes``), never the whole model.
 
 The folder is written beside its target under a temporary name and renamed into place at
-the end: a failure leaves no half-written folder behind.
+the end (``export_folder``): a failure or a kill leaves no half-written folder behind, and
+only a folder jaxstep wrote itself is ever replaced.
 """
 
 from __future__ import annotations
@@ -21,19 +22,15 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import pathlib
-import re
-import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_gpt2, layers
+from jaxstep.models import export_folder, hf_gpt2, layers
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, rope_settings
 from jaxstep.models.hf_weights import INDEX, SINGLE, expected_shapes, hf_names
@@ -47,10 +44,6 @@ MODEL_TYPES = {
 }
 DTYPES = ("float32", "bfloat16")
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
-# Files an export writes (and a later export over the same folder replaces); others stay.
-WRITTEN = re.compile(
-  r"config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
-)
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -73,6 +66,9 @@ def save_pretrained(
   dtype: str = "float32",
   max_shard_bytes: int = 5 * 2**30,
   base_config: dict | None = None,
+  extra_files: Iterable[str | pathlib.Path] = (),
+  provenance: dict | None = None,
+  protected: export_folder.Protected = None,
 ) -> pathlib.Path:
   """Writes ``params`` of ``cfg``'s model as a Hugging Face folder at ``folder``; returns it.
 
@@ -82,13 +78,14 @@ def save_pretrained(
   many bytes before the next is started (one tensor larger than it gets a file of its own),
   as transformers' ``max_shard_size``. ``base_config``: the ``config.json`` dict of the folder
   the model was imported from; its fields jaxstep does not know (token ids, generation
-  settings) are kept. A folder that already exists must be empty or a model folder (it has a
-  ``config.json``): then the files an export writes are replaced and any others (tokenizer
-  files) kept.
+  settings) are kept. ``extra_files`` (tokenizer files) are copied in, ``provenance`` (the
+  run and step) goes into the folder's marker. The folder is written whole or not at all,
+  and an existing one is replaced only if jaxstep wrote it and it is none of ``protected``
+  (``export_folder``'s rules).
 
   Raises:
     ConfigError: an unknown ``architecture`` or ``dtype``, params that do not match ``cfg``,
-      or a non-empty ``folder`` that is not a model folder (left untouched).
+      or a ``folder`` that may not be written (left untouched).
   """
   folder = pathlib.Path(folder)
   if dtype not in DTYPES:
@@ -97,17 +94,15 @@ def save_pretrained(
     raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
   hf = export_config(cfg, architecture, dtype=dtype, base_config=base_config)
   tensors = tensors_of(cfg, params)
-  check_target(folder)
-  folder.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.partial-"))
-  try:
+
+  def fill(staging: pathlib.Path) -> None:
     _write_weights(staging, tensors, dtype, max_shard_bytes)
     (staging / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    install(staging, folder)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  return folder
+
+  provenance = {"kind": "model", "architecture": architecture, **(provenance or {})}
+  return export_folder.write(
+    folder, fill, provenance=provenance, protected=protected, extra_files=extra_files
+  )
 
 
 def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
@@ -337,41 +332,3 @@ def _write_weights(staging: pathlib.Path, tensors: list[Tensor], dtype: str, max
     }
     index = {"metadata": metadata, "weight_map": weight_map}
     (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def check_target(folder: pathlib.Path, marker: str = CONFIG, kind: str = "a model") -> None:
-  """``ConfigError`` unless ``folder`` is absent, empty or ``kind`` folder (a previous
-  export or an imported one: it has a ``marker`` file, ``config.json`` by default)."""
-  if not folder.exists():
-    return
-  if not folder.is_dir():
-    raise ConfigError(f"{folder} exists and is not a folder: give a new or empty folder")
-  if any(folder.iterdir()) and not (folder / marker).is_file():
-    raise ConfigError(
-      f"{folder} is not empty and has no {marker}: it is not {kind} folder, so nothing was "
-      f"written there; give a new or empty folder"
-    )
-
-
-def install(
-  staging: pathlib.Path, folder: pathlib.Path, written: Callable[[str], bool] | None = None
-) -> None:
-  """Renames ``staging`` to ``folder``. An existing ``folder`` is swapped out whole, then
-  its files an export does not write (``written``, default: weights and config; the
-  tokenizer and generation config stay) and ``staging`` does not hold are moved across and
-  the rest deleted."""
-  written = written or WRITTEN.fullmatch
-  if not folder.exists():
-    os.rename(staging, folder)
-    return
-  old = staging.with_name(staging.name + ".old")
-  os.rename(folder, old)
-  try:
-    os.rename(staging, folder)
-  except BaseException:
-    os.rename(old, folder)
-    raise
-  for entry in old.iterdir():
-    if not written(entry.name) and not (folder / entry.name).exists():
-      os.rename(entry, folder / entry.name)
-  shutil.rmtree(old)

@@ -24,21 +24,19 @@ GPT-2's projections are ``Conv1D`` layers, which store ``[in, out]``: PEFT's con
 adapter tensors are laid out as for a ``Linear``.
 
 Params may be per block or stacked (``model.scan_layers``: one leaf per adapter with a
-leading layer axis, sliced one layer at a time). The folder is written beside its target
-under a temporary name and renamed into place at the end, as ``hf_export`` writes.
+leading layer axis, sliced one layer at a time). The folder is written whole or not at all,
+and replaces only a folder jaxstep wrote, as ``hf_export`` writes (``export_folder``).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import shutil
-import tempfile
 from collections.abc import Iterable
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import gpt, hf_export, layers, llama
+from jaxstep.models import export_folder, gpt, hf_export, layers, llama
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_weights import hf_names
 from jaxstep.models.llama import LlamaConfig
@@ -46,9 +44,6 @@ from jaxstep.models.llama import LlamaConfig
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel → LoraModel → the transformers model
-# Files an adapter export writes (and a later one over the same folder replaces, with the
-# ``extra_files`` it copies in); others stay.
-WRITTEN = frozenset({CONFIG, WEIGHTS})
 GPT2_MODULES = {"qkv": "c_attn", "proj": "attn.c_proj", "fc": "c_fc", "out": "mlp.c_proj"}
 
 
@@ -145,6 +140,8 @@ def save_adapter(
   base_model_name_or_path: str,
   dtype: str = "float32",
   extra_files: Iterable[str | pathlib.Path] = (),
+  provenance: dict | None = None,
+  protected: export_folder.Protected = None,
 ) -> pathlib.Path:
   """Writes the adapters in ``params`` of ``model_cfg``'s model as a PEFT adapter folder at
   ``folder``; returns it.
@@ -152,14 +149,14 @@ def save_adapter(
   ``base_model_name_or_path``: the model the adapters apply to (the run's
   ``model.init_from``; ``""`` for a model trained from scratch). ``dtype``: of the written
   tensors, ``float32`` or ``bfloat16``. ``extra_files`` (the run's tokenizer files) are
-  copied in. A folder that already exists must be empty or an adapter folder (it has an
-  ``adapter_config.json``): then its adapter files and the ``extra_files``' names are
-  replaced and any others kept.
+  copied in, ``provenance`` goes into the folder's marker. Written whole or not at all; an
+  existing folder is replaced only if jaxstep wrote it and it is none of ``protected``
+  (``export_folder``'s rules).
 
   Raises:
     ConfigError: ``model_cfg`` has no adapters (``model.lora.rank`` 0), an unknown
-      ``dtype``, params that do not match ``model_cfg``, or a non-empty ``folder`` that is
-      not an adapter folder (left untouched).
+      ``dtype``, params that do not match ``model_cfg``, or a ``folder`` that may not be
+      written (left untouched).
   """
   folder = pathlib.Path(folder)
   if not model_cfg.lora.rank:
@@ -168,19 +165,15 @@ def save_adapter(
     raise ConfigError(f"dtype must be one of {', '.join(hf_export.DTYPES)}, got {dtype!r}")
   config = adapter_config(model_cfg, base_model_name_or_path)
   tensors = adapter_tensors(model_cfg, params)
-  hf_export.check_target(folder, CONFIG, "an adapter")
-  folder.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.partial-"))
-  try:
+
+  def fill(staging: pathlib.Path) -> None:
     _write_weights(staging / WEIGHTS, tensors, dtype)
     (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for file in map(pathlib.Path, extra_files):
-      shutil.copy2(file, staging / file.name)
-    hf_export.install(staging, folder, WRITTEN.__contains__)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  return folder
+
+  provenance = {"kind": "adapter", **(provenance or {})}
+  return export_folder.write(
+    folder, fill, provenance=provenance, protected=protected, extra_files=extra_files
+  )
 
 
 def _write_weights(file: pathlib.Path, tensors: list[hf_export.Tensor], dtype: str) -> None:

@@ -23,11 +23,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import shutil
 
 from jaxstep.data import hf_folder
 from jaxstep.errors import ConfigError
-from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_gpt2, lora, peft_export
+from jaxstep.models import (
+  GPTConfig,
+  LlamaConfig,
+  export_folder,
+  hf_config,
+  hf_export,
+  hf_gpt2,
+  lora,
+  peft_export,
+)
 from jaxstep.trainer import saved_run
 
 
@@ -53,9 +61,10 @@ def export_run(
 ) -> tuple[pathlib.Path, int]:
   """Writes update step ``step`` (default: the newest valid checkpoint) of the run at
   ``run_dir`` as a model folder at ``out``; returns ``(out, step)``. ``out`` must be new,
-  empty or a model folder (``hf_export.save_pretrained``'s rule). ``adapter``: write the
-  LoRA adapters alone as a PEFT adapter folder (``out`` new, empty or an adapter folder;
-  ``max_shard_bytes`` unused); ``ConfigError`` for a run without adapters."""
+  empty or an earlier export, and neither the run's base model (``model.init_from``) nor
+  its tokenizer folder (``export_folder``'s rules). ``adapter``: write the LoRA adapters
+  alone as a PEFT adapter folder (``max_shard_bytes`` unused); ``ConfigError`` for a run
+  without adapters."""
   run_dir = pathlib.Path(run_dir)
   cfg = saved_run.read_config(run_dir)
   if adapter and not cfg.model.lora.rank:
@@ -67,7 +76,13 @@ def export_run(
   base = json.loads(base_file.read_text()) if base_file.is_file() else None
   arch = architecture_of(cfg.model, base)
   hf_export.check_architecture(cfg.model, arch)  # before the checkpoint is read
+  protected = {  # the base last: it names a folder that is both
+    cfg.data.tokenizer: "the run's tokenizer (data.tokenizer)",
+    cfg.model.init_from: "the run's base model (model.init_from)",
+  }
+  export_folder.check_target(pathlib.Path(out), protected)  # before the checkpoint is read
   saved = saved_run.load_run(run_dir, step)
+  provenance = {"run": str(run_dir.resolve()), "step": saved.step}
   if adapter:
     out = peft_export.save_adapter(
       out,
@@ -76,6 +91,8 @@ def export_run(
       base_model_name_or_path=cfg.model.init_from,
       dtype=dtype,
       extra_files=tokenizer_files(run_dir),
+      provenance=provenance,
+      protected=protected,
     )
     return out, saved.step
   model_cfg, params = cfg.model, saved.params
@@ -90,9 +107,10 @@ def export_run(
     dtype=dtype,
     max_shard_bytes=max_shard_bytes,
     base_config=base,
+    extra_files=tokenizer_files(run_dir),
+    provenance=provenance,
+    protected=protected,
   )
-  for file in tokenizer_files(run_dir):
-    shutil.copy2(file, out / file.name)
   return out, saved.step
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import shutil
 from collections.abc import Callable
 
 import numpy as np
@@ -39,20 +38,21 @@ class Pretrained:
     (this folder's, updated with what jaxstep knows), safetensors weights, and this
     folder's tokenizer, generation config and chat template files beside them, so
     ``transformers.AutoModelForCausalLM.from_pretrained`` and its tokenizer load it as it
-    is. ``kwargs``: ``hf_export.save_pretrained``'s (``max_shard_bytes``)."""
-    out = hf_export.save_pretrained(
+    is. ``folder`` must be new, empty or an earlier export, never the folder these weights
+    were read from (``export_folder``'s rules). ``kwargs``: ``hf_export.save_pretrained``'s
+    (``max_shard_bytes``)."""
+    return hf_export.save_pretrained(
       folder,
       self.config,
       self.params if params is None else params,
       architecture=self.architecture,
       dtype=dtype,
       base_config=self.hf_config,
+      extra_files=hf_folder.tokenizer_files(self.path),
+      provenance={"source": str(self.path.resolve())},
+      protected={self.path: "the folder these weights were read from"},
       **kwargs,
     )
-    if self.path.resolve() != out.resolve():
-      for file in hf_folder.tokenizer_files(self.path):
-        shutil.copy2(file, out / file.name)
-    return out
 
 
 def load_pretrained(
