@@ -53,6 +53,30 @@ def test_unknown_command_names_the_nearest_one():
   assert proc.returncode == 2 and "did you mean 'train'?" in proc.stderr
 
 
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_usage_mistake_is_one_error_line_and_exit_2(command, capsys):
+  import importlib
+
+  with pytest.raises(SystemExit) as stop:
+    importlib.import_module(COMMANDS[command][0]).main(["--no-such-flag"])
+  assert stop.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: jaxstep {command}: "), err
+  assert err[0].endswith(f"(see jaxstep {command} --help)")
+
+
+def test_overrides_may_stand_before_after_and_around_the_config_flag():
+  from jaxstep.cli import _common, train
+
+  got = train.parser().parse_intermixed_args(["run_dir=x", "--config", "tiny", "optim.lr=1"])
+  assert (got.config, got.overrides) == ("tiny", ["run_dir=x", "optim.lr=1"])
+  seen = []  # what a --config command (memory, check) gets
+  argv = ["model.n_layers=1", "--config", "small", "model.d_model=32"]
+  assert _common.config_command("jaxstep x", "", lambda cfg: seen.append(cfg) or 0, argv) == 0
+  assert (seen[0].model.n_layers, seen[0].model.d_model) == (1, 32)
+  assert seen[0].run_dir == "runs/small"  # the file's
+
+
 # Shrinks any config to a seconds-long CPU run; everything else comes from the file.
 SHRINK = {
   "model.d_model": 32,

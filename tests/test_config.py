@@ -45,6 +45,36 @@ def test_unknown_key_in_yaml_file(tmp_path):
 
 
 @pytest.mark.parametrize(
+  "text, key, lines",
+  [
+    ("eval:\n  sets:\n    web: a.txt\n    web: b.txt\n", "'web'", "3 and 4"),
+    ("optim:\n  lr: 0.1\ntrain:\n  max_steps: 3\noptim:\n  b2: 0.9\n", "'optim'", "1 and 5"),
+  ],
+)
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, text, key, lines):
+  path = tmp_path / "c.yaml"
+  path.write_text(text)
+  with pytest.raises(ConfigError, match=f"{path}: key {key} is given twice .*lines {lines}"):
+    config_lib.load(path)
+
+
+def test_a_merge_may_override_the_keys_it_brings(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text("base: &b {lr: 0.1, b2: 0.9}\noptim:\n  <<: *b\n  lr: 0.2\n")
+  tree = config_lib.read_yaml(path.read_text(), str(path))
+  assert tree["optim"] == {"lr": 0.2, "b2": 0.9}
+
+
+def test_an_override_given_twice_warns_once_and_the_last_wins(caplog):
+  cfg = config_lib.load(None, ["optim.lr=0.1", "train.max_steps=3", "optim.lr=0.2"])
+  assert cfg.optim.lr == 0.2
+  twice = [r.getMessage() for r in caplog.records if "twice" in r.getMessage()]
+  assert twice == [
+    "optim.lr is given twice on the command line: optim.lr=0.2 wins over optim.lr=0.1"
+  ]
+
+
+@pytest.mark.parametrize(
   "override, expected",
   [
     ("train.global_batch_size=abc", "expected int, got 'abc'"),

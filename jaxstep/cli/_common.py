@@ -35,6 +35,15 @@ def exit_code(error: JaxstepError) -> int:
   return 2 if isinstance(error, BAD_INPUT) else 1
 
 
+class Parser(argparse.ArgumentParser):
+  """argparse's parser whose usage errors are one ``error:`` line and exit 2, as every other
+  error of the commands: the usage block is what ``--help`` prints, not what a typo gets."""
+
+  def error(self, message: str):
+    print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
 MAX_MESSAGE = 1000  # characters of an error line: a value quoted in it may be huge
 
 
@@ -101,11 +110,9 @@ def config_command(prog: str, doc: str, action, argv=None) -> int:
   exit code``; a jaxstep error prints one ``error:`` line and sets the exit code."""
   from jaxstep.trainer import config as config_lib
 
-  p = argparse.ArgumentParser(
-    prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   add_config_args(p)
-  args = p.parse_args(argv)
+  args = p.parse_intermixed_args(argv)
   try:
     return action(config_lib.load(args.config, args.overrides))
   except JaxstepError as e:
@@ -114,9 +121,7 @@ def config_command(prog: str, doc: str, action, argv=None) -> int:
 
 def run_dir_parser(prog: str, doc: str) -> argparse.ArgumentParser:
   """The parser of a command that reads a trained run: ``RUN_DIR`` and ``--step``."""
-  p = argparse.ArgumentParser(
-    prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("run_dir", metavar="PATH", help="a run directory (or a model folder)")
   p.add_argument("--step", type=int, default=None, help="checkpoint (default: newest valid)")
   return p

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxstep.cli._common import add_config_args, report
+from jaxstep.cli._common import Parser, add_config_args, report
 from jaxstep.core.check import CheckReport, check_accumulation
 from jaxstep.errors import JaxstepError
 
@@ -66,7 +66,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
 def main(argv=None) -> int:
   from jaxstep.trainer import config as config_lib
 
-  p = argparse.ArgumentParser(
+  p = Parser(
     prog="jaxstep check",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     help="compare a local Hugging Face model folder with transformers, stage by stage "
     "(needs torch and transformers; takes no config)",
   )
-  args = p.parse_args(argv)
+  args = p.parse_intermixed_args(argv)
   if args.against_hf is not None and (args.config is not None or args.overrides):
     p.error("--against-hf takes no --config or key=value overrides")
   try:

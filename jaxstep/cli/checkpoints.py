@@ -8,11 +8,10 @@ loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not
 
 from __future__ import annotations
 
-import argparse
 import logging
 import pathlib
 
-from jaxstep.cli._common import report
+from jaxstep.cli._common import Parser, report
 from jaxstep.errors import RunDirError
 from jaxstep.trainer.checkpoint import list_checkpoints
 from jaxstep.trainer.records import read_records
@@ -40,7 +39,7 @@ def table(run_dir: pathlib.Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="jaxstep checkpoints", description=__doc__)
+  p = Parser(prog="jaxstep checkpoints", description=__doc__)
   p.add_argument("run_dir")
   args = p.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices

@@ -5,15 +5,13 @@ The x axis is the update step throughout.
 
 from __future__ import annotations
 
-import argparse
-
-from jaxstep.cli._common import report
+from jaxstep.cli._common import Parser, report
 from jaxstep.errors import RunDirError, RunIOError
 from jaxstep.trainer.loss_plot import plot_run
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="jaxstep plot", description=__doc__)
+  p = Parser(prog="jaxstep plot", description=__doc__)
   p.add_argument("run_dir")
   args = p.parse_args(argv)
   try:

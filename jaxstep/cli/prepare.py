@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from jaxstep.cli._common import report, setup_logging
+from jaxstep.cli._common import Parser, report, setup_logging
 from jaxstep.data.readers import FORMATS
 from jaxstep.errors import Interrupted, JaxstepError
 
@@ -28,7 +28,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="jaxstep prepare", description=__doc__)
+  p = Parser(prog="jaxstep prepare", description=__doc__)
   p.add_argument("inputs", nargs="*", metavar="INPUT")
   p.add_argument(
     "--out",

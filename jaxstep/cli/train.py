@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from jaxstep.cli._common import add_config_args, report, setup_logging
+from jaxstep.cli._common import Parser, add_config_args, report, setup_logging
 from jaxstep.errors import JaxstepError, RunDirError
 from jaxstep.trainer import config as config_lib
 
 
 def parser(prog: str = "jaxstep train") -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = Parser(
     prog=prog,
     description="Train a model from a YAML config (default: the bundled tiny config on the "
     "bundled corpus). Overrides use dotted keys, e.g. "
@@ -41,7 +41,7 @@ def parser(prog: str = "jaxstep train") -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  args = parser().parse_args(argv)
+  args = parser().parse_intermixed_args(argv)
   setup_logging()
   try:
     cfg = config_lib.load(args.config, args.overrides)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import pathlib
 import typing
@@ -23,10 +24,12 @@ from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of, hf_config, hf_gpt2
 from jaxstep.trainer import profiling, trackers
-from jaxstep.trainer.config_values import coerce, expand_path, quoted
+from jaxstep.trainer.config_values import coerce, expand_path, quoted, read_yaml
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 from jaxstep.trainer.sections import CheckpointConfig, EvalConfig, MeshConfig
 from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
@@ -330,7 +333,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
   """
   file = _resolve_path(path)
   try:
-    tree = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    tree = read_yaml(file.read_text(encoding="utf-8"), str(file)) or {}
   except yaml.YAMLError as e:
     raise ConfigError(f"{file}: not valid YAML ({e})".replace("\n", " ")) from None
   except UnicodeDecodeError as e:
@@ -339,13 +342,18 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     raise ConfigError(f"config file {str(file)!r} cannot be read ({e.strerror})") from None
   if not isinstance(tree, dict):
     raise ConfigError(f"{file}: the top level must be a mapping of sections")
+  given = {}
   for item in overrides:
     key, sep, value = item.partition("=")
     if not sep or not key:
       raise ConfigError(f"override {item!r} is not of the form key=value")
-    if key.strip() not in valid_keys():
-      raise _unknown(key.strip())
-    _set_dotted(tree, key.strip(), value)
+    key = key.strip()
+    if key not in valid_keys():
+      raise _unknown(key)
+    if key in given:
+      log.warning("%s is given twice on the command line: %s wins over %s", key, item, given[key])
+    given[key] = item
+    _set_dotted(tree, key, value)
   try:
     cfg = _build(Config(), tree)
   except TypeError as e:  # a dataclass refused a value coerce let through

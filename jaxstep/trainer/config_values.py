@@ -1,7 +1,7 @@
-"""Values of config keys as they come from YAML files and ``key=value`` overrides: coerced
-to the field's type (``coerce``), shown cut short in messages (``quoted``), and paths
-expanded as a shell would (``expand_path``). Each failure is a ``ConfigError`` naming the
-key."""
+"""Values of config keys as they come from YAML files and ``key=value`` overrides: read
+with every key once per section (``read_yaml``), coerced to the field's type
+(``coerce``), shown cut short in messages (``quoted``), and paths expanded as a shell
+would (``expand_path``). Each failure is a ``ConfigError`` naming the key."""
 
 from __future__ import annotations
 
@@ -17,6 +17,39 @@ from typing import Any
 import yaml
 
 from jaxstep.errors import ConfigError
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
+  keeps the last one silently: two eval sets named ``web`` would become one). Keys a merge
+  (``<<: *base``) brings in may be overridden, as YAML intends."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":
+        continue
+      key = self.construct_object(key_node, deep=True)
+      try:
+        first = seen.setdefault(key, key_node.start_mark)
+      except TypeError:  # an unhashable key: the loader's own error says so
+        break
+      if first is not key_node.start_mark:
+        raise ConfigError(
+          f"{first.name}: key {quoted(key)} is given twice in one section (lines "
+          f"{first.line + 1} and {key_node.start_mark.line + 1}); keep one"
+        )
+    return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str, name: str) -> Any:
+  """The YAML document in ``text`` (read from ``name``), every key once per mapping."""
+  loader = _UniqueKeyLoader(text)
+  loader.name = name  # the marks in messages name the file
+  try:
+    return loader.get_single_data()
+  finally:
+    loader.dispose()
 
 
 def quoted(value: Any, limit: int = 200) -> str:
