@@ -375,3 +375,22 @@ def test_a_two_task_slurm_job_matches_one_process(tmp_path):
   for x, y in zip(a, b, strict=True):
     assert x["tokens"] == y["tokens"]
     assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+
+
+def test_jaxs_own_launch_variables_start_the_job(start):
+  """A manual launch as JAX documents it: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+  JAX_PROCESS_ID (jaxstep's own JAXSTEP_* win where both are set)."""
+  env = {"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+  [(args, _)] = start(env)
+  assert args == ("host0:1234", 4, 3)
+  [_, (args, _)] = start({**env, "JAXSTEP_NUM_PROCESSES": "2", "JAXSTEP_PROCESS_ID": "1"})
+  assert args == ("host0:1234", 2, 1)
+
+
+@pytest.mark.parametrize(
+  "name", ["JAXSTEP_NUM_PROCESSES", "JAXSTEP_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"]
+)
+def test_a_launch_variable_that_is_not_a_number_is_named(start, name):
+  env = {"JAXSTEP_COORDINATOR": "host0:1234", name: "two"}
+  with pytest.raises(ConfigError, match=f"{name}='two' is not an integer"):
+    start(env)

@@ -24,6 +24,7 @@ log = logging.getLogger("jaxstep")
 PROBE_INTERVAL = 0.5  # seconds between connection attempts to the coordinator
 
 PORT_FIX = "choose a free port in mesh.coordinator"  # a busy port the config chose
+COORDINATOR_VARIABLES = ("JAXSTEP_COORDINATOR", "JAX_COORDINATOR_ADDRESS")  # jaxstep's, JAX's
 
 
 def initialize_distributed(
@@ -36,20 +37,26 @@ def initialize_distributed(
   """``jax.distributed.initialize`` from config, ``JAXSTEP_*`` env, or the cluster launcher.
 
   Precedence per field: config value, then ``JAXSTEP_COORDINATOR`` / ``JAXSTEP_NUM_PROCESSES``
-  / ``JAXSTEP_PROCESS_ID``, then the launcher ``launchers.detect`` recognizes (SLURM, Open
-  MPI, a Kubernetes Job, a Cloud TPU pod). No coordinator and no multi-process launcher: a
-  single process, nothing is started. The devices a process drives always follow the
-  launcher's layout (all of a node's GPUs with one task per node).
+  / ``JAXSTEP_PROCESS_ID``, then JAX's own ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES``
+  / ``JAX_PROCESS_ID`` (what JAX documents for a manual launch), then the launcher
+  ``launchers.detect`` recognizes (SLURM, Open MPI, a Kubernetes Job, a Cloud TPU pod); a
+  variable that is not an integer is a ``ConfigError`` naming it. No coordinator and no
+  multi-process launcher: a single process, nothing is started. The devices a process
+  drives always follow the launcher's layout (all of a node's GPUs with one task per node).
 
   A process other than 0 first waits up to ``initialization_timeout`` seconds for the
   coordinator's port to accept a connection and raises ``ConfigError`` if it never does:
   JAX itself would abort the whole process (no Python exception) when its own wait runs out.
   """
   env = os.environ if env is None else env
-  coordinator = coordinator or env.get("JAXSTEP_COORDINATOR", "")
-  num_processes = num_processes or int(env.get("JAXSTEP_NUM_PROCESSES", "0"))
+  source = "mesh.coordinator" if coordinator else ""
+  for name in COORDINATOR_VARIABLES:
+    if not coordinator and env.get(name, "").strip():
+      coordinator, source = env[name].strip(), name
+  if not num_processes:
+    num_processes = launchers.env_int(env, "JAXSTEP_NUM_PROCESSES", "JAX_NUM_PROCESSES", default=0)
   if process_id < 0:
-    process_id = int(env.get("JAXSTEP_PROCESS_ID", "-1"))
+    process_id = launchers.env_int(env, "JAXSTEP_PROCESS_ID", "JAX_PROCESS_ID", default=-1)
   launch = launchers.detect(env)
   if not coordinator and launch is None:
     return
@@ -57,18 +64,21 @@ def initialize_distributed(
     _initialize_through_jax(launch, initialization_timeout)
     _log_started(launch.name)
     return
-  source = "mesh.coordinator" if coordinator else launch.name
+  source = source or launch.name
   coordinator = coordinator or launch.coordinator
   if launch:  # the launcher fills what config and environment leave out
     num_processes = num_processes or launch.num_processes or 0
     if process_id < 0 and launch.process_id is not None:
       process_id = launch.process_id
   devices = launch.local_device_ids if launch else None
-  port_fix = (
-    PORT_FIX
-    if source == "mesh.coordinator"
-    else f"set JAX_COORDINATOR_PORT to a free port (or mesh.coordinator) for this {source} job"
-  )
+  if source == "mesh.coordinator":
+    port_fix = PORT_FIX
+  elif source in COORDINATOR_VARIABLES:
+    port_fix = f"choose a free port in {source}"
+  else:
+    port_fix = (
+      f"set JAX_COORDINATOR_PORT to a free port (or mesh.coordinator) for this {source} job"
+    )
   _initialize_with_coordinator(
     coordinator, num_processes, process_id, initialization_timeout, devices, port_fix
   )

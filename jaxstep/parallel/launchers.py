@@ -51,7 +51,7 @@ def detect(env: Mapping[str, str] = os.environ) -> Launch | None:
   return None
 
 
-def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
+def env_int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
   """The first of ``names`` set to an integer; ``ConfigError`` naming it if it is not one."""
   for name in names:
     value = env.get(name, "").strip()
@@ -70,15 +70,16 @@ def _port(env: Mapping[str, str], job_id: int) -> str:
 def _slurm(env: Mapping[str, str]) -> Launch | None:
   """``srun`` with more than one task: id, count and local id are SLURM's own; the
   coordinator is the step's first node (as JAX's ``SlurmCluster`` picks it)."""
-  count = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
+  count = env_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
   if count <= 1 or "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env:
     return None
   nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-  coordinator = f"{first_host(nodes)}:{_port(env, _int(env, 'SLURM_JOB_ID'))}" if nodes else None
-  local = _int(env, "SLURM_LOCALID", default=0)
+  job = env_int(env, "SLURM_JOB_ID")
+  coordinator = f"{first_host(nodes)}:{_port(env, job)}" if nodes else None
+  local = env_int(env, "SLURM_LOCALID", default=0)
   tasks = slurm_tasks_on_node(env)
   devices = device_ids(local, tasks, visible_gpus(env), "SLURM")
-  return Launch("slurm", _int(env, "SLURM_PROCID"), count, coordinator, devices)
+  return Launch("slurm", env_int(env, "SLURM_PROCID"), count, coordinator, devices)
 
 
 def first_host(nodelist: str) -> str:
@@ -91,14 +92,14 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
   """Tasks SLURM runs on this node: ``SLURM_NTASKS_PER_NODE``, else this node's entry
   (``SLURM_NODEID``) of ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``
   (``2(x3),1`` = 2, 2, 2, 1)."""
-  explicit = _int(env, "SLURM_NTASKS_PER_NODE")
+  explicit = env_int(env, "SLURM_NTASKS_PER_NODE")
   if explicit:
     return explicit
   spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
   per_node = []
   for count, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", spec):
     per_node += [int(count)] * int(times or 1)
-  node = _int(env, "SLURM_NODEID", default=0)
+  node = env_int(env, "SLURM_NODEID", default=0)
   return per_node[node] if 0 <= node < len(per_node) else None
 
 
@@ -116,7 +117,7 @@ def visible_gpus(env: Mapping[str, str]) -> int | None:
   for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
     if env.get(name, "").strip():
       return len(env[name].split(","))
-  return _int(env, "SLURM_GPUS_ON_NODE")
+  return env_int(env, "SLURM_GPUS_ON_NODE")
 
 
 def device_ids(
@@ -144,7 +145,7 @@ def _openmpi(env: Mapping[str, str]) -> Launch | None:
   ``OMPI_MCA_orte_hnp_uri`` (as JAX's ``OmpiCluster`` reads it); Open MPI 5 no longer sets
   it, and then a coordinator must be given (``mesh.coordinator`` or
   ``JAXSTEP_COORDINATOR``)."""
-  count = _int(env, "OMPI_COMM_WORLD_SIZE", default=1)
+  count = env_int(env, "OMPI_COMM_WORLD_SIZE", default=1)
   if count <= 1:
     return None
   coordinator = None
@@ -153,10 +154,10 @@ def _openmpi(env: Mapping[str, str]) -> Launch | None:
   if host and uri.split(".", 1)[0].isdigit():
     job = int(uri.split(".", 1)[0]) // 2**12  # Open MPI's job ids are multiples of 2**12
     coordinator = f"{host.group(1) or host.group(2)}:{_port(env, job)}"
-  local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
-  tasks = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+  local = env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
+  tasks = env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
   devices = device_ids(local, tasks, visible_gpus(env), "Open MPI")
-  return Launch("openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), count, coordinator, devices)
+  return Launch("openmpi", env_int(env, "OMPI_COMM_WORLD_RANK"), count, coordinator, devices)
 
 
 def _tpu_pod(env: Mapping[str, str]) -> Launch | None:
@@ -168,10 +169,12 @@ def _tpu_pod(env: Mapping[str, str]) -> Launch | None:
   if not workers or "TPU_WORKER_ID" not in env:
     return None
   hosts = workers.split(",")
-  slices = _int(env, "MEGASCALE_NUM_SLICES", default=1)
+  slices = env_int(env, "MEGASCALE_NUM_SLICES", default=1)
   if len(hosts) * slices <= 1:
     return None
-  process = _int(env, "TPU_WORKER_ID") + _int(env, "MEGASCALE_SLICE_ID", default=0) * len(hosts)
+  process = env_int(env, "TPU_WORKER_ID") + env_int(env, "MEGASCALE_SLICE_ID", default=0) * len(
+    hosts
+  )
   host = (env.get("MEGASCALE_COORDINATOR_ADDRESS") or hosts[0]).split(":")[0]
   port = env.get("JAX_COORDINATOR_PORT") or str(TPU_PORT)
   return Launch("cloud-tpu", process, len(hosts) * slices, f"{host}:{port}")
@@ -183,4 +186,4 @@ def _kubernetes(env: Mapping[str, str]) -> Launch | None:
   service) come from the Kubernetes API, so JAX finds them (``jax[k8s]``)."""
   if "KUBERNETES_SERVICE_HOST" not in env or "JOB_COMPLETION_INDEX" not in env:
     return None
-  return Launch("kubernetes", _int(env, "JOB_COMPLETION_INDEX"), None, None)
+  return Launch("kubernetes", env_int(env, "JOB_COMPLETION_INDEX"), None, None)
