@@ -136,3 +136,42 @@ def test_what_fits_is_not_refused():
   refuse_what_cannot_fit(cfg, mesh, 80 * 2**30)  # an 80 GiB device holds its 15 GiB state
   with pytest.raises(ConfigError, match="training state alone needs 14.7 GiB"):
     refuse_what_cannot_fit(cfg, mesh, 8 * 2**30)
+
+
+def test_adapters_too_large_to_allocate_are_refused_naming_the_rank(tmp_path):
+  """``rank × (in + out)`` per adapted projection: a rank of billions is refused before the
+  model is built, and the message names model.lora.rank, not the model's shape."""
+  from jaxstep.trainer.plan import approx_num_params
+
+  small = make_cfg(tmp_path, "model.lora.rank=4", "model.lora.targets=[fc]")
+  plain = make_cfg(tmp_path)
+  d, hidden = small.model.d_model, small.model.mlp_hidden
+  assert approx_num_params(small.model) - approx_num_params(plain.model) == 4 * (d + hidden)
+  cfg = make_cfg(tmp_path, "model.lora.rank=3000000000")
+  with pytest.raises(
+    ConfigError, match=r"the LoRA adapters hold 100% of them: shrink model\.lora\.rank"
+  ):
+    make_plan(cfg)
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+  "overrides, warned",
+  [
+    (
+      ["model.lora.targets=[fc]", "model.lora.alpha=32"],
+      "model.lora.rank is 0, so adapters are off",
+    ),
+    (["data.document_mask=true", "data.pack=false"], "data.document_mask: true has no effect"),
+    (["model.lora.rank=4", "model.lora.alpha=32"], None),
+    (["data.document_mask=true"], None),
+  ],
+)
+def test_a_setting_the_rest_of_the_config_switches_off_is_one_warning(
+  tmp_path, caplog, overrides, warned
+):
+  make_plan(make_cfg(tmp_path, *overrides))
+  lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  without_effect = [line for line in lines if "no effect" in line]
+  assert len(without_effect) == (warned is not None), lines
+  assert warned is None or without_effect[0].startswith(warned)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxstep import data, parallel
 from jaxstep.core import device_memory, geometry
 from jaxstep.errors import ConfigError, DataError
-from jaxstep.models import GPTConfig, LlamaConfig
+from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama
 from jaxstep.trainer import auto_accum, init_from, steps
 from jaxstep.trainer import config as config_lib
 
@@ -144,7 +144,20 @@ def _param_parts(model: GPTConfig | LlamaConfig) -> list[tuple[int, str, str]]:
         "model.max_seq_len or model.d_model",
       )
     )
+  if model.lora.rank:
+    parts.append((_adapter_params(model), "the LoRA adapters", "model.lora.rank"))
   return parts
+
+
+def _adapter_params(model: GPTConfig | LlamaConfig) -> int:
+  """``rank × (in + out)`` summed over the adapted projections of every block."""
+  projections = gpt.PROJECTIONS if isinstance(model, GPTConfig) else llama.PROJECTIONS
+  shapes = hf_weights.expected_shapes(dataclasses.replace(model, scan_layers=False))
+  return sum(
+    model.lora.rank * sum(shape)
+    for path, shape in shapes.items()
+    if path[-1] == "kernel" and path[-2] in projections and model.lora.adapts(path[-2])
+  )
 
 
 def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
@@ -193,6 +206,21 @@ def _warn_all_warmup(warmup_steps: int, schedule_steps: int, shape: str) -> None
     )
 
 
+def _warn_settings_without_effect(cfg: config_lib.Config) -> None:
+  """One line for each setting that the rest of the config switches off."""
+  lora = cfg.model.lora
+  if not lora.rank and lora != type(lora)():  # rank 0 with another setting changed
+    log.warning(
+      "model.lora.rank is 0, so adapters are off and the whole model trains: "
+      "model.lora.targets, alpha and dropout have no effect (set model.lora.rank > 0 for LoRA)"
+    )
+  if cfg.data.document_mask is True and not cfg.data.pack:
+    log.warning(
+      "data.document_mask: true has no effect with data.pack: false (each window holds one "
+      "document already); set data.pack: true to pack documents and mask between them"
+    )
+
+
 def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[int, list]:
   """``auto``: the K ``auto_accum`` chooses by compiling the step on the abstract state for
   the candidates it tries, and the ``(K, bytes)`` table compiled."""
@@ -226,6 +254,7 @@ def make_plan(
   total = total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
   _warn_all_warmup(cfg.optim.warmup_steps, schedule_steps, cfg.optim.schedule)
+  _warn_settings_without_effect(cfg)
   table = []
   if t.grad_accum_steps == "auto":
     k, table = _choose_k(cfg, mesh, schedule_steps)

@@ -16,6 +16,7 @@ import time
 import jax
 
 from jaxstep.errors import RunDirError, RunIOError
+from jaxstep.models import export_folder
 from jaxstep.trainer import records
 
 log = logging.getLogger("jaxstep")
@@ -56,10 +57,11 @@ def locked(run_dir: str | pathlib.Path):
 
   Raises:
     RunIOError: the disk refuses the directory (full, read-only, no permission).
-    RunDirError: it cannot be created otherwise (a file in the path), or another run holds
-      it.
+    RunDirError: it cannot be created otherwise (a file in the path), another run holds
+      it, or it is a model folder.
   """
   run_dir = pathlib.Path(run_dir)
+  refuse_a_model_folder(run_dir)
   if jax.process_index() != 0:
     yield run_dir
     return
@@ -80,9 +82,12 @@ def locked(run_dir: str | pathlib.Path):
         f"run_dir {run_dir} is in use by another run (pid {holder}); wait for it to end or "
         f"choose another run_dir"
       ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     try:
+      try:  # the holder's pid, for the message of a run refused while this one holds it
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+      except OSError as e:  # a full disk has no block for even these few bytes
+        raise _unusable(run_dir, e) from None
       yield run_dir
     finally:
       with contextlib.suppress(OSError):  # never hides the error on its way up
@@ -90,6 +95,21 @@ def locked(run_dir: str | pathlib.Path):
           shutil.rmtree(run_dir, ignore_errors=True)
   finally:
     os.close(fd)
+
+
+def refuse_a_model_folder(run_dir: pathlib.Path) -> None:
+  """``RunDirError`` for a ``run_dir`` that is a model folder (``config.json`` beside
+  safetensors weights, or an export's marker): a run would write its checkpoints, logs and
+  ``config.yaml`` among the model's files, and a resume would read them as its own."""
+  if not (run_dir / "config.json").is_file():
+    return
+  weights = next(run_dir.glob("*.safetensors"), None) or next(run_dir.glob("*.bin"), None)
+  if weights is not None or (run_dir / export_folder.MARKER).is_file():
+    raise RunDirError(
+      f"run_dir {run_dir} is a model folder (config.json, {(weights or run_dir).name}): a "
+      f"run would write among the model's files; choose another run_dir (a model to start "
+      f"from goes in model.init_from)"
+    )
 
 
 def identity(run_dir: pathlib.Path) -> int | None:
