@@ -5,6 +5,8 @@ Each subclasses ``ValueError`` (bad input) or ``RuntimeError`` (bad state) as we
 say what to change, not only what went wrong.
 """
 
+import errno
+
 
 def first_line(error: BaseException) -> str:
   """``Type: first line`` of an error from a library (orbax, tensorstore, JAX's runtime),
@@ -39,6 +41,10 @@ class PromptError(JaxstepError, ValueError):
 
 class RunDirError(JaxstepError, FileNotFoundError):
   """A run directory lacks what a command reads (metrics, checkpoints)."""
+
+
+# the errnos of a write the disk refused: exit 74 like a failed write of a run, not bad input
+WRITE_REFUSED = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 
 
 class RunIOError(JaxstepError, OSError):

@@ -3,6 +3,7 @@ exported by jaxstep and loaded back by transformers, which must compute the same
 the export reads back into the same params bit for bit (nothing is downloaded)."""
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, RunIOError
 from jaxstep.models import export_folder, hf_config, hf_export, hf_weights, layers
 
 torch = pytest.importorskip("torch")
@@ -284,6 +285,28 @@ def test_a_failure_midway_leaves_no_folder(tmp_path, monkeypatch):
   with pytest.raises(OSError, match="disk full"):
     export(tmp_path / "src", tmp_path / "out", max_shard_bytes=20_000)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_midway_is_exit_74s_error_with_nothing_left(tmp_path, monkeypatch, code):
+  save_tiny(tmp_path / "src", "llama")
+
+  def full(tensor, dtype):
+    raise OSError(code, os.strerror(code))
+
+  monkeypatch.setattr(hf_export, "_host", full)
+  with pytest.raises(RunIOError, match=f"writing {tmp_path / 'out'} failed .*nothing was left"):
+    export(tmp_path / "src", tmp_path / "out")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_read_only_filesystem_is_exit_74s_error(tmp_path, tmpfs):
+  save_tiny(tmp_path / "src", "llama")
+  point = tmpfs("1M")
+  tmpfs.read_only(point)
+  with pytest.raises(RunIOError, match="Read-only file system"):
+    export(tmp_path / "src", point / "out")
+  assert not any(point.iterdir())
 
 
 def test_a_mismatched_architecture_or_params_tree_is_refused(tmp_path):

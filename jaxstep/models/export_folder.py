@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import WRITE_REFUSED, ConfigError, RunIOError
 
 MARKER = "jaxstep_export.json"
 Protected = Mapping[str | pathlib.Path, str] | None
@@ -130,13 +130,28 @@ def write(
   it was."""
   folder = pathlib.Path(folder)
   check_target(folder, protected)
-  staging = stage(folder)
+  try:
+    staging = stage(folder)
+  except OSError as e:
+    if e.errno in WRITE_REFUSED:
+      raise _failed_write(folder, e) from None
+    raise
   try:
     fill(staging)
     for file in map(pathlib.Path, extra_files):
       shutil.copy2(file, staging / file.name)
     publish(staging, folder, provenance)
-  except BaseException:
+  except BaseException as e:
     shutil.rmtree(staging, ignore_errors=True)
+    if isinstance(e, OSError) and e.errno in WRITE_REFUSED:
+      raise _failed_write(folder, e) from None
     raise
   return folder
+
+
+def _failed_write(folder: pathlib.Path, e: OSError) -> RunIOError:
+  """A write the disk refused (full, read-only, no permission): exit 74's error."""
+  return RunIOError(
+    f"writing {folder} failed ({e.strerror or e}); nothing was left there: make room or "
+    f"choose a writable folder, then export again"
+  )

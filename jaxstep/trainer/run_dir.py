@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from jaxstep.errors import RunDirError, RunIOError
+from jaxstep.errors import WRITE_REFUSED, RunDirError, RunIOError
 from jaxstep.models import export_folder
 from jaxstep.trainer import records
 
@@ -27,10 +27,6 @@ ARCHIVES = "previous-"  # folders that --no-resume made
 def stamped(name: str) -> str:
   """``name`` with the local time appended: ``previous-20261130-204253``."""
   return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-# a write the disk refused: exit 74 like a failed write during the run, not bad input
-WRITE_REFUSED = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 def _unusable(run_dir: pathlib.Path, e: OSError) -> RunDirError | RunIOError:
