@@ -25,6 +25,7 @@ import pathlib
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_gpt2
 from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 
 CONFIG = "config.json"
@@ -68,35 +69,31 @@ def architecture(hf: dict, where: str = CONFIG) -> str:
   return name
 
 
-def _get(hf: dict, key: str, where: str, default=None):
-  value = hf.get(key, default)
-  if value is None:
-    raise ConfigError(f"{where} has no {key!r}")
-  return value
-
-
 def rope_settings(hf: dict, where: str = CONFIG) -> tuple[float, tuple | None]:
   """``(theta, llama3 scaling or None)`` from either layout: ``rope_parameters`` (current
   transformers) or ``rope_theta`` + ``rope_scaling`` (older folders)."""
   params = hf.get("rope_parameters")
+  theta = real(hf, "rope_theta", where, 10000.0)
   if isinstance(params, dict):
-    theta, scaling = params.get("rope_theta", hf.get("rope_theta", 10000.0)), params
+    theta, scaling = real(params, "rope_theta", f"{where} rope_parameters", theta), params
   else:
-    theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+    scaling = hf.get("rope_scaling")
   if not scaling:
-    return float(theta), None
+    return theta, None
+  if not isinstance(scaling, dict):
+    raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind not in ROPE_TYPES:
     raise ConfigError(
       f"{where}: rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
     )
   if kind == "default":
-    return float(theta), None
+    return theta, None
   keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
   missing = [k for k in keys if k not in scaling]
   if missing:
     raise ConfigError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
-  return float(theta), tuple((k, float(scaling[k])) for k in keys)
+  return theta, tuple((k, real(scaling, k, f"{where} rope scaling")) for k in keys)
 
 
 def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTConfig:
@@ -113,19 +110,19 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
   for key in ("mlp_bias", "attention_bias") if not forced_bias else ("mlp_bias",):
     if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
       raise ConfigError(f"{where}: {key}=true is not supported for {name}")
-  d_model = int(_get(hf, "hidden_size", where))
-  n_heads = int(_get(hf, "num_attention_heads", where))
+  d_model = integer(hf, "hidden_size", where)
+  n_heads = integer(hf, "num_attention_heads", where)
   theta, scaling = rope_settings(hf, where)
   fields = {
-    "vocab_size": int(_get(hf, "vocab_size", where)),
-    "max_seq_len": int(hf.get("max_position_embeddings") or 2048),
+    "vocab_size": integer(hf, "vocab_size", where),
+    "max_seq_len": integer(hf, "max_position_embeddings", where, 2048) or 2048,
     "d_model": d_model,
-    "n_layers": int(_get(hf, "num_hidden_layers", where)),
+    "n_layers": integer(hf, "num_hidden_layers", where),
     "n_heads": n_heads,
-    "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
-    "head_dim": int(hf.get("head_dim") or d_model // n_heads),
-    "intermediate_size": int(_get(hf, "intermediate_size", where)),
-    "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    "n_kv_heads": integer(hf, "num_key_value_heads", where, 0) or n_heads,
+    "head_dim": integer(hf, "head_dim", where, 0) or d_model // max(n_heads, 1),
+    "intermediate_size": integer(hf, "intermediate_size", where),
+    "rms_norm_eps": real(hf, "rms_norm_eps", where, 1e-6),
     "rope_theta": theta,
     "rope_scaling": scaling,
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),

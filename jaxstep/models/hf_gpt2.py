@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from jaxstep.errors import ConfigError
 from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_fields import integer, real
 
 ARCHITECTURE = "GPT2LMHeadModel"
 PREFIX = "transformer."
@@ -39,19 +40,21 @@ def model_config(hf: dict, where: str, **options) -> GPTConfig:
       raise ConfigError(f"{where}: {key}=true is not supported for {ARCHITECTURE}")
   if hf.get("scale_attn_weights") is False:
     raise ConfigError(f"{where}: scale_attn_weights=false is not supported for {ARCHITECTURE}")
-  d_model = int(hf.get("n_embd", 768))
-  inner = int(hf.get("n_inner") or 4 * d_model)
+  d_model = integer(hf, "n_embd", where, 768)
+  inner = integer(hf, "n_inner", where, 0) or 4 * d_model
+  if d_model <= 0:
+    raise ConfigError(f"{where}: n_embd must be > 0, got {d_model}")
   if inner % d_model:
     raise ConfigError(f"{where}: n_inner {inner} is not a multiple of n_embd {d_model}")
   fields = {
-    "vocab_size": int(hf.get("vocab_size", 50257)),
-    "max_seq_len": int(hf.get("n_positions", 1024)),
+    "vocab_size": integer(hf, "vocab_size", where, 50257),
+    "max_seq_len": integer(hf, "n_positions", where, 1024),
     "d_model": d_model,
-    "n_layers": int(hf.get("n_layer", 12)),
-    "n_heads": int(hf.get("n_head", 12)),
+    "n_layers": integer(hf, "n_layer", where, 12),
+    "n_heads": integer(hf, "n_head", where, 12),
     "mlp_ratio": inner // d_model,
     "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
-    "layer_norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+    "layer_norm_eps": real(hf, "layer_norm_epsilon", where, 1e-5),
   }
   return GPTConfig(**{**fields, **options})
 

@@ -31,6 +31,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Buffers some older checkpoints carry that are recomputed here, not parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes read
 # Bytes of one block of rows copied (cast, transposed) from the file at a time.
 BLOCK_BYTES = 4 << 20
 
@@ -144,7 +145,10 @@ def read_params(
   cast to ``dtype`` and passed through ``place(path, array)`` (default: kept as numpy).
 
   Raises:
-    ConfigError: a tensor is missing or has another shape (named, with both shapes).
+    ConfigError: a tensor is missing, has another shape (named, with both shapes), is
+      stored as integers (a header that declares another dtype than the data), or holds
+      NaN or infinite values (all such tensors counted, checked block by block as they
+      are copied: no extra pass over the weights).
   """
   folder = pathlib.Path(folder)
   files = weight_files(folder)
@@ -157,42 +161,56 @@ def read_params(
       f"{', '.join(missing[:3])}"
     )
   params: dict = {}
+  not_finite = []
   for path, name, transposed in wanted:
     file = files[name]
     needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
-      array = _read(f, file, name, needed, transposed, dtype)
+      array, finite = _read(f, file, name, needed, transposed, dtype)
+    if not finite:
+      not_finite.append(name)
     _set(params, path, place(path, array) if place else array)
     del array  # a copying ``place`` has its own: not held while the next is read
+  if not_finite:
+    raise ConfigError(
+      f"{folder}: {len(not_finite)} tensor(s) hold NaN or infinite values, e.g. "
+      f"{', '.join(not_finite[:3])}: the weights are damaged (re-download or re-export them)"
+    )
   return params
 
 
 def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype):
-  """Tensor ``name`` of the open file, checked against ``needed`` (the file's layout), cast
-  to ``dtype`` and transposed if asked, into a new 64-byte-aligned array, a block of rows
-  (about ``BLOCK_BYTES``) at a time: besides the result only one block is ever held, and a
-  CPU ``jax.device_put`` adopts the aligned result instead of copying it."""
+  """``(array, finite)``: tensor ``name`` of the open file, checked against ``needed`` (the
+  file's layout) and a float dtype, cast to ``dtype`` and transposed if asked, into a new
+  64-byte-aligned array, a block of rows (about ``BLOCK_BYTES``) at a time: besides the
+  result only one block is ever held, and a CPU ``jax.device_put`` adopts the aligned
+  result instead of copying it. ``finite``: no NaN or infinity in it, checked per block."""
   try:
     source = f.get_slice(name)
-    shape = tuple(source.get_shape())
+    shape, stored = tuple(source.get_shape()), source.get_dtype()
   except Exception as e:  # noqa: BLE001 - a shard the index names may lack it
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
   if shape != needed:
     raise ConfigError(f"{file.name}: tensor {name} has shape {shape}, config.json needs {needed}")
+  if stored not in FLOAT_DTYPES:
+    raise ConfigError(
+      f"{file.name}: tensor {name} is stored as {stored}, a model's weights are floats "
+      f"({', '.join(FLOAT_DTYPES)}): the file's header does not describe its data"
+    )
   out = _aligned_empty(shape[::-1] if transposed else shape, dtype)
   rows = max(1, BLOCK_BYTES // max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:]))))
+  finite = True
   try:
     for i in range(0, shape[0], rows):
       end = min(i + rows, shape[0])  # safetensors refuses a slice past the end
-      if transposed:
-        out[:, i:end] = source[i:end].T
-      else:
-        out[i:end] = source[i:end]
+      block = out[:, i:end] if transposed else out[i:end]
+      block[...] = source[i:end].T if transposed else source[i:end]
+      finite = finite and bool(np.isfinite(block).all())
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - the data cannot be read or cast
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
-  return out
+  return out, finite
 
 
 def _aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:
