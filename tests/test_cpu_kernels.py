@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from tolerance import assert_close, assert_far, planted
 
 from jaxstep import models
 from jaxstep.models import backends, cpu_kernels
@@ -30,17 +31,26 @@ def test_value_and_grads_match_autodiff(d_in, d_out, dtype):
 
   grad = jax.jit(nnx.grad(objective, argnums=(0, 1)))
   (gp, gxp), (gc, gxc) = grad(plain, x), grad(custom, x)
-  tol = 1e-6 if dtype == jnp.float32 else 2e-2
-  chex.assert_trees_all_close(custom(x), plain(x), rtol=tol, atol=tol)
-  chex.assert_trees_all_close(nnx.state(gc), nnx.state(gp), rtol=tol, atol=tol)
-  chex.assert_trees_all_close(gxc, gxp, rtol=tol, atol=tol)
   assert gxc.dtype == x.dtype
+  if dtype == jnp.bfloat16:
+    tol = 2e-2
+    chex.assert_trees_all_close(custom(x), plain(x), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(nnx.state(gc), nnx.state(gp), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(gxc, gxp, rtol=tol, atol=tol)
+    return
+  terms = max(d_in, d_out, 3 * 5)  # x·W sums d_in, dx sums d_out, dW sums the 15 rows
+  assert_close(custom(x), plain(x), terms=terms)
+  assert_close(nnx.state(gc), nnx.state(gp), terms=terms)
+  assert_close(gxc, gxp, terms=terms)
+  # the margin: a weight gradient pairing each row's activations with another row's dy
+  (g_mispaired, _) = grad(plain, x[:, ::-1])
+  assert_far(nnx.state(g_mispaired), nnx.state(gp), terms=terms)
 
 
 def test_other_contractions_fall_back_to_lax():
   x, w = jnp.ones((4, 3)), jnp.ones((4, 5))
   dims = (((0,), (0,)), ((), ()))  # contracts x's FIRST axis: not the Linear form
-  chex.assert_trees_all_close(dense_dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
+  chex.assert_trees_all_equal(dense_dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
 
 
 @pytest.mark.slow
@@ -59,7 +69,7 @@ def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
     if isinstance(node, nnx.Linear):
       node.dot_general = jax.lax.dot_general  # flax's default
   ref = models.from_nnx(ref_module)
-  chex.assert_trees_all_close(ref.params, params)
+  chex.assert_trees_all_equal(ref.params, params)  # the same seed: the same weights
 
   def ref_apply(p, inputs):
     return ref.apply_fn(p, inputs)[0]
@@ -69,12 +79,12 @@ def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
     patch.setattr(cpu_kernels, "causal_attention", reference_attention)
     patch.setattr(cpu_kernels.LayerNorm, "__call__", nnx.LayerNorm.__call__)
     expected = jax.grad(lambda p: loss(ref_apply, p))(params)
-  chex.assert_trees_all_close(
-    custom,
-    expected,
-    rtol=1e-5,
-    atol=1e-6,
-  )
+    # the margin: the same reference without the causal mask
+    patch.setattr(cpu_kernels, "causal_attention", full_attention)
+    non_causal = jax.grad(lambda p: loss(ref_apply, p))(params)
+  terms = 4 * 16  # the longest sum: the MLP's down projection (4 × d_model)
+  assert_close(custom, expected, terms=terms)
+  assert_far(non_causal, expected, terms=terms)
 
 
 def reference_attention(q, k, v):
@@ -84,6 +94,12 @@ def reference_attention(q, k, v):
   scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def full_attention(q, k, v):
+  """``reference_attention`` without the causal mask: a deliberately wrong variant."""
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
 
 
 # [B, S, H, Dh]: query blocks of 4 + 4, 3 + 2, one row, 64 + 64, and 4 × 64 + 44 rows
@@ -100,14 +116,22 @@ def test_attention_value_and_grads_match_autodiff(shape, dtype):
   def objective(fn):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * probe)
 
-  tol = 1e-5 if dtype == jnp.float32 else 3e-2
-  chex.assert_trees_all_close(
-    causal_attention(q, k, v), reference_attention(q, k, v), rtol=tol, atol=tol
-  )
   grads = jax.jit(jax.grad(objective(causal_attention), argnums=(0, 1, 2)))(q, k, v)
   expected = jax.grad(objective(reference_attention), argnums=(0, 1, 2))(q, k, v)
-  chex.assert_trees_all_close(grads, expected, rtol=tol, atol=tol)
   assert [g.dtype for g in grads] == [dtype] * 3
+  if dtype == jnp.bfloat16:
+    tol = 3e-2
+    chex.assert_trees_all_close(
+      causal_attention(q, k, v), reference_attention(q, k, v), rtol=tol, atol=tol
+    )
+    chex.assert_trees_all_close(grads, expected, rtol=tol, atol=tol)
+    return
+  terms = max(shape[1], shape[-1])  # a softmax over the keys, or q·k over Dh
+  assert_close(causal_attention(q, k, v), reference_attention(q, k, v), terms=terms)
+  assert_close(grads, expected, terms=terms)
+  # the margin: attention without the causal mask (one token: nothing to mask, so 1 % off)
+  wrong = full_attention if shape[1] > 1 else lambda *a: planted(reference_attention(*a))
+  assert_far(wrong(q, k, v), reference_attention(q, k, v), terms=terms)
 
 
 @pytest.mark.parametrize(
@@ -134,19 +158,30 @@ def test_grouped_heads_equal_the_repeated_heads(groups, segments, s):
     return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * probe), argnums=(0, 1, 2)))
 
   want = value_and_grads(repeated)(q, k, v)
+  # a softmax over s keys; dk and dv sum over the group's s queries of each head
+  terms = groups * s
   for kernel in ("blocked", "xla"):
     got = value_and_grads(
       lambda q, k, v: backends.causal_attention(q, k, v, kernel, segment_ids=seg)  # noqa: B023
     )(q, k, v)
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close(got[0], want[0], terms=s * q.size)  # Σ probe · out over q.size entries
+    assert_close(got[1], want[1], terms=terms)
     assert got[1][1].shape == k.shape  # d(loss)/dk: one gradient per key/value head
+
+  # the margin: heads grouped the other way (query head h reading head h % KV)
+  def tiled(q, k, v):
+    k, v = jnp.tile(k, (1, 1, groups, 1)), jnp.tile(v, (1, 1, groups, 1))
+    return backends.causal_attention(q, k, v, "xla", segment_ids=seg)
+
+  assert_far(value_and_grads(tiled)(q, k, v)[1], want[1], terms=terms)
 
 
 def test_attention_is_causal():
   """Changing a later token's k/v leaves every earlier output and its gradient unchanged."""
   q, k, v = (jax.random.normal(jax.random.key(i), (1, 6, 2, 4)) for i in range(3))
   k2, v2 = k.at[:, 4:].add(1.0), v.at[:, 4:].add(1.0)
-  chex.assert_trees_all_close(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
+  # bitwise: the same program, and the masked keys add exact zeros
+  chex.assert_trees_all_equal(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
   early = lambda q, k, v: jnp.sum(causal_attention(q, k, v)[:, :4])  # noqa: E731
   assert float(jnp.abs(jax.grad(early, argnums=1)(q, k, v)[:, 4:]).max()) == 0.0
 
@@ -218,16 +253,26 @@ def test_layer_norm_value_and_grads_match_flax(dtype, param_dtype):
 
   grad = jax.jit(nnx.grad(objective, argnums=(0, 1)))
   (g_ours, gx_ours), (g_flax, gx_flax) = grad(ours, x), grad(flax_ln, x)
-  tol = 1e-5 if dtype == param_dtype == jnp.float32 else 3e-2
   assert ours(x).dtype == flax_ln(x).dtype
-  chex.assert_trees_all_close(ours(x), flax_ln(x), rtol=tol, atol=tol)
-  chex.assert_trees_all_close(nnx.state(g_ours), nnx.state(g_flax), rtol=tol, atol=tol)
-  chex.assert_trees_all_close(gx_ours, gx_flax, rtol=tol, atol=tol)
   assert gx_ours.dtype == dtype
+  if not dtype == param_dtype == jnp.float32:
+    tol = 3e-2
+    chex.assert_trees_all_close(ours(x), flax_ln(x), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(nnx.state(g_ours), nnx.state(g_flax), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(gx_ours, gx_flax, rtol=tol, atol=tol)
+    return
+  terms = 16  # the statistics over the 16 features (the scale's gradient: 10 rows)
+  assert_close(ours(x), flax_ln(x), terms=terms)
+  assert_close(nnx.state(g_ours), nnx.state(g_flax), terms=terms)
+  assert_close(gx_ours, gx_flax, terms=terms)
+  # the margin: the unbiased variance (÷ 15, not ÷ 16) is far outside the tolerance
+  centered = x - x.mean(-1, keepdims=True)
+  unbiased = centered / jnp.sqrt(centered.var(-1, ddof=1, keepdims=True) + flax_ln.epsilon)
+  assert_far(unbiased * scale + bias, flax_ln(x), terms=terms)
 
 
 def test_layer_norm_other_configurations_run_flax():
   ln = cpu_kernels.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
   x = jnp.arange(8.0).reshape(2, 4)
   flax_ln = nnx.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
-  chex.assert_trees_all_close(ln(x), flax_ln(x))
+  chex.assert_trees_all_equal(ln(x), flax_ln(x))  # flax's own code: bitwise

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_close, assert_far
 
 from jaxstep import models
 from jaxstep.errors import BatchError, ConfigError
@@ -36,6 +37,7 @@ LLAMA3 = dict(
   original_max_position_embeddings=32,
 )
 SCALING = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}  # jaxstep's rope_scaling
+INNER = 48  # the longest sum to the logits: the MLP's down projection (intermediate_size)
 HF_CASES = {
   "llama-gqa": ("llama", {}),
   "llama3-rope-tied": (
@@ -131,9 +133,13 @@ def test_logits_equal_hugging_face_for_the_same_weights(case):
   chex.assert_trees_all_equal_shapes_and_dtypes(params, init)  # the same names and shapes
   with torch.no_grad():
     expected = hf(torch.as_tensor(TOKENS)).logits.numpy()
-  logits = jax.jit(apply_fn)(params, jnp.asarray(TOKENS))
+  forward = jax.jit(apply_fn)
+  logits = forward(params, jnp.asarray(TOKENS))
   assert np.std(expected) > 0.1  # not a near-constant comparison
-  np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+  assert_close(logits, expected, terms=INNER)
+  # the margin: the two layers' weights swapped (a wrong layer index in the conversion)
+  swapped = {**params, "blocks": {0: params["blocks"][1], 1: params["blocks"][0]}}
+  assert_far(forward(swapped, jnp.asarray(TOKENS)), expected, terms=INNER)
 
 
 DECODE_CFG = models.LlamaConfig(
@@ -173,7 +179,9 @@ def test_cached_greedy_decode_equals_the_full_forward():
     step, cache = decode_fn(params, step_tokens, jnp.asarray(at[:, None]), cache)
     cached[live, at[live]] = np.asarray(step)[live, 0]
   full = jax.jit(dec.apply_fn)(params, jnp.asarray(tokens))
-  np.testing.assert_allclose(cached, full, atol=1e-4, rtol=0)
+  assert_close(cached, full, terms=INNER)
+  # the margin: each step's logits read one position off (a cache index off by one)
+  assert_far(cached[:, 1:], full[:, :-1], terms=INNER)
   assert dec.init_cache(2, s)[0][0].shape == (2, 2, 16, s)  # n_kv_heads, not n_heads
 
 
@@ -189,12 +197,17 @@ def loss_and_grads(cfg, params, rng):
 
 DROPOUT_CFG = models.LlamaConfig(**{**DECODE_CFG.__dict__, "dropout": 0.1})
 RNG = jax.random.key_data(jax.random.key(7))
+OTHER_RNG = jax.random.key_data(jax.random.key(8))
+TERMS = VOCAB  # the longest sum to the loss: the softmax over the vocabulary (≥ INNER)
 
 
 @pytest.fixture(scope="module")
 def plain_loss_and_grads():
+  """The parameters, the loss and gradients with ``RNG``, and (the margin) the gradients
+  with another dropout key."""
   params = models.build(DROPOUT_CFG, 0)[1]
-  return params, loss_and_grads(DROPOUT_CFG, params, RNG)
+  other = loss_and_grads(DROPOUT_CFG, params, OTHER_RNG)[1]
+  return params, loss_and_grads(DROPOUT_CFG, params, RNG), other
 
 
 @pytest.mark.slow
@@ -202,12 +215,14 @@ def plain_loss_and_grads():
   "changes", [dict(scan_layers=True), dict(remat="block")], ids=["scan_layers", "remat_block"]
 )
 def test_scanned_layers_and_remat_give_the_same_loss_and_gradients(changes, plain_loss_and_grads):
-  params, (loss_0, grads_0) = plain_loss_and_grads
+  params, (loss_0, grads_0), grads_other = plain_loss_and_grads
   variant = models.LlamaConfig(**{**DROPOUT_CFG.__dict__, **changes})
   converted = layers.convert_layout(params, variant.scan_layers)
   loss_v, grads_v = loss_and_grads(variant, converted, RNG)
-  np.testing.assert_allclose(loss_v, loss_0, rtol=1e-6)
-  chex.assert_trees_all_close(layers.convert_layout(grads_v, False), grads_0, rtol=1e-5, atol=1e-6)
+  assert_close(loss_v, loss_0, terms=TERMS)
+  assert_close(layers.convert_layout(grads_v, False), grads_0, terms=TERMS)
+  # the margin: another dropout draw is far outside the tolerance
+  assert_far(grads_other, grads_0, terms=TERMS)
 
 
 def test_a_seed_initialises_the_same_model_in_both_layouts():

@@ -10,12 +10,14 @@ import optax
 import pytest
 from conftest import regression_loss
 from flax import nnx
+from tolerance import assert_close, assert_far
 
 from jaxstep import Checkpointer, ConfigError, Session, make_train_step, models
 from jaxstep.core.accumulate import split_micro_batches
 from jaxstep.core.loss_scale import DynamicLossScale
 
 K = 4
+TERMS = 16  # the longest sums: Net's 16 hidden units, a gradient's sum over the 16 rows
 
 
 class Net(nnx.Module):
@@ -78,19 +80,26 @@ def test_model_state_goes_through_the_micro_steps_in_order_like_a_pytorch_loop()
   n = jnp.sum(batch["loss_mask"])
   micro = split_micro_batches(batch, K)
   step_rng = jax.random.fold_in(state.rng, 0)
-  grads, model_state = jax.tree.map(jnp.zeros_like, model.params), model.model_state
-  for k in range(K):
-    mb = jax.tree.map(lambda x, k=k: x[k], micro)
 
-    def objective(p, mb=mb, k=k, ms=model_state):
-      loss_sum, _, ms = loss_fn(p, mb, jax.random.fold_in(step_rng, k), ms)
-      return loss_sum / n, ms
+  def reference(order):
+    grads, model_state = jax.tree.map(jnp.zeros_like, model.params), model.model_state
+    for k in order:
+      mb = jax.tree.map(lambda x, k=k: x[k], micro)
 
-    g, model_state = jax.grad(objective, has_aux=True)(model.params)
-    grads = jax.tree.map(jnp.add, grads, g)
-  expected = jax.tree.map(lambda p, g: p - lr * g, model.params, grads)
-  chex.assert_trees_all_close(new.params, expected, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(new.model_state, model_state, rtol=1e-6, atol=1e-7)
+      def objective(p, mb=mb, k=k, ms=model_state):
+        loss_sum, _, ms = loss_fn(p, mb, jax.random.fold_in(step_rng, k), ms)
+        return loss_sum / n, ms
+
+      g, model_state = jax.grad(objective, has_aux=True)(model.params)
+      grads = jax.tree.map(jnp.add, grads, g)
+    return jax.tree.map(lambda p, g: p - lr * g, model.params, grads), model_state
+
+  expected, model_state = reference(range(K))
+  assert_close(new.params, expected, terms=TERMS)
+  assert_close(new.model_state, model_state, terms=TERMS)
+  # the margin: the micro-batches' statistics folded into the running ones in reverse order
+  _, reversed_state = reference(reversed(range(K)))
+  assert_far(reversed_state, model_state, terms=TERMS)
 
 
 def test_each_micro_step_draws_fresh_dropout_and_eval_is_deterministic():
@@ -290,8 +299,18 @@ def test_a_stateless_linen_module_trains_with_the_documented_init_and_a_3_argume
   loss_sum, _ = loss_fn(model.params, batch, None)
   grads = jax.grad(lambda p: loss_fn(p, batch, None)[0] / batch["loss_mask"].sum())(model.params)
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, model.params, grads)
-  chex.assert_trees_all_close(state.params, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(metrics["loss"], loss_sum / batch["loss_mask"].sum(), rtol=1e-6)
+  assert_close(state.params, expected, terms=TERMS)
+  # the loss: a sum over the 16 rows of per-row values from 8 hidden units
+  assert_close(metrics["loss"], loss_sum / batch["loss_mask"].sum(), terms=16 * 8)
+  # the margin: the mean of the micro-batches' mean gradients, not the global mean
+  micro = split_micro_batches(batch, K)
+  means = [
+    jax.grad(lambda p, mb=mb: loss_fn(p, mb, None)[0] / mb["loss_mask"].sum())(model.params)
+    for mb in (jax.tree.map(lambda x, k=k: x[k], micro) for k in range(K))
+  ]
+  mean_of_means = jax.tree.map(lambda *g: sum(g) / K, *means)
+  wrong = jax.tree.map(lambda p, g: p - 0.1 * g, model.params, mean_of_means)
+  assert_far(wrong, expected, terms=TERMS)
 
 
 def test_a_stateless_model_with_a_4_argument_loss_is_a_clear_error_at_init():
