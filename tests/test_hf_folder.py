@@ -221,6 +221,33 @@ def test_render_chat_refusals_are_data_errors():
     render_chat("{% if %}", [], bos_token=None, eos_token="")
 
 
+CHAT = [
+  {"role": "user", "content": "hi"},
+  {"role": "assistant", "content": "hello"},
+  {"role": "tool", "content": "42"},
+]
+
+
+@pytest.mark.parametrize(
+  "template, named",
+  [
+    (CHATML_TEMPLATE, "TemplateError: unknown role tool (at message 2, role 'tool')"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError: integer division or modulo by zero"),
+    ("{{ messages | no_such_filter }}", "TemplateAssertionError: No filter named 'no_such_filter'."),
+    (
+      "{% for m in messages %}{{ m.content / 2 }}{% endfor %}",
+      "TypeError: unsupported operand type(s) for /: 'str' and 'int' (at message 0, role 'user')",
+    ),
+  ],
+)
+def test_a_template_that_fails_while_rendering_says_why_and_where(template, named):
+  """Whatever the template raises is one DataError: its own message, and the first message
+  at which the conversation fails to render (none for a template broken without one)."""
+  with pytest.raises(DataError) as refused:
+    render_chat(template, CHAT, bos_token=None, eos_token="")
+  assert str(refused.value) == f"chat template: {named}"
+
+
 def test_render_chat_leaves_unset_tokens_undefined_and_supports_generation_tags():
   template = "{{ bos_token }}|{{ pad_token is defined }}|{% generation %}{{ x }}{% endgeneration %}"
   assert render_chat(template, [], bos_token=None, eos_token="e", pad_token=None, x=3) == "|False|3"

@@ -91,7 +91,9 @@ def render_chat(
   under ``thinking``/``reasoning_content``, all data copied to plain types, a None special
   token left undefined (``{{ bos_token }}`` renders nothing for Qwen), ``tools`` and
   ``documents`` None unless ``extra`` gives them. ``DataError`` when the template is not
-  valid Jinja or refuses the messages (``raise_exception``)."""
+  valid Jinja, refuses the messages (``raise_exception``) or fails while rendering (a
+  division by zero, an undefined filter), with the template's own message and the first
+  message at which it fails."""
   given = {"bos_token": bos_token, "eos_token": eos_token, **extra}
   given["add_generation_prompt"] = add_generation_prompt
   return _render(template, messages, given)[0]
@@ -113,11 +115,30 @@ def _render(
       messages=chat, tools=tools, documents=documents, **kwargs
     ):
       blocks.append(block)
-  except jinja2.TemplateError as e:
-    raise DataError(f"chat template: {type(e).__name__}: {e}") from None
+  except MemoryError:
+    raise
+  except Exception as e:  # noqa: BLE001 - a template may raise anything Python can
+    where = _failing_turn(template, chat, tools, documents, kwargs) if chat else ""
+    raise DataError(f"chat template: {type(e).__name__}: {e}{where}") from None
   finally:
     _TRACK.reset(mark)
   return "".join(blocks), spans
+
+
+def _failing_turn(template: str, chat: list[dict], tools, documents, kwargs: dict) -> str:
+  """`` (at message i, role r)``: the first message whose conversation so far the template
+  cannot render (a role it refuses, a field it computes on); ``""`` when it fails without
+  any message too (a broken template) or with none of the prefixes."""
+  for i in range(len(chat) + 1):
+    try:
+      "".join(
+        _compile(template).generate(messages=chat[:i], tools=tools, documents=documents, **kwargs)
+      )
+    except MemoryError:
+      raise
+    except Exception:  # noqa: BLE001 - the same failure, found at this turn
+      return f" (at message {i - 1}, role {chat[i - 1].get('role')!r})" if i else ""
+  return ""
 
 
 # The names a message's reasoning goes by; templates read the first.
