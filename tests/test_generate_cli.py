@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_cfg, read_lines
+from tolerance import assert_close, assert_far
 
 from jaxstep import Generator, load_run, models, trainer
 from jaxstep.cli import run as run_command
@@ -141,6 +142,12 @@ def test_python_m_jaxstep_generate_runs(trained):
   assert proc.returncode == 0 and proc.stdout.startswith("--- sample 1"), proc.stderr
 
 
+def nll_terms(cfg, tokens) -> int:
+  """Per-token NLLs (the longest sum: the MLP's down projection or the softmax over the
+  vocabulary) summed over ``tokens`` tokens."""
+  return max(cfg.mlp_ratio * cfg.d_model, cfg.vocab_size) * int(tokens)
+
+
 def independent_eval(saved, windows, pad_id):
   """Σ NLL, tokens and bytes over the windows, one batch of 4 at a time, by hand."""
   apply_fn, _ = models.build(saved.cfg.model, 0)
@@ -166,9 +173,13 @@ def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_pat
   nll, tokens, num_bytes = independent_eval(saved, dataset.train, dataset.pad_id)
   assert got["tokens"] == tokens and got["bytes"] == num_bytes < tokens  # EOS: nats, no bytes
   assert got["bytes"] == len(text.read_text().replace("\n\n", "").encode())  # every text byte
-  assert got["loss"] == pytest.approx(nll / tokens, rel=1e-5)
-  assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
-  assert got["bpb"] == pytest.approx(nll / (math.log(2) * num_bytes), rel=1e-5)
+  terms = nll_terms(saved.cfg.model, tokens)
+  expected = {"loss": nll / tokens, "bpb": nll / (math.log(2) * num_bytes)}
+  assert_close({k: got[k] for k in expected}, expected, terms=terms)
+  assert_close(math.log(got["ppl"]), nll / tokens, terms=terms)  # ppl = exp(loss)
+  # the margin: the sum divided by the windows instead of the tokens and bytes is far
+  nats, rows = got["loss"] * got["tokens"], got["windows"]
+  assert_far({"loss": nats / rows, "bpb": nats / (math.log(2) * rows)}, expected, terms=terms)
 
 
 def test_evaluate_chat_counts_only_the_assistant_targets(trained, capsys):
@@ -198,7 +209,11 @@ def test_eval_during_training_reports_bits_per_byte(tmp_path):
   saved = type("Saved", (), {"cfg": run.cfg, "params": state.params})
   nll, tokens, num_bytes = independent_eval(saved, run.dataset.eval, run.dataset.pad_id)
   assert got["eval_tokens"] == tokens and got["eval_bytes"] == num_bytes
-  assert got["eval_bpb"] == pytest.approx(nll / (math.log(2) * num_bytes), rel=1e-5)
+  terms = nll_terms(run.cfg.model, tokens)
+  assert_close(got["eval_bpb"], nll / (math.log(2) * num_bytes), terms=terms)
+  # the margin: the bits divided by the windows instead of the bytes are far outside it
+  per_window = got["eval_bpb"] * num_bytes / len(run.dataset.eval)
+  assert_far(per_window, nll / (math.log(2) * num_bytes), terms=terms)
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL, make_cfg, read_lines
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
-from test_pretrained import folder  # noqa: F401 - fixture
+from test_pretrained import FOLDER_TERMS, folder  # noqa: F401 - fixture
+from tolerance import assert_close, assert_far
 
 import jaxstep
 from jaxstep import models, trainer
@@ -63,8 +64,12 @@ def test_merged_weights_compute_what_the_adapters_do():
   )
   base_fn, _ = models.build(dataclasses.replace(cfg, lora=LoraConfig()), 0, abstract=True)
   got = base_fn(merged(params, cfg.lora.scale), IDS)
-  np.testing.assert_allclose(got, apply_fn(params, IDS), atol=1e-5)
-  assert not np.allclose(base_fn(merged(params, 0.0), IDS), got, atol=1e-3)
+  want = apply_fn(params, IDS)
+  terms = LLAMA.intermediate_size  # the longest sum: the MLP's down projection
+  assert_close(got, want, terms=terms)
+  # the margin: the base without the adapters, and the adapters at twice their scale, are far
+  assert_far(base_fn(merged(params, 0.0), IDS), want, terms=terms)
+  assert_far(base_fn(merged(params, 2 * cfg.lora.scale), IDS), want, terms=terms)
 
 
 def test_a_lora_run_trains_only_the_adapters(tmp_path):
@@ -142,7 +147,7 @@ def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
   transformers = pytest.importorskip("transformers")
   from test_init_from import run_cfg
 
-  path, _ = folder
+  path, base_model = folder
   cfg = run_cfg(tmp_path, path, "model.lora.rank=4", "train.max_steps=2", "optim.lr=1e-2")
   trainer.train(cfg)
   saved = jaxstep.load_run(tmp_path / "run")
@@ -154,8 +159,11 @@ def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
   ids = np.random.default_rng(0).integers(0, 320, size=(2, 12))
   with torch.no_grad():
     theirs = exported(torch.tensor(ids)).logits.numpy()
+    base_logits = base_model(torch.tensor(ids)).logits.numpy()
   ours = np.asarray(models.decoder(saved.cfg.model).apply_fn(saved.params, ids))
-  np.testing.assert_allclose(ours, theirs, atol=1e-4)
+  assert_close(ours, theirs, terms=FOLDER_TERMS)
+  # the margin: the base model without the trained adapters is far outside the tolerance
+  assert_far(base_logits, theirs, terms=FOLDER_TERMS)
 
 
 def lora_args(tmp_path, path, *extra):

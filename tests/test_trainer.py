@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import killable
+from tolerance import assert_close, assert_far
 
 import jaxstep
 from jaxstep.errors import BatchError, CheckpointError, ConfigError
@@ -90,7 +91,11 @@ def test_eval_sets_report_the_sums_of_an_independent_computation(tmp_path):
     rows = sum(b["loss_mask"].sum() for b in batches)
     got = result.evals[name]
     assert got["step"] == 12 and got["eval_tokens"] == rows and got["eval_rows"] == rows
-    np.testing.assert_allclose(got["eval_loss"], sse / rows, rtol=1e-5)
+    terms = 3 * G * len(batches)  # x @ w (3 terms) for every row, summed over the rows
+    assert_close(got["eval_loss"], sse / rows, terms=terms)
+    # the margin: the same set scored at step 6 (another step's params) is far outside it
+    (earlier,) = [r for r in records if (r["step"], r["set"]) == (6, name)]
+    assert_far(earlier["eval_loss"], sse / rows, terms=terms)
   again = trainer(tmp_path, eval_sets=sets, train={"eval_every": 6}).fit()  # writes nothing
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert again.stop_reason == "already finished at update step 12"
@@ -352,8 +357,11 @@ def test_an_aux_named_loss_does_not_overwrite_the_eval_sums(tmp_path):
   got = t.fit().evals["a"]
   b = sets["a"][0]
   sse = float(np.sum(b["y"] ** 2 * b["loss_mask"]))
-  np.testing.assert_allclose(got["eval_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)
-  np.testing.assert_allclose(got["eval_aux_loss"], sse / b["loss_mask"].sum(), rtol=1e-6)
+  means = (got["eval_loss"], got["eval_aux_loss"])
+  expected = (sse / b["loss_mask"].sum(),) * 2
+  assert_close(means, expected, terms=3 * G)  # x @ w (3 terms) for every row, over the rows
+  # the margin: the sum divided by every row, the masked one too, is far outside it
+  assert_far(tuple(m * b["loss_mask"].sum() / G for m in means), expected, terms=3 * G)
 
 
 def test_only_the_echoes_of_a_reported_checkpoint_failure_are_dropped():
