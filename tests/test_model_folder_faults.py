@@ -95,3 +95,20 @@ def test_the_checks_pass_a_sound_folder(folder):  # noqa: F811
   path, _ = folder
   got = jaxstep.load_pretrained(path)
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(got.params))
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate"])
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(folder, tmp_path, capsys, command):  # noqa: F811
+  """The folder's tokenizer has 320 ids: a config.json that says 300 (an embedding of 300
+  rows) would index past its end; every command refuses it as train does."""
+  path, _ = folder
+  hf = hf_config.read_config(path)
+  (path / "config.json").write_text(json.dumps({**hf, "vocab_size": 300}))
+  with pytest.raises(ConfigError, match="vocab_size 300 is smaller than the folder's tokenizer"):
+    jaxstep.load_pretrained(path)
+  (tmp_path / "text.txt").write_text("some text to score")
+  args = {"generate": ["--prompt", "hi"], "evaluate": ["--data", str(tmp_path / "text.txt")]}
+  main = {"generate": generate.main, "evaluate": evaluate.main}[command]
+  assert main([str(path), *args[command]]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "(320 ids)" in err[0], err

@@ -79,7 +79,7 @@ def load_pretrained(
   Raises:
     ConfigError: no ``config.json``, an unsupported architecture or setting (named), a
       sliding window shorter than ``max_seq_len``, a missing, mis-shaped or unused tensor
-      (named). DataError: the tokenizer files.
+      (named), a ``vocab_size`` smaller than the tokenizer. DataError: the tokenizer files.
   """
   path = pathlib.Path(path)
   hf, where = hf_config.read_config(path), str(path / hf_config.CONFIG)
@@ -87,6 +87,13 @@ def load_pretrained(
   scanned = model_options.pop("scan_layers", False)  # read per block, then stacked
   per_block = hf_config.model_config(hf, where, **model_options)
   hf_config.check_sliding_window(hf, per_block.max_seq_len, where)
+  tokenizer = hf_folder.folder_tokenizer(path)
+  if tokenizer.vocab_size > per_block.vocab_size:  # an id past the embedding's last row
+    raise ConfigError(
+      f"{where}: vocab_size {per_block.vocab_size} is smaller than the folder's tokenizer "
+      f"({tokenizer.vocab_size} ids): ids past it have no embedding row, so the tokenizer "
+      f"and the weights do not belong together"
+    )
   unused = hf_weights.unused_tensors(path, per_block)
   if unused:
     raise ConfigError(
@@ -101,8 +108,8 @@ def load_pretrained(
   return Pretrained(
     config=dataclasses.replace(per_block, scan_layers=scanned),
     params=params,
-    tokenizer=hf_folder.folder_tokenizer(path),
-    chat_template=hf_folder.chat_template(path),
+    tokenizer=tokenizer,
+    chat_template=tokenizer.chat_template,
     hf_config=hf,
     architecture=arch,
     path=path,
