@@ -194,3 +194,16 @@ def test_an_error_line_quoting_a_huge_value_is_capped(tmp_path, capsys):
   assert train_cli.main(["--config", str(path)]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and err.count("\n") == 1 and len(err) < 1200, len(err)
+
+
+def test_a_missing_init_from_folder_is_named_before_the_tokenizer_it_also_is(tmp_path):
+  """A run trained from a folder records it as model.init_from and as data.tokenizer: when
+  it is moved, the error names model.init_from (the key the user set), for a new run and
+  for a run's own config.yaml alike."""
+  gone = tmp_path / "moved-away"
+  with pytest.raises(ConfigError, match=f"model.init_from {gone} is not a folder"):
+    config_lib.load(None, [f"model.init_from={gone}", f"data.tokenizer={gone}"])
+  saved = tmp_path / "config.yaml"
+  saved.write_text(f"model:\n  init_from: {gone}\ndata:\n  tokenizer: {gone}\n")
+  with pytest.raises(ConfigError, match="model.init_from .* is not a folder"):
+    config_lib.load(saved)

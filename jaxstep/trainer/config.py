@@ -24,7 +24,13 @@ from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import FAMILIES, GPTConfig, LlamaConfig, family_of, hf_config, hf_gpt2
 from jaxstep.trainer import profiling, trackers
-from jaxstep.trainer.config_values import coerce, expand_path, quoted, read_yaml
+from jaxstep.trainer.config_values import (
+  coerce,
+  expand_path,
+  quoted,
+  read_yaml,
+  require_init_from,
+)
 from jaxstep.trainer.guards import NONFINITE_POLICIES
 from jaxstep.trainer.sections import CheckpointConfig, EvalConfig, MeshConfig
 from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
@@ -354,6 +360,9 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
       log.warning("%s is given twice on the command line: %s wins over %s", key, item, given[key])
     given[key] = item
     _set_dotted(tree, key, value)
+  model = tree.get("model")
+  if isinstance(model, dict) and isinstance(model.get("init_from"), str):
+    require_init_from(expand_path("model.init_from", model["init_from"]))
   try:
     cfg = _build(Config(), tree)
   except TypeError as e:  # a dataclass refused a value coerce let through

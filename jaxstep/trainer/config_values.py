@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pathlib
 import re
 import reprlib
 import types
@@ -132,3 +133,16 @@ def expand_path(key: str, path: str) -> str:
       f"set it or write the path out"
     )
   return os.path.expanduser(expanded)
+
+
+def require_init_from(init_from: str) -> None:
+  """``ConfigError`` naming ``model.init_from`` when it is set and its folder is gone
+  (moved, deleted, unmounted). Checked before the rest of the config is built: the folder
+  is also the run's ``data.tokenizer``, and a LoRA run's base, so every later failure
+  would name a key the user never set."""
+  if init_from and not pathlib.Path(init_from).is_dir():
+    raise ConfigError(
+      f"model.init_from {init_from} is not a folder (moved or deleted?): a run starts from "
+      f"a local Hugging Face model folder, and a run trained from one (its LoRA adapters, its "
+      f"tokenizer) needs it back at that path"
+    )

@@ -27,6 +27,7 @@ from jaxstep.core import layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_config, lora
 from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config_values import require_init_from
 
 # model keys the folder does not decide: they stay as the config sets them
 OPTION_KEYS = ("dropout", "attention", "remat", "scan_layers", "init_from", "lora")
@@ -37,6 +38,7 @@ def resolve(cfg: config_lib.Config) -> config_lib.Config:
   model = cfg.model
   if not model.init_from:
     return cfg
+  require_init_from(model.init_from)
   folder = pathlib.Path(model.init_from)
   hf = hf_config.read_config(folder)
   where = str(folder / hf_config.CONFIG)
