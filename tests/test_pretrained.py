@@ -137,3 +137,53 @@ def test_a_short_sliding_window_or_a_tensor_without_a_place_is_refused(folder):
   save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(ConfigError, match="no place for, e.g. model.layers.0.self_attn.o_proj.bias"):
     jaxstep.load_pretrained(path, max_seq_len=16)
+
+
+def test_lora_on_a_loaded_folder_adds_adapters_that_start_at_the_base(folder, tmp_path):
+  """``load_pretrained(DIR, lora=LoraConfig(rank=4))``: the params hold fresh adapters
+  (B = 0, so the logits are the folder's exactly), an update trains them alone, and
+  ``save`` merges them into a plain folder that transformers reads."""
+  import jax.numpy as jnp
+  import optax
+
+  from jaxstep.core import freeze
+  from jaxstep.models import lora
+
+  path, model = folder
+  plain = jaxstep.load_pretrained(path)
+  got = jaxstep.load_pretrained(path, lora=lora.LoraConfig(rank=4, alpha=8.0))
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 320, size=(2, 12)))
+  apply_fn, _ = models.build(got.config, 0, abstract=True)
+  base_fn, _ = models.build(plain.config, 0, abstract=True)
+  np.testing.assert_array_equal(apply_fn(got.params, ids), base_fn(plain.params, ids))
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(got.params)[0]]
+  assert sum("lora" in n for n in names) == 2 * 7 * SHAPE["num_hidden_layers"]  # A, B × 7
+
+  loss_fn = jaxstep.next_token_loss(apply_fn)
+  step = jax.jit(
+    jaxstep.make_train_step(
+      loss_fn, optax.sgd(0.5), grad_accum_steps=1, trainable=freeze.by_patterns([lora.ADAPTER])
+    )
+  )
+  batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.ones((2, 11), jnp.int32)}
+  trained = step(step.init(got.params, 0), batch)[0].params
+  out = got.save(tmp_path / "merged", trained)
+  merged = jaxstep.load_pretrained(out)
+  assert_close(
+    base_fn(merged.params, ids), apply_fn(trained, ids), terms=FOLDER_TERMS
+  )  # W + (α/r)·A·B
+  assert_far(base_fn(plain.params, ids), apply_fn(trained, ids), terms=FOLDER_TERMS)
+
+
+def test_saving_adapters_into_a_plain_config_says_how_to_merge(folder, tmp_path):
+  from jaxstep.models import hf_export, lora
+
+  path, _ = folder
+  got = jaxstep.load_pretrained(path, lora=lora.LoraConfig(rank=2))
+  with pytest.raises(ConfigError, match=r"LoRA adapter leaves .* merge them into the weights"):
+    hf_export.save_pretrained(
+      tmp_path / "out",
+      jaxstep.load_pretrained(path).config,
+      got.params,
+      architecture=got.architecture,
+    )

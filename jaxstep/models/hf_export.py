@@ -274,6 +274,13 @@ def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:
   extra = [p for p, _ in found if tuple(key_name(k) for k in p) not in wanted]
   if extra:
     names = ", ".join(jax.tree_util.keystr(p) for p in extra[:3])
+    if any("lora" in map(key_name, p) for p in extra):
+      raise ConfigError(
+        f"params hold {len(extra)} LoRA adapter leaves ({names}) a model folder has no "
+        f"tensor for: merge them into the weights first (params = "
+        f"jaxstep.models.lora.merged(params, alpha / rank), as jaxstep export does), or write "
+        f"them alone as a PEFT adapter (jaxstep.models.peft_export.save_adapter)"
+      )
     raise ConfigError(f"params hold {len(extra)} leaves the config has no tensor for: {names}")
 
 

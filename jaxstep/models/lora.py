@@ -173,6 +173,20 @@ def with_adapters(base, abstract, adapters: dict):
   return jax.tree_util.tree_map_with_path(fill, abstract)
 
 
+def attach(params, model_cfg, seed: int = 0, place=None) -> dict:
+  """``params`` of ``model_cfg``'s model without adapters (a folder's weights), with fresh
+  adapters where ``model_cfg.lora`` puts them: ``A`` by ``a_init`` from
+  ``adapter_key(seed)``, ``B`` zeros (the model computes what the weights alone compute).
+  ``place(array) -> leaf`` puts each adapter (e.g. onto its sharding)."""
+  from jaxstep import models  # the models import this module
+
+  _, abstract = models.build(model_cfg, 0, abstract=True)
+  adapters = init_adapters(abstract, adapter_key(jax.random.PRNGKey(seed)))
+  if place is not None:
+    adapters = {name: place(a) for name, a in adapters.items()}
+  return with_adapters(params, abstract, adapters)
+
+
 def add_adapters(params, patterns, *, rank: int, rng) -> dict:
   """``params`` with an adapter (``lora: {lora_a, lora_b}``) beside every 2-D ``kernel``
   whose module path (``"a/b/0/c"``) matches one of ``patterns`` (``re.search``); ``A`` as

@@ -22,7 +22,6 @@ import pathlib
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxstep import models
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_config, lora
@@ -91,17 +90,11 @@ def initial_params(model_cfg, mesh: Mesh, seed: int = 0) -> dict:
   if scanned:
     params = jax.device_put(params, layout.tree_shardings(params, mesh))
   if model_cfg.lora.rank:
-    params = _with_adapters(model_cfg, params, mesh, seed)
+    fsdp = mesh.shape["fsdp"]
+    params = lora.attach(
+      params,
+      model_cfg,
+      seed,
+      place=lambda a: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp))),
+    )
   return params
-
-
-def _with_adapters(model_cfg, params, mesh: Mesh, seed: int) -> dict:
-  """The folder's params plus freshly initialised adapters (``models.lora``), placed."""
-  _, abstract = models.build(model_cfg, 0, abstract=True)
-  adapters = lora.init_adapters(abstract, lora.adapter_key(jax.random.PRNGKey(seed)))
-  fsdp = mesh.shape["fsdp"]
-  adapters = {
-    name: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp)))
-    for name, a in adapters.items()
-  }
-  return lora.with_adapters(params, abstract, adapters)

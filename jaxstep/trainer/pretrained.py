@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxstep.data import hf_folder
 from jaxstep.errors import ConfigError
-from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_weights
+from jaxstep.models import GPTConfig, LlamaConfig, hf_config, hf_export, hf_weights, lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +39,18 @@ class Pretrained:
     folder's tokenizer, generation config and chat template files beside them, so
     ``transformers.AutoModelForCausalLM.from_pretrained`` and its tokenizer load it as it
     is. ``folder`` must be new, empty or an earlier export, never the folder these weights
-    were read from (``export_folder``'s rules). ``kwargs``: ``hf_export.save_pretrained``'s
-    (``max_shard_bytes``)."""
+    were read from (``export_folder``'s rules). With adapters (loaded with ``lora``) they
+    are merged into the weights, ``W + (α/r)·A·B``, as ``jaxstep export`` merges a LoRA
+    run's; ``peft_export.save_adapter`` writes them alone instead. ``kwargs``:
+    ``hf_export.save_pretrained``'s (``max_shard_bytes``)."""
+    config, params = self.config, self.params if params is None else params
+    if config.lora.rank:
+      params = lora.merged(params, config.lora.scale)
+      config = dataclasses.replace(config, lora=lora.LoraConfig())
     return hf_export.save_pretrained(
       folder,
-      self.config,
-      self.params if params is None else params,
+      config,
+      params,
       architecture=self.architecture,
       dtype=dtype,
       base_config=self.hf_config,
@@ -60,6 +66,7 @@ def load_pretrained(
   *,
   dtype=np.float32,
   place: Callable[[tuple, np.ndarray], object] | None = None,
+  seed: int = 0,
   **model_options,
 ) -> Pretrained:
   """Reads a local Hugging Face model folder (``config.json``, ``model.safetensors`` or a
@@ -73,8 +80,12 @@ def load_pretrained(
       ``jax.device_put`` onto the leaf's sharding), so a model that only fits sharded never
       sits whole on one device; default: numpy arrays. With ``scan_layers`` the per-layer
       leaves are then stacked (each stacked leaf exists twice for a moment).
+    seed: the seed of the adapters' initial ``A`` with ``lora`` (``B`` starts at zero, so
+      the model computes what the folder's weights compute).
     **model_options: model settings the folder does not decide: ``attention``, ``remat``,
-      ``scan_layers`` (the params are then stacked), ``max_seq_len``, ``dropout``.
+      ``scan_layers`` (the params are then stacked), ``max_seq_len``, ``dropout``, ``lora``
+      (a ``LoraConfig``: the params then hold fresh adapters beside the folder's weights,
+      ready for ``make_train_step(..., trainable=jaxstep.models.lora.ADAPTER)``).
 
   Raises:
     ConfigError: no ``config.json``, an unsupported architecture or setting (named), a
@@ -101,12 +112,15 @@ def load_pretrained(
       f"e.g. {', '.join(unused[:3])}; loading would drop them"
     )
   params = hf_weights.read_params(path, per_block, dtype=dtype, place=place)
+  config = dataclasses.replace(per_block, scan_layers=scanned)
   if scanned:
     from jaxstep.models import layers
 
     params = layers.convert_layout(params, scan_layers=True)
+  if config.lora.rank:
+    params = lora.attach(params, config, seed)
   return Pretrained(
-    config=dataclasses.replace(per_block, scan_layers=scanned),
+    config=config,
     params=params,
     tokenizer=tokenizer,
     chat_template=tokenizer.chat_template,
