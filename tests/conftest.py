@@ -205,3 +205,102 @@ def straight_and_killed(tmp_path, args, kill_at: int):
   done = subprocess.run(command("killed"), env=env, capture_output=True, text=True)
   assert done.returncode == 0 and "resumed from the checkpoint" in done.stderr, done.stderr
   return tmp_path / "straight", tmp_path / "killed"
+
+
+# Threads a test may leave behind: process-wide singletons, started once and reused by later
+# tests (tqdm's monitor of all progress bars). A run's own threads (TensorBoard's event
+# writer, the trackers' sender, data read-ahead) are never here.
+LONG_LIVED_THREADS = ("tqdm_monitor",)
+GRACE_S = 0.1  # how long they get before garbage holding a thread or a file is collected
+LEAK_JOIN_S = 2.0  # and after: a thread still alive then is left behind
+
+
+def _open_files_under(root: str) -> dict[str, str]:
+  """This process's file descriptors open on files under ``root``: ``{fd: path}``."""
+  found = {}
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # closed meanwhile (the listing's own descriptor)
+      continue
+    if path.startswith(root):
+      found[fd] = path
+  return found
+
+
+def _live_children() -> set[int]:
+  """Child processes of this one that have not exited (zombies excluded)."""
+  pids = set()
+  for task in os.listdir("/proc/self/task"):
+    try:
+      pids |= {int(p) for p in pathlib.Path(f"/proc/self/task/{task}/children").read_text().split()}
+    except OSError:
+      continue
+  alive = set()
+  for pid in pids:
+    try:
+      state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+      continue
+    if state not in ("Z", "X"):
+      alive.add(pid)
+  return alive
+
+
+@pytest.fixture
+def tracker_libraries_ended():
+  """Ends, after the test, what the tracker libraries keep for their whole process and
+  ``no_leaks`` would otherwise report: MLflow's cached artifact repository of each run, each
+  with a thread pool, and W&B's service process and threads shared by all its runs."""
+  import sys
+
+  yield
+  if "mlflow" in sys.modules:
+    from mlflow.tracking._tracking_service import utils
+
+    for repo in utils._artifact_repos_cache.values():
+      if getattr(repo, "thread_pool", None) is not None:
+        repo.thread_pool.shutdown(wait=True)
+    utils._artifact_repos_cache.clear()
+  if "wandb" in sys.modules:
+    import wandb
+
+    wandb.teardown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request, tmp_path_factory):
+  """Fails the test that leaves a thread, a child process or a file of the test session's
+  temporary folders open after it ends. Such a leftover outlives the test and acts under a
+  later one: a disk-full test's TensorBoard writer thread flushed into the full disk two
+  minutes later and failed there, reported as a warning of an unrelated test.
+
+  Threads the test started get ``GRACE_S`` to end; if anything is still there, garbage is
+  collected (an unreachable thread pool or memory map ends with it) and threads get
+  ``LEAK_JOIN_S`` more. No wait and no collection when nothing is left. ``LONG_LIVED_THREADS``
+  names the process-wide ones that may stay."""
+  import gc
+  import threading
+  import time
+
+  root = str(tmp_path_factory.getbasetemp())
+  threads, files, children = set(threading.enumerate()), _open_files_under(root), _live_children()
+
+  def left_behind(wait: float) -> list[str]:
+    deadline = time.monotonic() + wait
+    started = [
+      t for t in threading.enumerate() if t not in threads and t.name not in LONG_LIVED_THREADS
+    ]
+    for thread in started:
+      thread.join(max(deadline - time.monotonic(), 0.0))
+    leaks = [f"thread {t.name!r} ({type(t).__module__}.{type(t).__qualname__})"
+             for t in started if t.is_alive()]  # fmt: skip
+    opened = _open_files_under(root).items()
+    leaks += [f"open file {path}" for fd, path in opened if files.get(fd) != path]
+    return leaks + [f"child process {pid}" for pid in sorted(_live_children() - children)]
+
+  yield
+  if left_behind(GRACE_S):
+    gc.collect()
+    if leaks := left_behind(LEAK_JOIN_S):
+      pytest.fail(f"{request.node.nodeid} left behind: {'; '.join(leaks)}", pytrace=False)

@@ -52,6 +52,34 @@ def test_a_dead_tensorboard_writer_thread_stops_the_run_instead_of_hanging(
   assert "No space left on device" in line and str(tmp_path / "run") in line
 
 
+def test_a_tensorboard_flush_that_fails_at_the_end_leaves_no_writer_thread(
+  tmp_path, monkeypatch, capsys
+):
+  """The disk fills before the run's last flush of its TensorBoard events: tensorboardX's
+  own close stops at the failed flush, leaving its writer thread alive with the file open,
+  and that thread's next flush failed later under another test. The run stops in one line
+  and ends the thread and closes the file anyway."""
+  import threading
+
+  from tensorboardX import event_file_writer
+
+  writer = event_file_writer.EventsWriter
+  # the writer thread flushes once, at its first event; the next flush is the close's
+  monkeypatch.setattr(writer, "flush", failing_after(1, enospc, writer.flush), raising=True)
+  assert train_main(tmp_path) == IO_EXIT
+  assert "No space left on device" in one_error(capsys)
+  assert [t.name for t in threading.enumerate() if "tensorboardX" in type(t).__module__] == []
+  events = tmp_path / "run" / "tensorboard"
+  assert not [p for p in pathlib.Path("/proc/self/fd").iterdir() if str(events) in _target(p)]
+
+
+def _target(fd: pathlib.Path) -> str:
+  try:
+    return str(fd.readlink())
+  except OSError:
+    return ""
+
+
 def test_a_failed_checkpoint_save_is_one_line_and_older_ones_stay(tmp_path, monkeypatch, capsys):
   import orbax.checkpoint as ocp
 

@@ -27,30 +27,31 @@ def bpe_data(tmp_path_factory):
 def test_the_loader_yields_the_global_batches_in_order_across_epochs():
   ds = load_dataset(DataConfig(eval_fraction=0.0), seq_len=32)
   g, spe = 64, -(-len(ds.train) // 64)
-  loader = BatchLoader(ds.train, seed=3, global_batch_size=g, pad_id=ds.pad_id)
-  loader.start(0, spe - 2)
-  for epoch, step in [(0, spe - 2), (0, spe - 1), (1, 0), (1, 1)]:
-    expected = global_batch(ds.train, 3, epoch, step, g, ds.pad_id)
-    got = next(loader)
-    for key in expected:
-      np.testing.assert_array_equal(got[key], expected[key])
-  assert loader.state() == {"next_index": spe + 2}
+  with BatchLoader(ds.train, seed=3, global_batch_size=g, pad_id=ds.pad_id) as loader:
+    loader.start(0, spe - 2)
+    for epoch, step in [(0, spe - 2), (0, spe - 1), (1, 0), (1, 1)]:
+      expected = global_batch(ds.train, 3, epoch, step, g, ds.pad_id)
+      got = next(loader)
+      for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key])
+    assert loader.state() == {"next_index": spe + 2}
 
 
 def test_a_resumed_loader_gives_bitwise_the_batches_a_straight_one_gives_from_there():
   ds = load_dataset(DataConfig(eval_fraction=0.0), seq_len=32)
   g = 48
   spe = -(-len(ds.train) // g)
-  straight = BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id).start(0, 0)
-  batches = [next(straight) for _ in range(spe + 3)]  # across the end of epoch 0
+  with BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id) as straight:
+    straight.start(0, 0)
+    batches = [next(straight) for _ in range(spe + 3)]  # across the end of epoch 0
   for b in (1, spe - 1, spe + 1):
-    resumed = BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id)
-    resumed.start(*divmod(b, spe))
-    for expected in batches[b:]:
-      got = next(resumed)
-      for key in expected:
-        assert got[key].dtype == expected[key].dtype
-        np.testing.assert_array_equal(got[key], expected[key])
+    with BatchLoader(ds.train, seed=5, global_batch_size=g, pad_id=ds.pad_id) as resumed:
+      resumed.start(*divmod(b, spe))
+      for expected in batches[b:]:
+        got = next(resumed)
+        for key in expected:
+          assert got[key].dtype == expected[key].dtype
+          np.testing.assert_array_equal(got[key], expected[key])
 
 
 class FakeWindows:

@@ -50,6 +50,7 @@ class BatchLoader:
 
   def start(self, epoch: int, step_in_epoch: int) -> BatchLoader:
     """Positions the loader at batch ``step_in_epoch`` of ``epoch``."""
+    self.close()
     self._it = iter(self._batches)
     self._it.set_state({"next_index": epoch * self.steps_per_epoch + step_in_epoch})
     return self
@@ -59,6 +60,18 @@ class BatchLoader:
 
   def __next__(self) -> dict[str, np.ndarray]:
     return next(self._it)
+
+  def close(self) -> None:
+    """Ends the read-ahead thread (started by ``start``); ``start`` starts it again."""
+    it, self._it = self._it, None
+    if callable(getattr(it, "close", None)):
+      it.close()
+
+  def __enter__(self) -> BatchLoader:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def state(self) -> dict:
     """The position of the next batch (JSON-able): ``epoch × steps_per_epoch +

@@ -15,6 +15,7 @@ hanging it; a removed ``run_dir`` stops it at the next update.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -70,7 +71,8 @@ class Loop:
     state: the train state at ``start_step`` (donated to ``step_fn``).
     step_fn: jitted ``(state, device_batch) -> (state, device metrics)``.
     put_batch: host global batch → device batch (sharded as the step expects).
-    source: a ``BatchSource`` positioned at the batch after ``start_step``.
+    source: a ``BatchSource`` positioned at the batch after ``start_step`` (closed, if it
+      has ``close``, when the run ends).
     start_step, total_steps: update steps done, and where the run ends.
     run_dir: the run's folder (checked still there at every update).
     ckpt: where the final save (and any ``loop.save()``) goes.
@@ -175,7 +177,16 @@ class Loop:
           self.late.restart_clock()  # its time is not the next update's
 
   def run(self) -> LoopResult:
-    """The loop, then the final checkpoint; raises ``Interrupted`` after a signal's save."""
+    """The loop, then the final checkpoint; raises ``Interrupted`` after a signal's save.
+    However it ends, the checkpointer, the sink (TensorBoard's writer thread), the hooks and
+    the source (a read-ahead thread) are closed."""
+    try:
+      return self._run()
+    finally:
+      if callable(getattr(self.source, "close", None)):
+        self._close_quietly(self.source)
+
+  def _run(self) -> LoopResult:
     started_in = run_dir_lib.identity(self.run_dir)
     try:
       with stop_on_signals() as stop, watch_threads() as threads:
@@ -295,6 +306,22 @@ class Loop:
       else "no checkpoint was completed"
     )
     return RunIOError(f"{what}; {where}. Make room (or fix the directory) and re-run to resume")
+
+
+@contextlib.contextmanager
+def closed_on_error():
+  """For what a run opens before its ``Loop`` runs (the checkpointer; the sink, with
+  TensorBoard's writer thread; the source, with its read-ahead thread), which the ``Loop``
+  closes once it runs: ``opened(part)`` registers ``part`` (and returns it), and if the block
+  raises, every part is closed, newest first, before the error goes on."""
+  with contextlib.ExitStack() as parts:
+
+    def opened(part):
+      parts.callback(Loop._close_quietly, part)
+      return part
+
+    yield opened
+    parts.pop_all()  # the block built the Loop: it closes them from now on
 
 
 def _removed(error: RunIOError, run_dir: pathlib.Path) -> RunIOError:

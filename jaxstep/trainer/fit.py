@@ -16,6 +16,7 @@ bundled model's text data (``seq_len``, ``sample_*``, ``epochs``) do not apply h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -35,7 +36,7 @@ from jaxstep.trainer import run_dir as run_dir_lib
 from jaxstep.trainer import trackers as trackers_lib
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer, step_dirs
-from jaxstep.trainer.driver import Loop, LoopResult
+from jaxstep.trainer.driver import Loop, LoopResult, closed_on_error
 from jaxstep.trainer.fit_eval import Evaluator, check_first_batches
 from jaxstep.trainer.hooks import Hook, as_hook
 from jaxstep.trainer.metrics import open_records
@@ -209,7 +210,7 @@ class Trainer:
     state = step.init(self.params, self.t.seed, model_state=self.model_state)
     step_fn, put = self._jitted(step, state)
     source = sources.TrainBatches(self.train_data, self.t.global_batch_size)  # from its start
-    with run_dir_lib.locked(self.run_dir) as run_dir:
+    with contextlib.closing(source), run_dir_lib.locked(self.run_dir) as run_dir:
       if not resume:
         run_dir_lib.archive_previous(run_dir)
       state, run_info = self._restore(run_dir, state, source)
@@ -268,63 +269,66 @@ class Trainer:
 
   def _loop(self, run_dir, ckpt, state, start, step_fn, put, run_info, source) -> Loop:
     t, writer = self.t, jax.process_index() == 0
-    sink, late = open_records(
-      run_dir,
-      t,
-      start_step=start,
-      total_steps=t.max_steps,
-      writer=writer,
-      tokens_per_step=None,  # throughput in normalization units (the batch's N) per second
-      flops_per_token=0.0,
-      peak_flops=1.0,
-    )
-    evaluate = (
-      Evaluator(
-        self.eval_sets,
-        self.loss_fn,
-        self.eval_loss_fn,
-        self.units_fn,
-        limit=t.eval_batches,
-        mesh=self.mesh,
+    with closed_on_error() as opened:  # until the Loop runs, which closes them itself
+      opened(ckpt)
+      sink, late = open_records(
+        run_dir,
+        t,
+        start_step=start,
+        total_steps=t.max_steps,
+        writer=writer,
+        tokens_per_step=None,  # throughput in normalization units (the batch's N) per second
+        flops_per_token=0.0,
+        peak_flops=1.0,
       )
-      if self.eval_sets
-      else None
-    )
-    builtin = run_hooks.standard_hooks(
-      t,
-      run_dir,
-      writer=writer,
-      checkpoint_every=self.c.every,
-      callbacks=self.callbacks,
-      evaluate=evaluate,
-      first_set=next(iter(self.eval_sets), None),
-    )
-    tracked = run_hooks.trackers_hook(
-      t,
-      run_dir,
-      config=self.config(),
-      mlflow=self.mlflow,
-      wandb=self.wandb,
-      ids=run_info.get("trackers", {}),
-      resumed=bool(run_info.get("trackers")),
-      total_steps=t.max_steps,
-      writer=writer,
-    )
-    return Loop(
-      state=state,
-      step_fn=step_fn,
-      put_batch=put,
-      source=source,
-      start_step=start,
-      total_steps=t.max_steps,
-      run_dir=run_dir,
-      ckpt=ckpt,
-      late=late,
-      sink=sink,
-      hooks=[*builtin, *self.hooks, *([tracked] if tracked else [])],
-      run_info=run_info,
-      writer=writer,
-    )
+      opened(sink)
+      evaluate = (
+        Evaluator(
+          self.eval_sets,
+          self.loss_fn,
+          self.eval_loss_fn,
+          self.units_fn,
+          limit=t.eval_batches,
+          mesh=self.mesh,
+        )
+        if self.eval_sets
+        else None
+      )
+      builtin = run_hooks.standard_hooks(
+        t,
+        run_dir,
+        writer=writer,
+        checkpoint_every=self.c.every,
+        callbacks=self.callbacks,
+        evaluate=evaluate,
+        first_set=next(iter(self.eval_sets), None),
+      )
+      tracked = run_hooks.trackers_hook(
+        t,
+        run_dir,
+        config=self.config(),
+        mlflow=self.mlflow,
+        wandb=self.wandb,
+        ids=run_info.get("trackers", {}),
+        resumed=bool(run_info.get("trackers")),
+        total_steps=t.max_steps,
+        writer=writer,
+      )
+      return Loop(
+        state=state,
+        step_fn=step_fn,
+        put_batch=put,
+        source=source,
+        start_step=start,
+        total_steps=t.max_steps,
+        run_dir=run_dir,
+        ckpt=ckpt,
+        late=late,
+        sink=sink,
+        hooks=[*builtin, *self.hooks, *([tracked] if tracked else [])],
+        run_info=run_info,
+        writer=writer,
+      )
 
 
 def _say_how_data_resumes(source: sources.TrainBatches) -> None:

@@ -27,7 +27,7 @@ from jaxstep.trainer import run_dir as run_dir_lib
 from jaxstep.trainer.assemble import Run, build
 from jaxstep.trainer.callbacks import Callback
 from jaxstep.trainer.checkpoint import Checkpointer
-from jaxstep.trainer.driver import Loop
+from jaxstep.trainer.driver import Loop, closed_on_error
 from jaxstep.trainer.evaluation import eval_record
 from jaxstep.trainer.hooks import Hook
 from jaxstep.trainer.metrics import open_records
@@ -128,6 +128,9 @@ class RunBatches:
   def position(self, mark: RunState) -> dict:
     return mark.to_json()  # (epoch, step_in_epoch) is where the loader starts again
 
+  def close(self) -> None:
+    self.batches.close()  # the read-ahead thread
+
 
 def train(
   cfg: config_lib.Config,
@@ -215,47 +218,50 @@ def loop(
   )
   writer = jax.process_index() == 0
   mixture = getattr(run.dataset.train, "source_tokens", None)  # tokens per source
-  sink, late = open_records(
-    run_dir,
-    t,
-    start_step=rs.step,
-    total_steps=run.total_steps,
-    writer=writer,
-    tokens_per_step=t.global_batch_size * t.seq_len,
-    flops_per_token=run.flops_per_token,
-    peak_flops=peak_flops_per_device(t.peak_tflops),
-    host_fields=mixture,
-  )
-  source = RunBatches(run, rs)
-  cfg = run.cfg
-  tracked = run_hooks.trackers_hook(
-    t,
-    run_dir,
-    config=config_lib.to_dict(cfg),
-    mlflow=cfg.mlflow,
-    wandb=cfg.wandb,
-    ids=dict(rs.trackers),
-    resumed=rs.step > 0,
-    total_steps=run.total_steps,
-    writer=writer,
-  )
-  driver = Loop(
-    state=state,
-    step_fn=run.step_fn,
-    put_batch=lambda b: parallel.put_batch(
-      _device_part(b), run.batch_sharding, t.global_batch_size
-    ),
-    source=source,
-    start_step=rs.step,
-    total_steps=run.total_steps,
-    run_dir=run_dir,
-    ckpt=ckpt,
-    late=late,
-    sink=sink,
-    hooks=[*_hooks(run, run_dir, writer, callbacks), *hooks, *([tracked] if tracked else [])],
-    run_info={"trackers": rs.trackers},
-    writer=writer,
-  )
+  with closed_on_error() as opened:  # until the Loop runs, which closes them itself
+    opened(ckpt)
+    sink, late = open_records(
+      run_dir,
+      t,
+      start_step=rs.step,
+      total_steps=run.total_steps,
+      writer=writer,
+      tokens_per_step=t.global_batch_size * t.seq_len,
+      flops_per_token=run.flops_per_token,
+      peak_flops=peak_flops_per_device(t.peak_tflops),
+      host_fields=mixture,
+    )
+    opened(sink)
+    source = opened(RunBatches(run, rs))
+    cfg = run.cfg
+    tracked = run_hooks.trackers_hook(
+      t,
+      run_dir,
+      config=config_lib.to_dict(cfg),
+      mlflow=cfg.mlflow,
+      wandb=cfg.wandb,
+      ids=dict(rs.trackers),
+      resumed=rs.step > 0,
+      total_steps=run.total_steps,
+      writer=writer,
+    )
+    driver = Loop(
+      state=state,
+      step_fn=run.step_fn,
+      put_batch=lambda b: parallel.put_batch(
+        _device_part(b), run.batch_sharding, t.global_batch_size
+      ),
+      source=source,
+      start_step=rs.step,
+      total_steps=run.total_steps,
+      run_dir=run_dir,
+      ckpt=ckpt,
+      late=late,
+      sink=sink,
+      hooks=[*_hooks(run, run_dir, writer, callbacks), *hooks, *([tracked] if tracked else [])],
+      run_info={"trackers": rs.trackers},
+      writer=writer,
+    )
   out = driver.run()
   return TrainResult(
     out.state,

@@ -18,6 +18,7 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 from jaxstep.trainer import records
+from jaxstep.trainer.background import watch_threads
 from jaxstep.trainer.guards import is_spike_skip
 from jaxstep.trainer.perf import mfu
 
@@ -141,8 +142,58 @@ class MetricsSink:
       self.bar.write(message)
 
   def close(self) -> None:
-    self.bar.close()
-    self.tb.close()
+    """Closes the bar and the TensorBoard writer; a failed last flush of the events (a full
+    disk) is raised, and the writer's thread and file are ended all the same."""
+    try:
+      self.bar.close()
+    finally:
+      _close_events(self.tb)
+
+
+def _close_events(tb) -> None:
+  """Closes a tensorboardX ``SummaryWriter`` and raises what its final flush raised.
+
+  tensorboardX's ``close`` flushes first and, when that fails (a full disk), returns without
+  stopping its writer thread or closing the event file: the thread lived on and failed in the
+  background at its next timed flush, and its exit handler failed again at the end of the
+  process. Here the unflushed events are dropped, the thread is joined and the file closed."""
+  try:
+    tb.close()
+  finally:
+    for file_writer in (getattr(tb, "all_writers", None) or {}).values():
+      _abandon(file_writer.event_writer)
+    if getattr(tb, "all_writers", None) is not None:
+      tb.file_writer = tb.all_writers = None  # a second close does nothing
+
+
+class _Discard:
+  """Where a failed writer's last events go: nowhere."""
+
+  def write_event(self, event) -> None:
+    pass
+
+  def flush(self) -> None:
+    pass
+
+
+def _abandon(events) -> None:
+  """Ends a tensorboardX ``EventFileWriter`` whose flush failed: its thread takes the queued
+  events into ``_Discard`` up to the stop sign, and the file is closed (what is still buffered
+  for it is lost; the error of that write was raised already)."""
+  if events._closed:
+    return
+  events._closed = True  # add_event, flush, and the close at exit, do nothing from now on
+  worker, queue, file = events._worker, events._event_queue, events._ev_writer
+  with watch_threads():  # a write the thread was making as it failed is not reported twice
+    worker._record_writer = _Discard()
+    worker.stop()  # the stop sign, then join
+  queue.close()
+  queue.join_thread()
+  try:
+    file._py_recordio_writer.close()  # the descriptor is closed even when the flush fails
+  except OSError:
+    pass
+  events._event_queue = events._worker = None
 
 
 class _NoEvents:

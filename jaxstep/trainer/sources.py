@@ -98,6 +98,7 @@ class TrainBatches:
       return
     if self.one_shot and self.consumed:
       raise ConfigError(f"train_data cannot be resumed: {self.describe()}")
+    self.close()
     self.iterator = iter(self.data)
     for i in range(self.consumed):
       if next(self.iterator, None) is None:
@@ -121,6 +122,12 @@ class TrainBatches:
   def position(self, mark) -> dict:
     consumed, state = mark
     return {"batches": consumed, "data": None if state is None else _to_json(state)}
+
+  def close(self) -> None:
+    """Closes the iterator this made (a Grain iterator's read-ahead threads); a one-shot
+    iterator is the caller's own and stays open."""
+    if self.iterator is not self.data and callable(getattr(self.iterator, "close", None)):
+      self.iterator.close()
 
 
 def check_batch(batch, g: int | None, what: str) -> dict:
