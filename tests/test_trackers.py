@@ -21,8 +21,9 @@ CONFIG = {"train": {"lr": 0.001, "trackers": ["jsonl", "mlflow"]}, "model": {"la
 
 
 @pytest.fixture(autouse=True)
-def offline(tmp_path, monkeypatch):
-  """No W&B account, network or home folder; the MLflow file-store switch restored."""
+def offline(tmp_path, monkeypatch, tracker_libraries_ended):
+  """No W&B account, network or home folder; the MLflow file-store switch restored; what
+  the libraries keep per process ended after each test."""
   monkeypatch.setenv("WANDB_MODE", "offline")
   for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
     monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
@@ -164,6 +165,28 @@ def test_a_tracker_that_cannot_start_warns_once(tmp_path, caplog):
   (warning,) = tracker_warnings(caplog)
   assert warning.getMessage().startswith("mlflow tracker switched off, training goes on: ")
   assert trackers.ids == {}
+
+
+def test_an_unreachable_mlflow_server_is_switched_off_at_once_in_one_line(tmp_path, caplog):
+  """A tracking URI where nothing listens: one warning naming the server, within seconds
+  (not after MLflow's retries), and none of urllib3's retry notices."""
+  import socket
+
+  with socket.socket() as closed:  # a port that was free a moment ago: nothing listens
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+  uri = f"http://127.0.0.1:{port}"
+  start = time.monotonic()
+  trackers = open_run(tmp_path, ["jsonl", "mlflow"], mlflow=MlflowConfig(tracking_uri=uri))
+  log_steps(trackers, range(1, 4))
+  trackers.close(timeout=10)
+  assert time.monotonic() - start < 8
+  (warning,) = tracker_warnings(caplog)
+  assert warning.getMessage() == (
+    f"mlflow tracker switched off, training goes on: ConnectionError: MLflow tracking server "
+    f"{uri} unreachable (Connection refused)"
+  )
+  assert not [r for r in caplog.records if r.name.startswith("urllib3")]
 
 
 def test_wandb_online_without_a_key_warns_instead_of_prompting(tmp_path, monkeypatch, caplog):

@@ -46,6 +46,26 @@ def _split(items: list, size: int):
   return (items[i : i + size] for i in range(0, len(items), size))
 
 
+# MLflow retries a failed request 7 times with a doubling back-off (minutes on a dead server)
+# and logs each retry; a tracker of a training run gives up sooner, and says so once.
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _reachable(url: urllib.parse.ParseResult) -> None:
+  """``ConnectionError`` unless the tracking server accepts a TCP connection within
+  ``CONNECT_TIMEOUT_S``: a server that is down or mistyped switches the tracker off at
+  once instead of after MLflow's retries."""
+  import socket
+
+  port = url.port or (443 if url.scheme == "https" else 80)
+  try:
+    socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+  except OSError as e:
+    reason = e.strerror or type(e).__name__
+    raise ConnectionError(f"MLflow tracking server {url.geturl()} unreachable ({reason})") from None
+
+
 class Mlflow:
   """An MLflow run through ``MlflowClient`` (no global active run)."""
 
@@ -60,8 +80,14 @@ class Mlflow:
     """Continues ``run_id`` when it exists there, else creates a run; logs new params.
     MLflow 3 refuses its file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set (the database
     stores need SQLAlchemy, which ``mlflow-skinny`` lacks), so a file store URI sets it."""
-    if urllib.parse.urlparse(self.uri).scheme in ("", "file"):
+    url = urllib.parse.urlparse(self.uri)
+    if url.scheme in ("", "file"):
       os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    elif url.scheme in ("http", "https"):
+      _reachable(url)
+      for name, value in HTTP_BOUNDS.items():
+        os.environ.setdefault(name, value)
+      logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # retry notices
     from mlflow.tracking import MlflowClient
 
     self.client = MlflowClient(self.uri)
