@@ -228,8 +228,14 @@ def _open_files_under(root: str) -> dict[str, str]:
   return found
 
 
+# Child processes that serve the whole test process once started: multiprocessing's
+# resource tracker (started by the first "spawn" process, e.g. prepare's workers).
+LONG_LIVED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def _live_children() -> set[int]:
-  """Child processes of this one that have not exited (zombies excluded)."""
+  """Child processes of this one that have not exited (zombies and the long-lived ones
+  excluded)."""
   pids = set()
   for task in os.listdir("/proc/self/task"):
     try:
@@ -240,9 +246,10 @@ def _live_children() -> set[int]:
   for pid in pids:
     try:
       state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+      command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except (OSError, IndexError):
       continue
-    if state not in ("Z", "X"):
+    if state not in ("Z", "X") and not any(name in command for name in LONG_LIVED_CHILDREN):
       alive.add(pid)
   return alive
 
@@ -304,3 +311,28 @@ def no_leaks(request, tmp_path_factory):
     gc.collect()
     if leaks := left_behind(LEAK_JOIN_S):
       pytest.fail(f"{request.node.nodeid} left behind: {'; '.join(leaks)}", pytrace=False)
+
+
+# --- test tiers ---------------------------------------------------------------------------
+# `pytest` runs the fast tier; the tests marked slow (subprocess runs, kills and resumes,
+# meshes of 8 devices, real-size compiles) opt in, as large projects do it: `--slow` (or
+# JAXSTEP_SLOW=1) runs everything, `--slow -m slow` the slow tier alone. A slow test named
+# on the command line (`pytest tests/test_cli.py::test_…`) or selected with `-m slow` runs anyway.
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--slow",
+    action="store_true",
+    help="also run the tests marked slow (the whole suite); JAXSTEP_SLOW=1 does the same",
+  )
+
+
+def pytest_collection_modifyitems(config, items):
+  chosen = any("::" in arg for arg in config.args) or "slow" in (config.option.markexpr or "")
+  if config.getoption("--slow") or os.environ.get("JAXSTEP_SLOW") == "1" or chosen:
+    return
+  slow = [item for item in items if item.get_closest_marker("slow")]
+  if slow:
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
