@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from test_hf_import import SHAPE, save_tiny
+from tolerance import assert_close, assert_far
 
 from jaxstep import Generator, make_train_step, models, next_token_loss
 from jaxstep.models import hf_config, hf_weights
@@ -52,13 +53,19 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
   new, _ = step(state, batch)
   grads = torch_grads(model, tokens, mask)
+  moved, expected = {}, {}
   for path, name, transposed in hf_weights.hf_names(cfg):
     before, after = params, new.params
     for key in path:
       before, after = before[key], after[key]
-    moved = np.asarray(before) - np.asarray(after)  # sgd(1): the gradient itself
-    expected = grads[name].T if transposed else grads[name]
-    np.testing.assert_allclose(moved, expected, atol=2e-5, err_msg=name)
+    moved[name] = np.asarray(before) - np.asarray(after)  # sgd(1): the gradient itself
+    expected[name] = grads[name].T if transposed else grads[name]
+  # two libraries: every sum of the forward and backward in another order, through both
+  # layers (as the other folder comparisons count them)
+  terms = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
+  assert_close(moved, expected, terms=terms)
+  # the margin: the gradient divided by 3/4 of N (a count that missed a quarter of the tokens)
+  assert_far({k: v * 1.25 for k, v in moved.items()}, expected, terms=terms)
 
 
 def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path):

@@ -1,12 +1,12 @@
 """Session: micro-batches one at a time, the same exact math as make_train_step."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from conftest import lm_batch, regression_loss, tiny_lm_apply, tiny_lm_params
+from tolerance import assert_close, assert_far, planted
 
 from jaxstep import (
   AccumulationError,
@@ -125,7 +125,11 @@ def test_session_and_make_train_step_agree(np_rng):
       mb = jax.tree.map(lambda x, k=k: x[k], micro_batches)
       s.train_step(mb, normalization_units=int(mb["loss_mask"].sum()))
   assert s.optimizer_step == 3
-  chex.assert_trees_all_close(s.state.params, state.params, rtol=1e-5, atol=1e-7)
+  # three AdamW updates of the same gradients summed in another order: Adam divides each
+  # gradient by its own running scale, which keeps the rounding relative to the largest
+  # parameter (the tolerance's floor), not to a near-zero one
+  assert_close(s.state.params, state.params, terms=11 * 6 * 5)
+  assert_far(planted(s.state.params), state.params, terms=11 * 6 * 5)
   assert s.lr == pytest.approx(float(state.opt_state[1].hyperparams["learning_rate"]))
 
 
