@@ -233,7 +233,10 @@ CHAT = [
   [
     (CHATML_TEMPLATE, "TemplateError: unknown role tool (at message 2, role 'tool')"),
     ("{{ 1 // 0 }}", "ZeroDivisionError: integer division or modulo by zero"),
-    ("{{ messages | no_such_filter }}", "TemplateAssertionError: No filter named 'no_such_filter'."),
+    (
+      "{{ messages | no_such_filter }}",
+      "TemplateAssertionError: No filter named 'no_such_filter'.",
+    ),
     (
       "{% for m in messages %}{{ m.content / 2 }}{% endfor %}",
       "TypeError: unsupported operand type(s) for /: 'str' and 'int' (at message 0, role 'user')",
