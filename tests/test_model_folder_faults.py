@@ -6,6 +6,7 @@ wrong in it."""
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -78,23 +79,29 @@ def test_the_gpt2_fields_are_checked_too():
     hf_config.model_config({"architectures": ["GPT2LMHeadModel"], "n_embd": "768"})
 
 
-@pytest.mark.parametrize("command", ["generate", "evaluate"])
-def test_the_commands_say_it_in_one_line(folder, tmp_path, capsys, command):  # noqa: F811
-  path, _ = folder
-  hf = hf_config.read_config(path)
-  (path / "config.json").write_text(json.dumps({**hf, "hidden_size": "thirty-two"}))
+def error_line(command: str, path, tmp_path, capsys) -> str:
+  """The one stderr line of ``generate`` or ``evaluate`` on the folder ``path`` (exit 2)."""
   (tmp_path / "text.txt").write_text("some text to score")
   args = {"generate": ["--prompt", "hi"], "evaluate": ["--data", str(tmp_path / "text.txt")]}
   main = {"generate": generate.main, "evaluate": evaluate.main}[command]
   assert main([str(path), *args[command]]) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "'hidden_size' must be an integer" in err[0], err
+  assert len(err) == 1 and err[0].startswith("error: "), err
+  return err[0]
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate"])
+def test_the_commands_say_it_in_one_line(folder, tmp_path, capsys, command):  # noqa: F811
+  path, _ = folder
+  hf = hf_config.read_config(path)
+  (path / "config.json").write_text(json.dumps({**hf, "hidden_size": "thirty-two"}))
+  assert "'hidden_size' must be an integer" in error_line(command, path, tmp_path, capsys)
 
 
 def test_the_checks_pass_a_sound_folder(folder):  # noqa: F811
   path, _ = folder
   got = jaxstep.load_pretrained(path)
-  assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(got.params))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got.params))
 
 
 @pytest.mark.parametrize("command", ["generate", "evaluate"])
@@ -106,9 +113,4 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(folder, tmp_path, ca
   (path / "config.json").write_text(json.dumps({**hf, "vocab_size": 300}))
   with pytest.raises(ConfigError, match="vocab_size 300 is smaller than the folder's tokenizer"):
     jaxstep.load_pretrained(path)
-  (tmp_path / "text.txt").write_text("some text to score")
-  args = {"generate": ["--prompt", "hi"], "evaluate": ["--data", str(tmp_path / "text.txt")]}
-  main = {"generate": generate.main, "evaluate": evaluate.main}[command]
-  assert main([str(path), *args[command]]) == 2
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "(320 ids)" in err[0], err
+  assert "(320 ids)" in error_line(command, path, tmp_path, capsys)
