@@ -189,3 +189,39 @@ def test_an_fp16_folder_widens_every_weight_exactly(tmp_path):
     want = weights[name].float().numpy()
     assert leaf.dtype == np.float32, name
     np.testing.assert_array_equal(leaf, want.T if transposed else want, err_msg=name)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded-bf16"])
+def test_the_fingerprint_of_the_read_covers_every_byte_as_the_standalone_one(tmp_path, sharded):
+  """``read_params(..., digest=)`` hashes the bytes it reads (and the buffers it skips):
+  the same value as ``fingerprint``, which reads the files alone; a byte changed anywhere
+  in the data (first, middle, last, in a skipped buffer) changes it."""
+  from safetensors.numpy import load_file, save_file
+
+  buffer = "model.layers.1.self_attn.rotary_emb.inv_freq"
+  if sharded:
+    save_tiny(tmp_path, "qwen3", dtype=torch.bfloat16, max_shard_size="20KB")
+  else:
+    save_tiny(tmp_path, "qwen3")
+    tensors = load_file(tmp_path / hf_weights.SINGLE)  # a buffer the read skips
+    tensors[buffer] = np.ones(6, np.float32)
+    save_file(tensors, tmp_path / hf_weights.SINGLE, metadata={"format": "pt"})
+  cfg = hf_config.model_config(hf_config.read_config(tmp_path))
+  file = sorted(set(hf_weights.weight_files(tmp_path).values()))[-1]
+  length = int.from_bytes(file.read_bytes()[:8], "little")
+  start, size = 8 + length, file.stat().st_size
+  offsets = [None, start, start + (size - start) // 4 * 2, size - 1]
+  header = json.loads(file.read_bytes()[8:start])
+  if buffer in header:
+    offsets.append(start + header[buffer]["data_offsets"][0])
+  seen = set()
+  for offset in offsets:
+    if offset is not None:
+      data = bytearray(file.read_bytes())
+      data[offset] ^= 1  # one bit of a value (its lowest exponent bit at most): still finite
+      file.write_bytes(data)
+    digest = hf_weights.FingerprintDigest()
+    hf_weights.read_params(tmp_path, cfg, digest=digest)
+    assert digest.value.startswith("xxh3:") and digest.value == hf_weights.fingerprint(tmp_path)
+    seen.add(digest.value)
+  assert len(seen) == len(offsets)

@@ -205,6 +205,108 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_a_changed_base_is_refused
   assert "changed since this run's checkpoint" in capsys.readouterr().err
 
 
+def flip_bit(file, offset: int) -> None:
+  """Changes the lowest bit of ``file``'s byte at ``offset`` (the first byte of an fp32 value:
+  its lowest mantissa bits, so the value stays finite and close)."""
+  data = bytearray(file.read_bytes())
+  data[offset] ^= 1
+  file.write_bytes(data)
+
+
+def data_start(file) -> int:
+  return 8 + int.from_bytes(file.read_bytes()[:8], "little")
+
+
+def unsampled_offset(file) -> int:
+  """The first byte of an fp32 value that the older sampled fingerprint never read: past the
+  first 64 KiB of the data, before the last 64 KiB of the file."""
+  start = data_start(file)
+  first, last = start + (1 << 16), file.stat().st_size - (1 << 16)
+  assert first < last, f"{file} is too small to have bytes the old fingerprint skipped"
+  middle = (first + last) // 2
+  return middle - (middle - start) % 4
+
+
+@pytest.mark.slow
+def test_a_base_changed_between_the_old_samples_is_refused_on_resume_and_by_generate(
+  tmp_path,
+  folder,  # noqa: F811 - the imported fixture
+  capsys,
+):
+  """One bit of a weight changed where the older sampled fingerprint never looked: a resume,
+  ``generate``, ``evaluate`` and ``export`` refuse it in one line; unchanged, it resumes."""
+  from jaxstep.models import hf_weights
+  from jaxstep.trainer.checkpoint_read import step_dirs
+
+  path, _ = folder
+  run_dir = tmp_path / "run"
+  args = lora_args(tmp_path, path, f"run_dir={run_dir}")
+  assert run_command("train", [*args, "train.max_steps=2"]) == 0
+  assert run_command("train", [*args, "train.max_steps=3"]) == 0  # the same base: resumes
+  assert max(s for s, _ in step_dirs(run_dir / "checkpoints")) == 3
+  sampled = hf_weights.sampled_fingerprint(path)
+  flip_bit(path / "model.safetensors", unsampled_offset(path / "model.safetensors"))
+  assert hf_weights.sampled_fingerprint(path) == sampled  # the older fingerprint misses it
+  capsys.readouterr()
+  assert run_command("train", [*args, "train.max_steps=4"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("error:") == 1 and "changed since the checkpoint" in err, err
+  assert max(s for s, _ in step_dirs(run_dir / "checkpoints")) == 3  # nothing trained
+  for command, extra in [
+    ("generate", ["--prompt", "the", "--max-new-tokens", "2"]),
+    ("evaluate", ["--data", str(tmp_path / "corpus.txt")]),
+    ("export", ["--out", str(tmp_path / "hf")]),
+  ]:
+    assert run_command(command, [str(run_dir), *extra]) == 2, command
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "changed since this run's checkpoint" in err, err
+  assert not (tmp_path / "hf").exists()
+
+
+def test_a_run_that_recorded_the_older_sampled_fingerprint_still_resumes(
+  tmp_path,
+  folder,  # noqa: F811 - the imported fixture
+):
+  """A run written before full fingerprints recorded the sampled one (16 hex digits): its
+  resume and ``with_base`` compare that, accepting the same folder and refusing one changed
+  where the samples look; a run recording the full one is compared with the read's."""
+  from test_init_from import run_cfg
+
+  from jaxstep import CheckpointError, parallel
+  from jaxstep.core import freeze
+  from jaxstep.models import hf_weights
+  from jaxstep.trainer import init_from, saved_run, steps
+  from jaxstep.trainer.resume import reconcile
+  from jaxstep.trainer.run_state import RunState
+
+  path, _ = folder
+  cfg = init_from.resolve(run_cfg(tmp_path, path, "model.lora.rank=4"))
+  kept = steps.stored(cfg)
+  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  full, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed)
+  assert fingerprint == hf_weights.fingerprint(path) and fingerprint.startswith("xxh3:")
+  adapters = freeze.partition(steps.frozen_cast(cfg, full), kept)[0]
+  old = {"path": str(path), "fingerprint": hf_weights.sampled_fingerprint(path)}
+  assert len(old["fingerprint"]) == 16
+  model = {"vocab_size": 320}
+
+  def resume(recorded: dict, now: str):
+    saved = RunState(step=2, step_in_epoch=2, model=model, base=recorded).to_json()
+    current = RunState(model=model, base={"path": str(path), "fingerprint": now})
+    return reconcile(saved, current, state_step=2, steps_per_epoch=10, allow_data_change=False)
+
+  assert resume(old, fingerprint).base["fingerprint"] == fingerprint  # then records the full one
+  combined = saved_run.with_base(cfg, adapters, kept, {"base": old})
+  assert set(names(combined)) == set(names(full))
+  flip_bit(path / "model.safetensors", data_start(path / "model.safetensors"))  # sampled there
+  changed = hf_weights.fingerprint(path)
+  for recorded in (old, {"path": str(path), "fingerprint": fingerprint}):
+    with pytest.raises(CheckpointError, match="changed since the checkpoint"):
+      resume(recorded, changed)
+    with pytest.raises(CheckpointError, match="changed since this run's checkpoint"):
+      saved_run.with_base(cfg, adapters, kept, {"base": recorded})
+
+
 @pytest.mark.slow
 def test_a_lora_run_killed_with_sigkill_resumes_bitwise(
   tmp_path,

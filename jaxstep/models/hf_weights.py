@@ -10,7 +10,9 @@ out of the file, then cast and transposed into place: no whole-tensor intermedia
 its final layout and dtype, and handed to ``place`` (e.g. ``jax.device_put`` onto its
 target sharding) before the next is read. Each tensor opens its file anew, so the mapped
 file's pages leave the process as soon as the tensor is copied: host memory holds what
-``place`` keeps plus about one tensor, not the file as well.
+``place`` keeps plus about one tensor, not the file as well. Given a ``FingerprintDigest``,
+the read also hashes every byte it copies into the folder's full fingerprint (what a LoRA
+run records of its base), so the fingerprint costs no read of its own.
 """
 
 from __future__ import annotations
@@ -85,11 +87,113 @@ def hf_names(cfg: LlamaConfig | GPTConfig, names=()) -> Iterator[tuple[tuple, st
     yield ("lm_head", "kernel"), "lm_head.weight", True
 
 
-def fingerprint(folder: str | pathlib.Path, sample: int = 1 << 16, every: int = 1 << 26) -> str:
-  """sha256 over the folder's weight files: each file's name, size, safetensors header
-  (every tensor's name, dtype, shape and offsets) and ``sample`` bytes of every ``every``
-  bytes of its data and of its end. Any edit that changes a shape, a name or the size, and
-  any edit of the sampled bytes, changes it; reading a 16 GiB folder takes a few MB."""
+def fingerprint(folder: str | pathlib.Path) -> str:
+  """The folder's full fingerprint (``FingerprintDigest``'s), reading every byte of its weight
+  files: for a caller that does not read the weights anyway (``read_params`` with a
+  ``digest`` gives the same value from the read it does)."""
+  digest = FingerprintDigest()
+  digest.finish(weight_files(folder).values())
+  return digest.value
+
+
+class FingerprintDigest:
+  """The full fingerprint of a folder's weight files, ``"xxh3:"`` and 32 hex digits: an
+  xxh3-128 over, file by file (sorted by name), the file's name, its size and its
+  safetensors header (every tensor's name, dtype, shape and offsets), then each of its
+  tensors' names (sorted) with the xxh3-128 of the tensor's bytes. The header's offsets
+  leave no byte of a safetensors file outside a tensor, so every byte of the weights counts:
+  any edit changes it (a non-cryptographic hash: it catches a changed or damaged base, not
+  a forger). ``read_params(..., digest=)`` hashes each tensor's bytes as they come out of
+  the file, in the order it reads them, and ``finish`` adds the headers and the tensors it
+  did not read (buffers it ignores), so the value costs no extra read of the weights;
+  ``fingerprint`` computes the same value from the files alone."""
+
+  def __init__(self):
+    self._tensors: dict[tuple[str, str], bytes] = {}  # (file name, tensor) -> xxh3-128
+    self.value = ""  # set by ``finish``
+
+  def tensor(self, file: pathlib.Path, name: str, hasher) -> None:
+    """Records tensor ``name`` of ``file``, whose bytes ``hasher`` (``new_hasher()``) took."""
+    self._tensors[(file.name, name)] = hasher.digest()
+
+  def finish(self, files) -> str:
+    """The fingerprint of ``files`` (a folder's weight files), hashing the tensors not
+    recorded by ``tensor`` from the files; also kept as ``value``."""
+    whole = new_hasher()
+    for file in sorted(set(files), key=lambda f: f.name):
+      header, offsets, start, size = _header(file)
+      whole.update(f"{file.name}\0{size}\0{len(header)}\0".encode())
+      whole.update(header)
+      for name in sorted(offsets):
+        if (file.name, name) not in self._tensors:
+          begin, end = offsets[name]
+          self._tensors[(file.name, name)] = _hash_range(file, start + begin, start + end)
+        whole.update(name.encode() + b"\0" + self._tensors[(file.name, name)])
+    self.value = PREFIX + whole.hexdigest()
+    return self.value
+
+
+PREFIX = "xxh3:"  # of ``FingerprintDigest``'s values: older runs recorded ``sampled_fingerprint``
+
+
+def new_hasher():
+  """A streaming xxh3-128 (``update(buffer)``, ``digest()``, ``hexdigest()``)."""
+  import xxhash
+
+  return xxhash.xxh3_128()
+
+
+def _header(file: pathlib.Path) -> tuple[bytes, dict, int, int]:
+  """``(header bytes, {tensor: (begin, end)}, offset of the data, file size)`` of a
+  safetensors file (the tensors' offsets are relative to the data's)."""
+  size = file.stat().st_size
+  with open(file, "rb") as f:
+    length = int.from_bytes(f.read(8), "little")
+    header = f.read(min(length, size))
+  try:
+    entries = json.loads(header)
+    offsets = {
+      name: tuple(int(x) for x in entry["data_offsets"])
+      for name, entry in entries.items()
+      if name != "__metadata__"
+    }
+  except (ValueError, KeyError, TypeError, AttributeError):
+    raise ConfigError(f"{file} is not a readable safetensors file (its header)") from None
+  return header, offsets, 8 + length, size
+
+
+def _hash_range(file: pathlib.Path, begin: int, end: int) -> bytes:
+  """The xxh3-128 of ``file``'s bytes ``[begin, end)``, read a block at a time."""
+  hasher = new_hasher()
+  with open(file, "rb") as f:
+    f.seek(begin)
+    while begin < end:
+      chunk = f.read(min(BLOCK_BYTES, end - begin))
+      if not chunk:
+        raise ConfigError(f"{file} is cut short: a tensor's data ends past the file's end")
+      hasher.update(chunk)
+      begin += len(chunk)
+  return hasher.digest()
+
+
+def matches(recorded: str | None, folder: str | pathlib.Path, current: str) -> tuple[bool, str]:
+  """``(same, now)``: whether the folder still holds the base whose fingerprint a run
+  recorded, and the folder's fingerprint in ``recorded``'s form. ``current``: the folder's
+  full fingerprint (from the read that loaded it). A run written before full fingerprints
+  recorded ``sampled_fingerprint`` (16 hex digits, no ``PREFIX``): that is compared, so
+  such a run still resumes."""
+  if recorded and not recorded.startswith(PREFIX):
+    current = sampled_fingerprint(folder)
+  return recorded == current, current
+
+
+def sampled_fingerprint(
+  folder: str | pathlib.Path, sample: int = 1 << 16, every: int = 1 << 26
+) -> str:
+  """The fingerprint runs recorded before ``FingerprintDigest`` (kept to check those runs'
+  bases, never recorded any more): sha256 over the folder's weight files: each file's name,
+  size, safetensors header and ``sample`` bytes of every ``every`` bytes of its data and of
+  its end; an edit between the samples goes unseen."""
   import hashlib
 
   h = hashlib.sha256()
@@ -140,9 +244,12 @@ def read_params(
   *,
   dtype=np.float32,
   place: Callable[[tuple, np.ndarray], object] | None = None,
+  digest: FingerprintDigest | None = None,
 ) -> dict:
   """The params of ``cfg``'s model (per-block layout) from the folder's weights, each tensor
   cast to ``dtype`` and passed through ``place(path, array)`` (default: kept as numpy).
+  ``digest``: also computes the folder's full fingerprint (``digest.value``) from the bytes
+  read, each tensor's hashed as it comes out of the file.
 
   Raises:
     ConfigError: a tensor is missing, has another shape (named, with both shapes), is
@@ -165,8 +272,11 @@ def read_params(
   for path, name, transposed in wanted:
     file = files[name]
     needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
+    hasher = None if digest is None else new_hasher()
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
-      array, finite = _read(f, file, name, needed, transposed, dtype)
+      array, finite = _read(f, file, name, needed, transposed, dtype, hasher)
+    if digest is not None:
+      digest.tensor(file, name, hasher)
     if not finite:
       not_finite.append(name)
     _set(params, path, place(path, array) if place else array)
@@ -176,15 +286,18 @@ def read_params(
       f"{folder}: {len(not_finite)} tensor(s) hold NaN or infinite values, e.g. "
       f"{', '.join(not_finite[:3])}: the weights are damaged (re-download or re-export them)"
     )
+  if digest is not None:
+    digest.finish(files.values())
   return params
 
 
-def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype):
+def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype, hasher=None):
   """``(array, finite)``: tensor ``name`` of the open file, checked against ``needed`` (the
   file's layout) and a float dtype, cast to ``dtype`` and transposed if asked, into a new
   64-byte-aligned array, a block of rows (about ``BLOCK_BYTES``) at a time: besides the
   result only one block is ever held, and a CPU ``jax.device_put`` adopts the aligned
-  result instead of copying it. ``finite``: no NaN or infinity in it, checked per block."""
+  result instead of copying it. ``finite``: no NaN or infinity in it, checked per block.
+  ``hasher``: updated with each block's bytes as stored in the file (before the cast)."""
   try:
     source = f.get_slice(name)
     shape, stored = tuple(source.get_shape()), source.get_dtype()
@@ -204,7 +317,10 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
     for i in range(0, shape[0], rows):
       end = min(i + rows, shape[0])  # safetensors refuses a slice past the end
       block = out[:, i:end] if transposed else out[i:end]
-      block[...] = source[i:end].T if transposed else source[i:end]
+      stored_rows = source[i:end]  # a contiguous copy of the file's bytes
+      if hasher is not None:
+        hasher.update(stored_rows)
+      block[...] = stored_rows.T if transposed else stored_rows
       finite = finite and bool(np.isfinite(block).all())
   except MemoryError:
     raise

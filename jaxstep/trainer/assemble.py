@@ -16,7 +16,6 @@ from jaxstep._version import __version__
 from jaxstep.core import freeze
 from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_weights
 from jaxstep.trainer import config as config_lib
 from jaxstep.trainer import eval_sets, init_from, steps, text_samples, trackers
 from jaxstep.trainer.plan import make_plan
@@ -45,12 +44,12 @@ def config_digest(cfg: config_lib.Config) -> str:
   return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
 
 
-def _base_identity(cfg: config_lib.Config) -> dict:
-  """The identity of the weights a run reloads at every start (``RunState.base``)."""
+def _base_identity(cfg: config_lib.Config, fingerprint: str) -> dict:
+  """The identity of the weights a run reloads at every start (``RunState.base``):
+  ``fingerprint`` is the full one of the read that gave the run its first params."""
   if steps.stored(cfg) is None:
     return {}
-  folder = cfg.model.init_from
-  return {"path": folder, "fingerprint": hf_weights.fingerprint(folder)}
+  return {"path": cfg.model.init_from, "fingerprint": fingerprint}
 
 
 def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
@@ -75,8 +74,9 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   apply_fn, params = models.build(
     cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
   )
+  base_fingerprint = ""  # of model.init_from's weights, hashed as they are read
   if cfg.model.init_from:
-    params = init_from.initial_params(cfg.model, mesh, t.seed)
+    params, base_fingerprint = init_from.read_base(cfg.model, mesh, t.seed)
   freeze.check_patterns(params, cfg.optim.trainable)
   params = steps.frozen_cast(cfg, params)
   init = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, 1).init
@@ -110,6 +110,6 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     schedule_steps=plan.schedule_steps,
     model=config_lib.to_dict(cfg.model),
     trainable=list(cfg.optim.trainable),
-    base=_base_identity(cfg),
+    base=_base_identity(cfg, base_fingerprint),
   )
   return run, state, run_state

@@ -70,6 +70,12 @@ def _refuse_contradictions(model, resolved, where: str) -> None:
 def initial_params(model_cfg, mesh: Mesh, seed: int = 0) -> dict:
   """The folder's weights as fp32 params in ``model_cfg``'s layout, each tensor on its
   ``core.layout`` sharding as it is read (stacked layers: read, stacked, then placed)."""
+  return read_base(model_cfg, mesh, seed)[0]
+
+
+def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
+  """``(initial_params, fingerprint)``: the folder's weights as ``initial_params`` gives them
+  and their full fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
   from jaxstep.trainer.pretrained import load_pretrained
 
   fsdp = mesh.shape["fsdp"]
@@ -97,4 +103,4 @@ def initial_params(model_cfg, mesh: Mesh, seed: int = 0) -> dict:
       seed,
       place=lambda a: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp))),
     )
-  return params
+  return params, loaded.fingerprint

@@ -32,6 +32,8 @@ class Pretrained:
   hf_config: dict  # the folder's config.json, kept so an export writes what it does not know
   architecture: str  # e.g. "LlamaForCausalLM"
   path: pathlib.Path
+  # the weights' full fingerprint (``hf_weights.FingerprintDigest``), hashed as they were read
+  fingerprint: str = ""
 
   def save(self, folder, params=None, *, dtype: str = "float32", **kwargs) -> pathlib.Path:
     """``params`` (default: the ones read) as a complete Hugging Face folder: ``config.json``
@@ -111,7 +113,8 @@ def load_pretrained(
       f"{path}: {len(unused)} tensor(s) that {arch} as jaxstep builds it has no place for, "
       f"e.g. {', '.join(unused[:3])}; loading would drop them"
     )
-  params = hf_weights.read_params(path, per_block, dtype=dtype, place=place)
+  digest = hf_weights.FingerprintDigest()
+  params = hf_weights.read_params(path, per_block, dtype=dtype, place=place, digest=digest)
   config = dataclasses.replace(per_block, scan_layers=scanned)
   if scanned:
     from jaxstep.models import layers
@@ -127,4 +130,5 @@ def load_pretrained(
     hf_config=hf,
     architecture=arch,
     path=path,
+    fingerprint=digest.value,
   )

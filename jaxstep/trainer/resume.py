@@ -14,6 +14,7 @@ import logging
 import pathlib
 
 from jaxstep.errors import CheckpointError
+from jaxstep.models import hf_weights
 from jaxstep.trainer import checkpoint_read, steps
 from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints, step_dirs
 from jaxstep.trainer.records import read_records
@@ -59,13 +60,14 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
       f"the model changed since the checkpoint ({diff}); set it back or start a new run_dir"
     )
   old, new = saved.get("base") or {}, current.base
-  if old and new and old.get("fingerprint") != new.get("fingerprint"):
-    raise CheckpointError(
-      f"the base weights in {new['path']} changed since the checkpoint (fingerprint "
-      f"{old.get('fingerprint')} → {new['fingerprint']}); its checkpoints hold the trained "
-      f"parameters only and need the base they were trained on: put it back or start a new "
-      f"run_dir"
-    )
+  if old and new:  # the read's fingerprint against the recorded (an older run's: sampled) one
+    same, now = hf_weights.matches(old.get("fingerprint"), new["path"], new["fingerprint"])
+    if not same:
+      raise CheckpointError(
+        f"the base weights in {new['path']} changed since the checkpoint (fingerprint "
+        f"{old.get('fingerprint')} → {now}); its checkpoints hold the trained parameters "
+        f"only and need the base they were trained on: put it back or start a new run_dir"
+      )
   if saved["seed"] != current.seed:
     raise CheckpointError(
       f"train.seed changed since the checkpoint ({saved['seed']} → {current.seed}); it sets "

@@ -181,21 +181,24 @@ def _usable_positions(hf: dict, model_cfg) -> int:
 
 def with_base(cfg, params, kept, run: dict | None):
   """``params`` (the stored part) completed by the frozen leaves of ``model.init_from``'s
-  weights, once the folder is checked to hold the weights the run was trained on."""
+  weights, once the folder is checked to hold the weights the run was trained on (the
+  fingerprint of the read that loads them against the run's; an older run's sampled one
+  by ``hf_weights.matches``)."""
   from jaxstep import parallel
   from jaxstep.models import hf_weights
   from jaxstep.trainer import init_from
 
   folder = cfg.model.init_from
+  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  base, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed)
   recorded = ((run or {}).get("base") or {}).get("fingerprint")
-  if recorded and recorded != hf_weights.fingerprint(folder):
+  if recorded and not hf_weights.matches(recorded, folder, fingerprint)[0]:
     raise CheckpointError(
       f"the base weights in {folder} changed since this run's checkpoint was written; "
       f"its checkpoints hold the trained parameters only and need the base they were "
       f"trained on"
     )
-  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
-  base = steps.frozen_cast(cfg, init_from.initial_params(cfg.model, mesh, cfg.train.seed))
+  base = steps.frozen_cast(cfg, base)
   return freeze.combine(params, freeze.partition(base, kept)[1])
 
 
