@@ -328,11 +328,24 @@ def pytest_addoption(parser):
   )
 
 
+def _named(item, config) -> bool:
+  """Whether the command line names ``item`` itself (``FILE::test``, maybe parametrized)."""
+  for arg in config.args:
+    file, sep, name = arg.partition("::")
+    if (
+      sep
+      and item.path == pathlib.Path(file).resolve()
+      and item.nodeid.split("::", 1)[1].startswith(name)
+    ):
+      return True
+  return False
+
+
 def pytest_collection_modifyitems(config, items):
-  chosen = any("::" in arg for arg in config.args) or "slow" in (config.option.markexpr or "")
-  if config.getoption("--slow") or os.environ.get("JAXSTEP_SLOW") == "1" or chosen:
+  wanted = config.getoption("--slow") or os.environ.get("JAXSTEP_SLOW") == "1"
+  if wanted or "slow" in (config.option.markexpr or ""):
     return
-  slow = [item for item in items if item.get_closest_marker("slow")]
+  slow = [item for item in items if item.get_closest_marker("slow") and not _named(item, config)]
   if slow:
     config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = [item for item in items if item not in slow]
