@@ -255,7 +255,7 @@ from jaxstep.trainer import config as config_lib, init_from
 cfg = init_from.resolve(config_lib.load(None, [f"model.init_from={sys.argv[1]}",
                                                 "train.global_batch_size=4", "train.seq_len=32"]))
 mesh = parallel.make_mesh(data=1, fsdp=4)
-params = init_from.initial_params(cfg.model, mesh)
+params, _ = init_from.read_base(cfg.model, mesh)
 reference = load_pretrained(sys.argv[1]).params
 leaves, ref = jax.tree.leaves(params), jax.tree.leaves(reference)
 assert len(leaves) == len(ref)

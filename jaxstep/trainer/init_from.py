@@ -67,15 +67,11 @@ def _refuse_contradictions(model, resolved, where: str) -> None:
       )
 
 
-def initial_params(model_cfg, mesh: Mesh, seed: int = 0) -> dict:
-  """The folder's weights as fp32 params in ``model_cfg``'s layout, each tensor on its
-  ``core.layout`` sharding as it is read (stacked layers: read, stacked, then placed)."""
-  return read_base(model_cfg, mesh, seed)[0]
-
-
 def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
-  """``(initial_params, fingerprint)``: the folder's weights as ``initial_params`` gives them
-  and their full fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
+  """``(params, fingerprint)``: the folder's weights as fp32 params in ``model_cfg``'s
+  layout, each tensor on its ``core.layout`` sharding as it is read (stacked layers: read,
+  stacked, then placed), fresh adapters with ``model.lora``, and the weights' full
+  fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
   from jaxstep.trainer.pretrained import load_pretrained
 
   fsdp = mesh.shape["fsdp"]

@@ -87,7 +87,7 @@ def load_pretrained(
     **model_options: model settings the folder does not decide: ``attention``, ``remat``,
       ``scan_layers`` (the params are then stacked), ``max_seq_len``, ``dropout``, ``lora``
       (a ``LoraConfig``: the params then hold fresh adapters beside the folder's weights,
-      ready for ``make_train_step(..., trainable=jaxstep.models.lora.ADAPTER)``).
+      ready for ``make_train_step(..., trainable=freeze.by_patterns([lora.ADAPTER]))``).
 
   Raises:
     ConfigError: no ``config.json``, an unsupported architecture or setting (named), a

@@ -125,8 +125,8 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
       f"config.json (a Hugging Face model folder)"
     )
   cfg = read_config(run_dir)
-  kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
   tokenizer = run_tokenizer(run_dir, cfg)
+  kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
   params, found, run = restore_params(
     run_dir / "checkpoints", cfg.model, step, stored=kept, cast=lambda p: steps.frozen_cast(cfg, p)
   )
