@@ -83,7 +83,7 @@ def _documents(path: str) -> list[str]:
 def tokenizer_contender(spec: dict):
   """The tokenizer alone: ``encode_batch`` over the corpus in prepare's batch size."""
   from jaxstep.data.preparation import DOCS_PER_BATCH
-  from jaxstep.data.tokenizer import load_tokenizer
+  from jaxstep.data.tokenizer_loading import load_tokenizer
 
   tok, docs = load_tokenizer(spec["tokenizer"]), _documents(spec["text"])
 

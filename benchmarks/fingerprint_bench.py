@@ -63,7 +63,7 @@ def _load(path: str, hashing: bool) -> tuple[float, float]:
   """``(seconds, of which hashing)`` of one ``load_pretrained`` of ``path``."""
   import jax
 
-  from jaxstep.trainer.pretrained import load_pretrained
+  from jaxstep.models.pretrained import load_pretrained
 
   _TimedHash.spent = 0.0
   with mock.patch.object(hf_weights, "new_hasher", _TimedHash if hashing else _NoHash):

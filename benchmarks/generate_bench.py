@@ -126,9 +126,9 @@ def samples_cost(spec: dict):
   import jax
 
   from jaxstep import parallel, trainer
-  from jaxstep.trainer import config as config_lib
-  from jaxstep.trainer.loop import next_batch
-  from jaxstep.trainer.text_samples import TextSamples
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.config_run import next_batch
+  from jaxstep.trainer.evaluation.text_samples import TextSamples
 
   cfg = config_lib.load("tiny", ["train.progress=false", "run_dir=/tmp/unused"])
   run, state, rs = trainer.build(cfg)

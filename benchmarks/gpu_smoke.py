@@ -23,11 +23,11 @@ import time
 import jax
 import numpy as np
 
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.assemble import build
-from jaxstep.trainer.auto_accum import GIB
-from jaxstep.trainer.checkpoint import Checkpointer
-from jaxstep.trainer.perf import mfu, peak_flops_per_device
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan.auto_accum import GIB
+from jaxstep.trainer.plan.build import build
+from jaxstep.trainer.store.checkpoint import Checkpointer
+from jaxstep.trainer.tracking.mfu import mfu, peak_flops_per_device
 
 GPU_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 # Llama 3.2 1B's blocks (16 × d 2048, 32 query / 8 key-value heads, SwiGLU 8192, tied head)

@@ -137,7 +137,7 @@ def load_jax(path: str) -> dict:
 
   from jaxstep import models  # noqa: F401 -- the import, not the load
   from jaxstep.data import hf_folder
-  from jaxstep.trainer.pretrained import load_pretrained
+  from jaxstep.models.pretrained import load_pretrained
 
   jax.block_until_ready(jax.device_put(np.zeros(1, np.float32)))  # start the backend
   import_s = time.perf_counter() - t

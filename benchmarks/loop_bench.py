@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep import trainer
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.callbacks import Callback
-from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer import config_run
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.loop.callbacks import Callback
+from jaxstep.trainer.store.checkpoint import Checkpointer
 
 
 class StepTimes(Callback):
@@ -103,7 +104,7 @@ def loop_contender(spec: dict):
     ck_dir = tmp / f"ck{next(counter)}"
     ckpt = Checkpointer(ck_dir, async_save=spec.get("async_save", True))
     times = StepTimes()
-    trainer.loop.loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
+    config_run.run_loop(run, state, rs0, ckpt=ckpt, run_dir=tmp / "run", callbacks=[times])
     shutil.rmtree(ck_dir)
     steady = times.values[1:]  # the first includes compilation
     every = spec.get("save_every", 0)

@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning of the same Llama, paired in one run.
 
-- Memory (``jaxstep.trainer.memory.compiled_memory``: the real train step compiled on
+- Memory (``jaxstep.trainer.plan.memory.compiled_memory``: the real train step compiled on
   abstract inputs, nothing allocated): a GPT-2-124M-sized Llama (``MEMORY_MODEL``: d 768,
   12 blocks, 12 heads, SwiGLU 2048, vocabulary 50,304 tied, scanned blocks), one sequence of
   1,024 tokens per micro-step, K = 4. Full fine-tuning (fp32 params + Adam) against LoRA
@@ -37,7 +37,7 @@ LORA = ["model.lora.rank=8"]
 
 
 def _config(model: dict, extra: list[str], g: int, k: int):
-  from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.config import loading as config_lib
 
   overrides = [f"model.{key}={value}" for key, value in model.items()]
   overrides += [f"train.seq_len={model['max_seq_len']}", f"train.global_batch_size={g}"]
@@ -51,8 +51,8 @@ def _stored_bytes(cfg) -> tuple[int, int]:
   import jax
 
   from jaxstep.core import freeze
-  from jaxstep.trainer import steps
-  from jaxstep.trainer.plan import make_plan
+  from jaxstep.trainer.plan import steps
+  from jaxstep.trainer.plan.numbers import make_plan
 
   plan = make_plan(cfg)
   _, state = steps.abstract_state(plan.cfg, plan.mesh, plan.schedule_steps)
@@ -67,7 +67,7 @@ def _stored_bytes(cfg) -> tuple[int, int]:
 
 
 def memory_rows(quick: bool) -> dict:
-  from jaxstep.trainer.memory import compiled_memory
+  from jaxstep.trainer.plan.memory import compiled_memory
 
   model = QUICK_MEMORY_MODEL if quick else MEMORY_MODEL
   out = {}

@@ -187,8 +187,8 @@ def measure(config: str, overrides: list[str], data: int, fsdp: int, ks: list[in
 
   from jaxstep import models, parallel
   from jaxstep.parallel import leaf_spec
-  from jaxstep.trainer import config as config_lib
-  from jaxstep.trainer import steps
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.plan import steps
 
   cfg = config_lib.load(config, overrides)
   if cfg.model.vocab_size == 0:

@@ -46,8 +46,8 @@ def _jax_parts(spec):
 
 def jaxstep_contender(spec):
   """``make_train_step`` exactly as ``python -m jaxstep.train`` builds it (CPU defaults)."""
-  from jaxstep.trainer import config as config_lib
-  from jaxstep.trainer.plan import configure_devices
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.plan.numbers import configure_devices
 
   m = spec["model"]
   overrides = [f"model.{k}={v}" for k, v in m.items()] + [
@@ -188,7 +188,7 @@ def matmul_contender(spec):
   import jax
   import jax.numpy as jnp
 
-  from jaxstep.trainer.perf import measured_matmul_flops
+  from jaxstep.trainer.tracking.mfu import measured_matmul_flops
 
   m = spec.get("model", MODEL)
   rows, d = spec.get("rows", 512), m["d_model"]

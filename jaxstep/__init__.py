@@ -102,14 +102,14 @@ _LAZY = {
   "make_train_step": ("jaxstep.core.step", "make_train_step"),
   "Generator": ("jaxstep.generation", "Generator"),
   "Sample": ("jaxstep.generation", "Sample"),
-  "Checkpointer": ("jaxstep.trainer.checkpoint", "Checkpointer"),
-  "SavedRun": ("jaxstep.trainer.saved_run", "SavedRun"),
-  "Trainer": ("jaxstep.trainer.fit", "Trainer"),
-  "Hook": ("jaxstep.trainer.hooks", "Hook"),
-  "load_run": ("jaxstep.trainer.saved_run", "load_run"),
-  "Pretrained": ("jaxstep.trainer.pretrained", "Pretrained"),
-  "load_pretrained": ("jaxstep.trainer.pretrained", "load_pretrained"),
-  "config": ("jaxstep.trainer.config", None),
+  "Checkpointer": ("jaxstep.trainer.store.checkpoint", "Checkpointer"),
+  "SavedRun": ("jaxstep.trainer.saved_run.load", "SavedRun"),
+  "Trainer": ("jaxstep.trainer.trainer_run", "Trainer"),
+  "Hook": ("jaxstep.trainer.loop.hooks", "Hook"),
+  "load_run": ("jaxstep.trainer.saved_run.load", "load_run"),
+  "Pretrained": ("jaxstep.models.pretrained", "Pretrained"),
+  "load_pretrained": ("jaxstep.models.pretrained", "load_pretrained"),
+  "config": ("jaxstep.trainer.config.loading", None),
   # the subpackages
   "cli": ("jaxstep.cli", None),
   "core": ("jaxstep.core", None),
@@ -121,11 +121,11 @@ _LAZY = {
   "trainer": ("jaxstep.trainer", None),
   # the commands: the function that does a command's work
   "prepare": ("jaxstep.data.preparation", "prepare"),
-  "train": ("jaxstep.trainer.loop", "train"),
-  "evaluate": ("jaxstep.trainer.evaluation", "evaluate"),
-  "checkpoints": ("jaxstep.trainer.checkpoint", "list_checkpoints"),
-  "plot": ("jaxstep.trainer.loss_plot", "plot_run"),
-  "export": ("jaxstep.trainer.export_run", "export_run"),
+  "train": ("jaxstep.trainer.config_run", "train"),
+  "evaluate": ("jaxstep.trainer.saved_run.evaluate", "evaluate"),
+  "checkpoints": ("jaxstep.trainer.store.checkpoint", "list_checkpoints"),
+  "plot": ("jaxstep.trainer.tracking.loss_plot", "plot_run"),
+  "export": ("jaxstep.trainer.saved_run.export", "export_run"),
 }
 
 # the commands without one function: raising ImportError (not AttributeError) keeps
@@ -133,7 +133,7 @@ _LAZY = {
 _NO_FUNCTION = {
   "check": "jaxstep.check_accumulation (your own loss) or the command `jaxstep check`",
   "generate": "jaxstep.Generator(...).generate or the command `jaxstep generate`",
-  "memory": "jaxstep.trainer.memory or the command `jaxstep memory`",
+  "memory": "jaxstep.trainer.plan.memory or the command `jaxstep memory`",
 }
 
 

@@ -101,7 +101,7 @@ def restore_state_arrays(run_dir, step=None):
   """``(step, state tree)`` of a run's checkpoint (the newest by default) onto this process's
   first device, whatever device layout wrote it (the CLI splits a CPU into several devices);
   read and verified as a resume reads it, so a test fails on a checkpoint that does not."""
-  from jaxstep.trainer.checkpoint_read import read_step, step_dirs
+  from jaxstep.trainer.store.checkpoint_read import read_step, step_dirs
 
   steps = dict(step_dirs(run_dir / "checkpoints"))
   read = read_step(steps[step or max(steps)])

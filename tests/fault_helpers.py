@@ -48,7 +48,7 @@ def train_main(tmp_path, *overrides) -> int:
 
 
 def assert_resumable_from(run_dir: pathlib.Path, step: int) -> None:
-  from jaxstep.trainer.checkpoint import list_checkpoints, step_dirs
+  from jaxstep.trainer.store.checkpoint import list_checkpoints, step_dirs
 
   assert step_dirs(run_dir / "checkpoints")[0][0] == step
   assert all(info.problem is None for info in list_checkpoints(run_dir / "checkpoints"))

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxstep import ConfigError
-from jaxstep.trainer import auto_accum
-from jaxstep.trainer.plan import mesh_for
-from jaxstep.trainer.steps import abstract_batch, abstract_state, jit_step, train_step
+from jaxstep.trainer.plan import auto_accum
+from jaxstep.trainer.plan.numbers import mesh_for
+from jaxstep.trainer.plan.steps import abstract_batch, abstract_state, jit_step, train_step
 
 
 def test_candidates_split_g_over_the_devices():
@@ -99,7 +99,7 @@ def test_a_run_with_auto_trains_with_the_chosen_k(tmp_path, compiled_tiny, caplo
   import logging
 
   from jaxstep import trainer
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   _, _, sizes = compiled_tiny
   budget_gb = (sizes[4] + 1) / auto_accum.GIB  # K = 4 fits, K = 2 does not

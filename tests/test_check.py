@@ -14,7 +14,7 @@ from flax import nnx
 from jaxstep import check_accumulation, models
 from jaxstep.cli import check
 from jaxstep.core.losses import masked_nll
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 
 @pytest.mark.slow

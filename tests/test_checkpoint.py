@@ -14,16 +14,17 @@ from conftest import make_cfg, read_lines, restore_state_arrays
 
 from jaxstep import CheckpointError, trainer
 from jaxstep.cli.checkpoints import table
-from jaxstep.trainer.callbacks import Callback
-from jaxstep.trainer.checkpoint import Checkpointer, list_checkpoints
-from jaxstep.trainer.run_state import RunState
+from jaxstep.trainer import config_run
+from jaxstep.trainer.loop.callbacks import Callback
+from jaxstep.trainer.store.checkpoint import Checkpointer, list_checkpoints
+from jaxstep.trainer.store.run_state import RunState
 
 
 @pytest.mark.slow
 def test_round_trip_of_every_state_field(tmp_path):
   cfg = make_cfg(tmp_path, "train.max_steps=2")
   r, state, rs = trainer.build(cfg)
-  state, _ = r.step_fn(state, jax.device_put(trainer.loop.next_batch(r, rs)))
+  state, _ = r.step_fn(state, jax.device_put(config_run.next_batch(r, rs)))
   state = state.replace(skipped=state.skipped + 3)
   rs = RunState(
     step=1,

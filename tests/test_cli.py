@@ -106,7 +106,7 @@ def test_every_file_in_configs_trains_from_the_repository_root(tmp_path, monkeyp
   a start-up per file. A config that starts from a model folder (``sft-hf``) needs one:
   ``test_init_from.py`` trains it on a tiny folder."""
   from jaxstep import trainer
-  from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.config import loading as config_lib
 
   overrides = [f"{k}={v}" for k, v in SHRINK.items()]
   path = (yaml.safe_load((ROOT / "configs" / name).read_text()).get("data") or {}).get("path")

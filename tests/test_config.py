@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from jaxstep import ConfigError
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 
 def test_bundled_default_is_tiny():

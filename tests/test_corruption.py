@@ -43,7 +43,7 @@ def test_bytes_changed_in_place_are_caught_and_the_run_falls_back(four_steps, tm
   import logging
 
   from jaxstep import trainer
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   copy_of(four_steps, tmp_path)
   zero_bytes_in_largest_file(tmp_path / "run" / "checkpoints" / "4")
@@ -58,7 +58,7 @@ def test_bytes_changed_in_place_are_caught_and_the_run_falls_back(four_steps, tm
 def test_a_checksum_mismatch_names_the_leaf():
   import jax.numpy as jnp
 
-  from jaxstep.trainer import integrity
+  from jaxstep.trainer.store import integrity
 
   state = {"w": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones(3, jnp.bfloat16)}
   saved = integrity.checksums(state)
@@ -172,7 +172,7 @@ def test_checksums_on_the_host_equal_those_on_a_device_mesh():
   code = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jaxstep.trainer import integrity
+from jaxstep.trainer.store import integrity
 state = {
   "w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) / 7,
   "b": jnp.ones(8, jnp.bfloat16),

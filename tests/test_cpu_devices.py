@@ -3,8 +3,8 @@
 import pytest
 
 from jaxstep.parallel.cpu_devices import cpu_device_count, extra_xla_flags
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.plan import configure_devices, split_k
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan.numbers import configure_devices, split_k
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def test_a_failed_metrics_write_stops_with_one_line_and_keeps_the_checkpoint(
   tmp_path, monkeypatch, capsys
 ):
-  from jaxstep.trainer import records
+  from jaxstep.trainer.store import records
 
   target = tmp_path / "run" / "metrics.jsonl"
   monkeypatch.setattr(
@@ -101,7 +101,7 @@ def test_a_failed_checkpoint_save_is_one_line_and_older_ones_stay(tmp_path, monk
 def test_too_little_room_for_a_checkpoint_is_refused_before_writing(tmp_path, monkeypatch, capsys):
   import shutil
 
-  from jaxstep.trainer import checkpoint
+  from jaxstep.trainer.store import checkpoint
 
   real = shutil.disk_usage
   calls = {"n": 0}
@@ -120,7 +120,7 @@ def test_too_little_room_for_a_checkpoint_is_refused_before_writing(tmp_path, mo
 
 
 def test_a_failed_bad_batch_dump_is_one_line(tmp_path, monkeypatch, capsys):
-  from jaxstep.trainer import guards
+  from jaxstep.trainer.loop import nonfinite_guard as guards
 
   def savez(path, **arrays):
     raise enospc(str(path))
@@ -176,7 +176,7 @@ def test_a_disk_that_fills_during_a_checkpoint_write(tmp_path, tmpfs, monkeypatc
   import collections
   import re
 
-  from jaxstep.trainer import checkpoint
+  from jaxstep.trainer.store import checkpoint
 
   usage = collections.namedtuple("usage", "total used free")
   monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))

@@ -12,7 +12,7 @@ import pytest
 
 from jaxstep.errors import ConfigError, RunDirError
 from jaxstep.parallel import distributed
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 
 def closed_port() -> int:
@@ -172,7 +172,7 @@ class FakeJob:
   def __init__(self, monkeypatch, index: int, peer: bytes, sent: bytes | None = None):
     from jax.experimental import multihost_utils
 
-    from jaxstep.trainer import run_dir as run_dir_lib
+    from jaxstep.trainer.store import run_dir as run_dir_lib
 
     monkeypatch.setattr(run_dir_lib.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_dir_lib.jax, "process_index", lambda: index)
@@ -230,7 +230,7 @@ def test_a_process_that_cannot_read_the_token_writes_nothing(monkeypatch, tmp_pa
 
 
 def test_one_process_checks_nothing(tmp_path):
-  from jaxstep.trainer import run_dir as run_dir_lib
+  from jaxstep.trainer.store import run_dir as run_dir_lib
 
   run_dir_lib.check_shared(tmp_path / "run")
   assert not (tmp_path / "run").exists()

@@ -9,7 +9,7 @@ import re
 import tokenize
 
 from jaxstep.cli import COMMANDS
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -10,11 +10,9 @@ import pytest
 from jaxstep.data import ByteTokenizer, DataConfig, eval_batches, load_dataset, prepare
 from jaxstep.data.manifest import MANIFEST
 from jaxstep.errors import ConfigError, DataError
-from jaxstep.trainer.eval_sets import (
-  HELDOUT,
-  MAX_SETS,
+from jaxstep.trainer.config.schema import HELDOUT, MAX_EVAL_SETS, check_eval_sets
+from jaxstep.trainer.evaluation.eval_sets import (
   ChainedWindows,
-  check_sets,
   load_eval_sets,
   training_tokenizer,
 )
@@ -181,7 +179,7 @@ def test_no_sets_is_no_windows(training):
 
 def test_check_sets_returns_a_plain_dict_in_order():
   sets = {"wiki": "a.txt", "code.v2": "b/", "B-1_x": "bundled:chat"}
-  got = check_sets(sets)
+  got = check_eval_sets(sets)
   assert got == sets and type(got) is dict and list(got) == list(sets)
 
 
@@ -196,11 +194,11 @@ def test_check_sets_returns_a_plain_dict_in_order():
     ({"wiki": ""}, "eval.sets.wiki"),
     ({"wiki": "  "}, "eval.sets.wiki"),
     ({"wiki": 3}, "eval.sets.wiki"),
-    ({f"s{i}": "a.txt" for i in range(MAX_SETS + 1)}, f"at most {MAX_SETS}"),
+    ({f"s{i}": "a.txt" for i in range(MAX_EVAL_SETS + 1)}, f"at most {MAX_EVAL_SETS}"),
     (["a.txt"], "eval.sets must map"),
   ],
 )
 def test_check_sets_refuses_naming_the_entry(sets, said):
   with pytest.raises(ConfigError) as e:
-    check_sets(sets)
+    check_eval_sets(sets)
   assert "eval.sets" in str(e.value) and said in str(e.value) and "\n" not in str(e.value)

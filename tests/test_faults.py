@@ -57,7 +57,7 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, capsys):
 
 
 def test_home_and_environment_variables_expand_in_paths(tmp_path, monkeypatch):
-  from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.config import loading as config_lib
 
   monkeypatch.setenv("HOME", str(tmp_path))
   monkeypatch.setenv("RUNS", "/data/runs")
@@ -84,7 +84,7 @@ def test_runaway_skips_halt_with_the_last_good_state(tmp_path, capsys):
   assert train_main(tmp_path, "optim.lr=1e6", "train.max_consecutive_skips=3") == 1
   line = one_error(capsys)
   assert "3 updates in a row were skipped" in line and "train.max_consecutive_skips=0" in line
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   records = read_records(tmp_path / "run" / "metrics.jsonl")
   assert records[-1]["step"] < 12 and [r["updated"] for r in records[-3:]] == [False] * 3
@@ -102,7 +102,7 @@ def test_sigterm_on_one_host_stops_every_host_at_the_same_step(tmp_path):
 
   from test_sharding import free_port, process_env
 
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   make_cfg(tmp_path)
   run_dir, port = tmp_path / "run", free_port()

@@ -17,6 +17,7 @@ from jaxstep import Generator, load_run, models, trainer
 from jaxstep.cli import run as run_command
 from jaxstep.core.losses import masked_nll
 from jaxstep.data import ByteTokenizer, eval_batches
+from jaxstep.trainer.saved_run import evaluate as saved_evaluation
 
 TRAIN = ["train.max_steps=12", "train.global_batch_size=8", "train.grad_accum_steps=2"]
 
@@ -169,7 +170,7 @@ def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_pat
   assert code == 0, err
   got = json.loads(out)
   saved = load_run(trained)
-  dataset = trainer.evaluation.load_data(saved, trained, str(text), "auto")
+  dataset = saved_evaluation.load_data(saved, trained, str(text), "auto")
   nll, tokens, num_bytes = independent_eval(saved, dataset.train, dataset.pad_id)
   assert got["tokens"] == tokens and got["bytes"] == num_bytes < tokens  # EOS: nats, no bytes
   assert got["bytes"] == len(text.read_text().replace("\n\n", "").encode())  # every text byte
@@ -185,7 +186,7 @@ def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_pat
 def test_evaluate_chat_counts_only_the_assistant_targets(trained, capsys):
   code = run_command("evaluate", [str(trained), "--data", "bundled:chat", "--json"])
   got = json.loads(capsys.readouterr().out)
-  dataset = trainer.evaluation.load_data(load_run(trained), trained, "bundled:chat", "auto")
+  dataset = saved_evaluation.load_data(load_run(trained), trained, "bundled:chat", "auto")
   masked = sum(int(dataset.train.rows(np.arange(len(dataset.train)), len(dataset.train), 256)[
     "loss_mask"].sum()) for _ in [0])  # fmt: skip
   assert code == 0 and got["tokens"] == masked
@@ -270,7 +271,7 @@ def test_the_memory_estimates_match_the_arrays_they_count():
   import jax.numpy as jnp
 
   from jaxstep.generation.engine import generation_bytes
-  from jaxstep.trainer.evaluation import eval_bytes
+  from jaxstep.trainer.saved_run.evaluate import eval_bytes
 
   cfg = models.GPTConfig(vocab_size=8, max_seq_len=16, d_model=4, n_layers=2, n_heads=2)
   rows, prompt, width, b = 3, 2, 5, 2  # bf16: 2 bytes
@@ -312,7 +313,7 @@ def test_batch_size_just_within_a_small_limit_runs_and_one_more_is_refused(
   trained, tmp_path, monkeypatch, capsys
 ):
   from jaxstep.core import device_memory
-  from jaxstep.trainer import evaluation
+  from jaxstep.trainer.saved_run import evaluate as evaluation
 
   saved = load_run(trained)
   per_window = evaluation.eval_bytes(saved.cfg.model, 1, saved.cfg.train.seq_len)

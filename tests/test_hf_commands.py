@@ -14,7 +14,7 @@ import jaxstep
 from jaxstep.cli import run as run_command
 from jaxstep.cli.generate import chat_prompt_ids
 from jaxstep.generation import Generator
-from jaxstep.trainer import evaluation
+from jaxstep.trainer.saved_run import evaluate as evaluation
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

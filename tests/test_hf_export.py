@@ -281,7 +281,7 @@ def test_a_failure_midway_leaves_no_folder(tmp_path, monkeypatch):
       raise OSError("disk full")
     return np.zeros(tensor.shape, dtype)
 
-  monkeypatch.setattr(hf_export, "_host", failing)
+  monkeypatch.setattr(hf_export, "host", failing)
   with pytest.raises(OSError, match="disk full"):
     export(tmp_path / "src", tmp_path / "out", max_shard_bytes=20_000)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -294,7 +294,7 @@ def test_a_full_disk_midway_is_exit_74s_error_with_nothing_left(tmp_path, monkey
   def full(tensor, dtype):
     raise OSError(code, os.strerror(code))
 
-  monkeypatch.setattr(hf_export, "_host", full)
+  monkeypatch.setattr(hf_export, "host", full)
   with pytest.raises(RunIOError, match=f"writing {tmp_path / 'out'} failed .*nothing was left"):
     export(tmp_path / "src", tmp_path / "out")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

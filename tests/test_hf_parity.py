@@ -51,7 +51,7 @@ def one_error(capsys) -> str:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gpt2"])
 def test_an_unmodified_folder_passes_every_stage(tiny, tmp_path, family):
-  from jaxstep.trainer.hf_parity import parity_report
+  from jaxstep.models.hf_parity import parity_report
 
   tiny(tmp_path, family)
   report = parity_report(tmp_path)
@@ -86,7 +86,7 @@ BUGS = {
 @pytest.fixture
 def bug(monkeypatch):
   """``bug(fn)``: jaxstep's side of the next reports reads its params through ``fn``."""
-  from jaxstep.trainer import hf_parity
+  from jaxstep.models import hf_parity
 
   read = hf_parity.read_model
 
@@ -102,7 +102,7 @@ def bug(monkeypatch):
 
 @pytest.mark.parametrize("stage", list(BUGS))
 def test_a_conversion_bug_is_caught_at_its_own_stage(llama, bug, stage):
-  from jaxstep.trainer.hf_parity import parity_report
+  from jaxstep.models.hf_parity import parity_report
 
   bug(BUGS[stage])
   report = parity_report(llama)
@@ -130,7 +130,7 @@ def test_the_command_names_the_diverging_block_and_exits_1(llama, bug, capsys):
 def test_weights_damaged_on_disk_are_read_alike_by_both(llama, tmp_path):
   """The report compares the two implementations on the folder's weights, whatever they
   are: a tensor perturbed in the file changes both sides the same way and still passes."""
-  from jaxstep.trainer.hf_parity import parity_report
+  from jaxstep.models.hf_parity import parity_report
 
   report = parity_report(corrupted(llama, tmp_path, "model.layers.1.mlp.down_proj.weight"))
   assert report.passed, report
@@ -166,7 +166,7 @@ def test_against_hf_takes_no_config(tmp_path, capsys):
 
 def test_given_ids_are_used_and_checked(llama):
   from jaxstep.errors import ConfigError
-  from jaxstep.trainer.hf_parity import parity_report
+  from jaxstep.models.hf_parity import parity_report
 
   ids = np.arange(24).reshape(3, 8) % 96
   assert parity_report(llama, ids).shape == (3, 8)

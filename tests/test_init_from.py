@@ -18,9 +18,9 @@ import jaxstep
 from jaxstep import data, trainer
 from jaxstep.cli import run as run_command
 from jaxstep.errors import ConfigError
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import init_from
-from jaxstep.trainer.plan import make_plan
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan import init_from
+from jaxstep.trainer.plan.numbers import make_plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -251,7 +251,8 @@ def test_a_run_from_a_folder_killed_with_sigkill_resumes_bitwise(folder, tmp_pat
 FSDP_SCRIPT = """
 import sys, jax, numpy as np
 from jaxstep import parallel, load_pretrained
-from jaxstep.trainer import config as config_lib, init_from
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan import init_from
 cfg = init_from.resolve(config_lib.load(None, [f"model.init_from={sys.argv[1]}",
                                                 "train.global_batch_size=4", "train.seq_len=32"]))
 mesh = parallel.make_mesh(data=1, fsdp=4)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_MODEL, killable, make_cfg, read_lines, restore_state_arrays
 
-from jaxstep.trainer.checkpoint import list_checkpoints
+from jaxstep.trainer.store.checkpoint import list_checkpoints
 
 ARGS = [
   *SMALL_MODEL,

@@ -12,7 +12,7 @@ import yaml
 
 from jaxstep.cli import train as train_cli
 from jaxstep.errors import ConfigError
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 LAUNCH = pathlib.Path(__file__).resolve().parent.parent / "examples" / "launch"
 COMMAND = re.compile(r"python -m jaxstep\.train\b[^\n]*")

@@ -12,9 +12,9 @@ from conftest import SMALL_MODEL, make_cfg, read_lines
 
 from jaxstep import DataError, trainer
 from jaxstep.data import BatchLoader, DataConfig, global_batch, load_dataset, prepare
-from jaxstep.trainer.callbacks import Callback
-from jaxstep.trainer.checkpoint import list_checkpoints
-from jaxstep.trainer.plan import resolve_vocab
+from jaxstep.trainer.loop.callbacks import Callback
+from jaxstep.trainer.plan.numbers import resolve_vocab
+from jaxstep.trainer.store.checkpoint import list_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_a_changed_base_is_refused
 ):
   from safetensors.numpy import load_file, save_file
 
-  from jaxstep.trainer.checkpoint_read import saved_shapes, step_dirs
+  from jaxstep.trainer.store.checkpoint_read import saved_shapes, step_dirs
 
   path, _ = folder
   run_dir = tmp_path / "run"
@@ -236,7 +236,7 @@ def test_a_base_changed_between_the_old_samples_is_refused_on_resume_and_by_gene
   """One bit of a weight changed where the older sampled fingerprint never looked: a resume,
   ``generate``, ``evaluate`` and ``export`` refuse it in one line; unchanged, it resumes."""
   from jaxstep.models import hf_weights
-  from jaxstep.trainer.checkpoint_read import step_dirs
+  from jaxstep.trainer.store.checkpoint_read import step_dirs
 
   path, _ = folder
   run_dir = tmp_path / "run"
@@ -275,9 +275,10 @@ def test_a_run_that_recorded_the_older_sampled_fingerprint_still_resumes(
   from jaxstep import CheckpointError, parallel
   from jaxstep.core import freeze
   from jaxstep.models import hf_weights
-  from jaxstep.trainer import init_from, saved_run, steps
-  from jaxstep.trainer.resume import reconcile
-  from jaxstep.trainer.run_state import RunState
+  from jaxstep.trainer.plan import init_from, steps
+  from jaxstep.trainer.saved_run import load as saved_run
+  from jaxstep.trainer.store.resume import reconcile
+  from jaxstep.trainer.store.run_state import RunState
 
   path, _ = folder
   cfg = init_from.resolve(run_cfg(tmp_path, path, "model.lora.rank=4"))

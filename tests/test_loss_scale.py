@@ -11,8 +11,8 @@ from jaxstep import NonFiniteError, TrainState, make_train_step, models, trainer
 from jaxstep.core.accumulate import accumulate, split_micro_batches
 from jaxstep.core.loss_scale import DynamicLossScale, fixed_state
 from jaxstep.core.losses import next_token_loss
-from jaxstep.trainer.guards import NonFiniteGuard
-from jaxstep.trainer.metrics import LateMetrics, NullSink
+from jaxstep.trainer.loop.nonfinite_guard import NonFiniteGuard
+from jaxstep.trainer.tracking.metrics import LateMetrics, NullSink
 
 
 def test_scale_halves_on_overflow_and_doubles_after_the_interval():

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from jaxstep.cli.memory import GIB
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer.memory import compiled_memory, jaxstep_layout, textbook_state_bytes
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan.memory import compiled_memory, jaxstep_layout, textbook_state_bytes
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_memory_cli_prints_gib_to_three_decimals():
 
 
 def _predicted_over_compiled(name, *overrides):
-  from jaxstep.trainer.memory import predicted_bytes
+  from jaxstep.trainer.plan.memory import predicted_bytes
 
   cfg = config_lib.load(name, list(overrides))
   c = compiled_memory(cfg)

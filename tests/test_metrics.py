@@ -2,8 +2,8 @@
 
 import json
 
-from jaxstep.trainer.metrics import MetricsSink
-from jaxstep.trainer.records import read_records
+from jaxstep.trainer.store.records import read_records
+from jaxstep.trainer.tracking.metrics import MetricsSink
 
 
 def write_lines(path, *lines):

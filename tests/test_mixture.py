@@ -152,8 +152,8 @@ def test_a_mixture_run_killed_with_sigkill_resumes_bitwise(tmp_path):
 
 @pytest.mark.slow
 def test_a_mixture_run_logs_tokens_per_source_and_evaluates_each_source(tmp_path):
-  from jaxstep.trainer import config as config_lib
-  from jaxstep.trainer import loop
+  from jaxstep.trainer import config_run as loop
+  from jaxstep.trainer.config import loading as config_lib
 
   overrides = [_sources(tmp_path), *TINY, "train.max_steps=4", f"run_dir={tmp_path / 'run'}"]
   overrides += ["train.log_every=1", "data.eval_fraction=0.2"]

@@ -199,7 +199,7 @@ def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
   from conftest import make_cfg
 
   from jaxstep import trainer
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   common = ["model.n_layers=2", "train.log_every=1", "train.eval_every=0"]
   straight = trainer.train(make_cfg(tmp_path / "a", "train.max_steps=4", *common))
@@ -211,7 +211,7 @@ def test_a_checkpoint_resumes_in_the_other_block_layout(tmp_path, first, then):
   )
   assert layers.layout_of(resumed.state.params) is then
   # generate and evaluate read a checkpoint of either layout in the run's current one
-  from jaxstep.trainer.saved_run import load_run
+  from jaxstep.trainer.saved_run.load import load_run
 
   older = load_run(tmp_path / "b" / "run", step=2)
   assert layers.layout_of(older.params) is then
@@ -240,7 +240,7 @@ def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
   from conftest import make_cfg
 
   from jaxstep import trainer
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   common = ["model.n_layers=2", "train.log_every=1", "train.eval_every=0"]
   trainer.train(make_cfg(tmp_path / "one", *common, "train.max_steps=4"))

@@ -11,7 +11,7 @@ from conftest import make_cfg
 from jaxstep import ConfigError
 from jaxstep import config as config_lib
 from jaxstep.data import load_dataset, steps_per_epoch
-from jaxstep.trainer.plan import make_plan, resolve_vocab, split_k, total_update_steps
+from jaxstep.trainer.plan.numbers import make_plan, resolve_vocab, split_k, total_update_steps
 
 
 def test_derived_values_come_from_the_data(tmp_path):
@@ -58,7 +58,9 @@ def test_auto_counts_as_one_until_chosen(tmp_path):
 @pytest.mark.slow
 def test_build_memory_and_check_read_one_plan(tmp_path, monkeypatch):
   from jaxstep.cli import check
-  from jaxstep.trainer import assemble, memory, plan
+  from jaxstep.trainer.plan import build as assemble
+  from jaxstep.trainer.plan import memory
+  from jaxstep.trainer.plan import numbers as plan
 
   cfg = make_cfg(tmp_path, "train.max_steps=3", "train.schedule_steps=0")
   seen = []
@@ -128,7 +130,7 @@ def test_a_gpt_too_long_for_its_positions_names_max_seq_len(tmp_path, overrides)
 
 
 def test_what_fits_is_not_refused():
-  from jaxstep.trainer.plan import approx_num_params, refuse_what_cannot_fit
+  from jaxstep.trainer.plan.numbers import approx_num_params, refuse_what_cannot_fit
 
   cfg = config_lib.load("gpt-1.3b", ["train.grad_accum_steps=4"])
   assert 1.25e9 < approx_num_params(cfg.model) < 1.35e9  # the config says 1.316 B
@@ -141,7 +143,7 @@ def test_what_fits_is_not_refused():
 def test_adapters_too_large_to_allocate_are_refused_naming_the_rank(tmp_path):
   """``rank × (in + out)`` per adapted projection: a rank of billions is refused before the
   model is built, and the message names model.lora.rank, not the model's shape."""
-  from jaxstep.trainer.plan import approx_num_params
+  from jaxstep.trainer.plan.numbers import approx_num_params
 
   small = make_cfg(tmp_path, "model.lora.rank=4", "model.lora.targets=[fc]")
   plain = make_cfg(tmp_path)

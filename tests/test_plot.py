@@ -6,7 +6,8 @@ import errno
 import pytest
 
 from jaxstep.cli import plot
-from jaxstep.trainer import loss_plot, records
+from jaxstep.trainer.store import records
+from jaxstep.trainer.tracking import loss_plot
 
 
 def _metrics(run_dir, lines):

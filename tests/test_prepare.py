@@ -18,7 +18,8 @@ from jaxstep.data.manifest import MANIFEST, read_manifest
 from jaxstep.data.preparation import prepare
 from jaxstep.data.readers import read_documents
 from jaxstep.data.samples import encode_chat, encode_text
-from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer
+from jaxstep.data.tokenizer import ByteTokenizer
+from jaxstep.data.tokenizer_loading import load_tokenizer
 
 
 def test_text_shards_hold_exactly_the_in_memory_tokens_across_shards(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from conftest import make_cfg
 
 from jaxstep import ConfigError
-from jaxstep.trainer.profiling import parse_steps
+from jaxstep.trainer.config.schema import parse_profile_steps as parse_steps
 
 
 def test_profile_steps_parse_or_name_the_key():

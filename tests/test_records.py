@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxstep.trainer import records
+from jaxstep.trainer.store import records
 
 
 def _history(path, steps):
@@ -52,7 +52,7 @@ def test_a_process_killed_while_rewriting_the_history_loses_none_of_it(tmp_path)
   before = path.read_bytes()
   code = (
     "import pathlib, resource, signal, sys\n"
-    "from jaxstep.trainer import records\n"
+    "from jaxstep.trainer.store import records\n"
     "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel kills\n"
     "resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))\n"
     "records.truncate_records(pathlib.Path(sys.argv[1]), 9_000)\n"

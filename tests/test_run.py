@@ -11,8 +11,8 @@ from tolerance import assert_close, assert_far
 from jaxstep import NonFiniteError, models, trainer
 from jaxstep.core.losses import masked_nll
 from jaxstep.data import eval_batches
-from jaxstep.trainer.callbacks import Callback
-from jaxstep.trainer.metrics import TRAIN_FIELDS
+from jaxstep.trainer.loop.callbacks import Callback
+from jaxstep.trainer.tracking.metrics import TRAIN_FIELDS
 
 
 @pytest.mark.slow
@@ -96,7 +96,8 @@ def test_a_long_evaluation_keeps_only_a_few_batches_in_flight(tmp_path, monkeypa
   """Thousands of eval batches dispatched at once abort XLA:CPU's collective rendezvous
   (40 s timeout): the host fetches each result at most ``EVAL_IN_FLIGHT`` batches later,
   and the sums are those of every batch."""
-  from jaxstep.trainer import loop, run_hooks
+  from jaxstep.trainer import config_run as loop
+  from jaxstep.trainer.evaluation import scoring
 
   cfg = make_cfg(
     tmp_path, "train.global_batch_size=2", "train.grad_accum_steps=1", "data.eval_fraction=0.3"
@@ -117,8 +118,8 @@ def test_a_long_evaluation_keeps_only_a_few_batches_in_flight(tmp_path, monkeypa
 
   monkeypatch.setattr(loop.jax, "device_get", counting_get)
   got = loop.evaluate(dataclasses.replace(r, eval_fn=counting_eval), state.params)
-  assert len(dispatched) > 3 * run_hooks.EVAL_IN_FLIGHT and len(fetched) == len(dispatched)
-  assert max(ahead) == run_hooks.EVAL_IN_FLIGHT
+  assert len(dispatched) > 3 * scoring.EVAL_IN_FLIGHT and len(fetched) == len(dispatched)
+  assert max(ahead) == scoring.EVAL_IN_FLIGHT
   sums = np.sum([np.asarray(device_get(x), np.float64) for x in dispatched], axis=0)
   assert got["eval_loss"] == sums[0] / sums[1] and got["eval_tokens"] == sums[1]
 
@@ -182,8 +183,8 @@ def test_a_resume_on_data_with_another_tokenizer_names_the_data_not_the_model():
   import dataclasses
 
   from jaxstep import CheckpointError
-  from jaxstep.trainer.resume import reconcile
-  from jaxstep.trainer.run_state import RunState
+  from jaxstep.trainer.store.resume import reconcile
+  from jaxstep.trainer.store.run_state import RunState
 
   model = {"vocab_size": 264, "d_model": 32, "n_layers": 1}
   saved = RunState(

@@ -8,7 +8,7 @@ import pytest
 
 from jaxstep.errors import RunDirError, RunIOError
 from jaxstep.models import export_folder
-from jaxstep.trainer import run_dir as run_dir_lib
+from jaxstep.trainer.store import run_dir as run_dir_lib
 
 
 @pytest.mark.parametrize("marker", ["model.safetensors", "pytorch_model.bin", export_folder.MARKER])

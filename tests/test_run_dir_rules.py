@@ -20,7 +20,7 @@ def test_two_concurrent_runs_on_one_run_dir_and_a_killed_holder(tmp_path, capsys
   import sys
   import time
 
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   make_cfg(tmp_path)
   run_dir = tmp_path / "run"
@@ -117,7 +117,7 @@ def test_extending_max_steps_keeps_or_re_plans_the_schedule_as_told(tmp_path, ca
   import logging
 
   from jaxstep import CheckpointError, trainer
-  from jaxstep.trainer.records import read_records
+  from jaxstep.trainer.store.records import read_records
 
   first = ["train.schedule_steps=0", "optim.warmup_steps=0", "train.log_every=1"]
   trainer.train(make_cfg(tmp_path, "train.max_steps=4", *first))

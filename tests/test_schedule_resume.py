@@ -17,7 +17,7 @@ import pytest
 from conftest import make_cfg, read_lines
 
 from jaxstep import trainer
-from jaxstep.trainer.callbacks import Callback
+from jaxstep.trainer.loop.callbacks import Callback
 
 PEAK, WARMUP, FINAL = 1e-3, 3, 0.1
 N = 8  # update steps of every run here

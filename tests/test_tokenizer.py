@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxstep import ConfigError, DataError, trainer
-from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from jaxstep.data.tokenizer import ByteTokenizer, train_bpe
+from jaxstep.data.tokenizer_loading import load_tokenizer
 
 UTF8_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
 CORPUS = [

@@ -15,10 +15,10 @@ from tolerance import assert_close, assert_far
 
 import jaxstep
 from jaxstep.cli import train as train_cli
-from jaxstep.trainer import config as config_lib
-from jaxstep.trainer import evaluation
-from jaxstep.trainer import loop as train_lib
-from jaxstep.trainer import trackers as trackers_lib
+from jaxstep.trainer import config_run as train_lib
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.saved_run import evaluate as evaluation
+from jaxstep.trainer.tracking import trackers as trackers_lib
 
 TINY = ["train.global_batch_size=8", "train.grad_accum_steps=2", "train.progress=false"]
 

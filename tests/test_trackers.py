@@ -13,9 +13,9 @@ import time
 import pytest
 
 from jaxstep.errors import ConfigError
-from jaxstep.trainer import tracker_backends
-from jaxstep.trainer import trackers as trackers_lib
-from jaxstep.trainer.trackers import MlflowConfig, WandbConfig
+from jaxstep.trainer.tracking import backends as tracker_backends
+from jaxstep.trainer.tracking import trackers as trackers_lib
+from jaxstep.trainer.tracking.trackers import MlflowConfig, WandbConfig
 
 CONFIG = {"train": {"lr": 0.001, "trackers": ["jsonl", "mlflow"]}, "model": {"layers": 2}}
 
@@ -255,13 +255,13 @@ def test_scalars_and_flatten():
 
 
 def test_check_names_and_sections():
-  trackers_lib.check_names(["jsonl", "tensorboard", "mlflow", "wandb"])
+  trackers_lib.check_tracker_names(["jsonl", "tensorboard", "mlflow", "wandb"])
   with pytest.raises(ConfigError, match="unknown tracker 'tensorbord'; known: jsonl, tensorb"):
-    trackers_lib.check_names(["jsonl", "tensorbord"])
+    trackers_lib.check_tracker_names(["jsonl", "tensorbord"])
   with pytest.raises(ConfigError, match="names mlflow twice"):
-    trackers_lib.check_names(["jsonl", "mlflow", "mlflow"])
+    trackers_lib.check_tracker_names(["jsonl", "mlflow", "mlflow"])
   with pytest.raises(ConfigError, match="must include jsonl"):
-    trackers_lib.check_names(["tensorboard"])
+    trackers_lib.check_tracker_names(["tensorboard"])
   with pytest.raises(ConfigError, match="mlflow.experiment must be non-empty"):
     MlflowConfig(experiment=" ")
   with pytest.raises(ConfigError, match="wandb.mode must be online, offline or disabled"):
@@ -286,7 +286,7 @@ def test_check_available_names_the_extra(monkeypatch):
 @pytest.mark.slow
 def test_importing_the_module_imports_neither_library():
   code = (
-    "import sys, jaxstep.trainer.trackers; "
+    "import sys, jaxstep.trainer.tracking.trackers; "
     "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'wandb')))"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

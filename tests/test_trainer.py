@@ -257,7 +257,7 @@ def test_sigterm_saves_at_the_update_boundary_and_raises_interrupted(tmp_path):
 def test_eval_batches_that_do_not_split_over_the_mesh_are_refused_up_front():
   import types
 
-  from jaxstep.trainer.fit_eval import check_first_batches
+  from jaxstep.trainer.trainer_eval import check_first_batches
 
   four = types.SimpleNamespace(devices=np.zeros((2, 2)))
   check_first_batches({"e": lambda: [batch_of(0)]}, four)  # 8 rows over 4 devices
@@ -301,7 +301,7 @@ def test_only_the_runs_writer_threads_stop_it():
   (a tracker's network thread, say) does not."""
   import threading
 
-  from jaxstep.trainer.background import watch_threads
+  from jaxstep.trainer.tracking.threads import watch_threads
 
   class Writer(threading.Thread):
     def run(self):
@@ -371,7 +371,7 @@ def test_only_the_echoes_of_a_reported_checkpoint_failure_are_dropped():
   import sys
   from types import SimpleNamespace
 
-  from jaxstep.trainer.background import drop_closed_loop_echoes
+  from jaxstep.trainer.store.orbax_echoes import drop_closed_loop_echoes
 
   class Writer:
     pass
@@ -395,3 +395,52 @@ def test_only_the_echoes_of_a_reported_checkpoint_failure_are_dropped():
   finally:
     sys.unraisablehook = previous
   assert seen == others
+
+
+def test_both_clients_take_their_resume_refusals_from_one_function(tmp_path, monkeypatch, capsys):
+  """``jaxstep train`` and ``jaxstep.Trainer`` resume through ``store.resume.start`` and
+  refuse a checkpoint of another run with the same function, in the same words: a changed
+  seed, a changed G, and (with a jaxstep schedule) a re-planned lr schedule."""
+  import shutil
+
+  from test_old_run_resumes import ARGS
+
+  from jaxstep.cli import train as train_cli
+  from jaxstep.trainer.store import resume
+
+  calls, refuse = [], resume.refuse_a_different_run
+
+  def spy(saved, current, **kw):
+    calls.append(kw["way_out"])
+    return refuse(saved, current, **kw)
+
+  monkeypatch.setattr(resume, "refuse_a_different_run", spy)
+
+  def scheduled(max_steps):
+    return jaxstep.Trainer(
+      linear_loss,
+      {"w": jnp.zeros(3)},
+      jaxstep.OptimConfig(lr=0.1, warmup_steps=0),
+      train_data=[batch_of(i) for i in range(100)],
+      run_dir=tmp_path / "run",
+      train={"global_batch_size": G, "grad_accum_steps": 2, "max_steps": max_steps},
+      checkpoint={"every": 4},
+    )
+
+  scheduled(4).fit()
+  refusals = [
+    ({"seed": 1}, r"train.seed changed since the checkpoint \(0 → 1\)"),
+    ({"global_batch_size": 4}, r"train.global_batch_size changed since the checkpoint \(8 → 4\)"),
+  ]
+  for change, words in refusals:
+    with pytest.raises(CheckpointError, match=words + r".*fit\(resume=False\) to start over"):
+      trainer(tmp_path, train={"max_steps": 4, **change}).fit()
+  with pytest.raises(CheckpointError, match="lr schedule was planned for 4 update steps, this"):
+    scheduled(8).fit()
+  # the CLI, on a run written earlier (a fixture with a checkpoint at update 2)
+  shutil.copytree(ROOT / "tests" / "fixtures" / "run_before_rooms", tmp_path / "cli")
+  monkeypatch.chdir(tmp_path / "cli")
+  assert train_cli.main([*ARGS, "train.max_steps=4", "run_dir=run", "train.seed=1"]) == 2
+  err = capsys.readouterr().err
+  assert "train.seed changed since the checkpoint (0 → 1)" in err and "start a new run_dir" in err
+  assert calls == [", or fit(resume=False) to start over"] * 3 + [", or start a new run_dir"]

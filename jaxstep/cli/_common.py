@@ -17,7 +17,7 @@ from jaxstep.errors import (
   RunDirError,
   RunIOError,
 )
-from jaxstep.trainer import background
+from jaxstep.trainer.store.orbax_echoes import drop_closed_loop_echoes
 
 # Bad input: nothing was trained, or nothing was written; the user changes something.
 BAD_INPUT = (ConfigError, DataError, CheckpointError, RunDirError, PromptError)
@@ -83,7 +83,7 @@ def setup_logging() -> None:
   absl.setLevel(logging.WARNING)  # orbax's per-save INFO chatter
   if not any(isinstance(f, _OrbaxErrorsRaisedToUs) for f in absl.filters):
     absl.addFilter(_OrbaxErrorsRaisedToUs())
-  background.drop_closed_loop_echoes()
+  drop_closed_loop_echoes()
 
 
 class _OrbaxErrorsRaisedToUs(logging.Filter):
@@ -108,7 +108,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def config_command(prog: str, doc: str, action, argv=None) -> int:
   """``main`` of a command that takes ``--config`` + overrides and runs ``action(cfg) ->
   exit code``; a jaxstep error prints one ``error:`` line and sets the exit code."""
-  from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.config import loading as config_lib
 
   p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   add_config_args(p)

@@ -44,7 +44,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   from jaxstep import data, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
-  from jaxstep.trainer.plan import make_plan
+  from jaxstep.trainer.plan.numbers import make_plan
 
   plan = make_plan(cfg, read_data=True)
   cfg, dataset, t = plan.cfg, plan.dataset, plan.cfg.train
@@ -64,7 +64,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
 
 
 def main(argv=None) -> int:
-  from jaxstep.trainer import config as config_lib
+  from jaxstep.trainer.config import loading as config_lib
 
   p = Parser(
     prog="jaxstep check",
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.error("--against-hf takes no --config or key=value overrides")
   try:
     if args.against_hf is not None:
-      from jaxstep.trainer.hf_parity import parity_report
+      from jaxstep.models.hf_parity import parity_report
 
       result = parity_report(args.against_hf)
     else:

@@ -13,8 +13,8 @@ import pathlib
 
 from jaxstep.cli._common import Parser, report
 from jaxstep.errors import RunDirError
-from jaxstep.trainer.checkpoint import list_checkpoints
-from jaxstep.trainer.records import read_records
+from jaxstep.trainer.store.checkpoint import list_checkpoints
+from jaxstep.trainer.store.records import read_records
 
 
 def table(run_dir: pathlib.Path) -> list[str]:

@@ -35,7 +35,7 @@ def _count(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
   from jaxstep.data.readers import FORMATS
-  from jaxstep.trainer.evaluation import SPLITS
+  from jaxstep.trainer.saved_run.evaluate import SPLITS
 
   p = run_dir_parser("jaxstep evaluate", __doc__)
   p.add_argument("--data", required=True, help="files, a directory, a glob, or a prepared folder")
@@ -58,8 +58,9 @@ def main(argv=None) -> int:
 
 
 def evaluate(args) -> int:
-  from jaxstep.trainer import evaluation, records
-  from jaxstep.trainer.saved_run import load_run
+  from jaxstep.trainer.saved_run import evaluate as evaluation
+  from jaxstep.trainer.saved_run.load import load_run
+  from jaxstep.trainer.store import records
 
   saved = load_run(args.run_dir, args.step)
   evaluation.refuse_batch_that_cannot_fit(saved, args.batch_size, option="--batch-size")

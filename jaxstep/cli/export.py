@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
 def export(args) -> int:
   from jaxstep.errors import ConfigError
-  from jaxstep.trainer.export_run import export_run
+  from jaxstep.trainer.saved_run.export import export_run
 
   if not args.max_shard_gb > 0:
     raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")

@@ -96,7 +96,7 @@ def generate(args) -> int:
   import jax.numpy as jnp
 
   from jaxstep.generation import Generator, check_settings
-  from jaxstep.trainer.saved_run import load_run
+  from jaxstep.trainer.saved_run.load import load_run
 
   check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.num_samples)
   saved = load_run(args.run_dir, args.step)

@@ -7,7 +7,7 @@ compiled step's ``memory_analysis()``, per device (GiB = 2^30 bytes).
 from __future__ import annotations
 
 from jaxstep.cli._common import config_command
-from jaxstep.trainer.memory import (
+from jaxstep.trainer.plan.memory import (
   compiled_memory,
   jaxstep_layout,
   predicted_bytes,
@@ -68,7 +68,7 @@ def report(cfg) -> str:
 
 def main(argv=None) -> int:
   def action(cfg) -> int:
-    from jaxstep.trainer.plan import configure_devices
+    from jaxstep.trainer.plan.numbers import configure_devices
 
     configure_devices(cfg)  # the devices train would use for this config
     print(report(cfg))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from jaxstep.cli._common import Parser, report
 from jaxstep.errors import RunDirError, RunIOError
-from jaxstep.trainer.loss_plot import plot_run
+from jaxstep.trainer.tracking.loss_plot import plot_run
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ import argparse
 
 from jaxstep.cli._common import Parser, add_config_args, report, setup_logging
 from jaxstep.errors import JaxstepError, RunDirError
-from jaxstep.trainer import config as config_lib
+from jaxstep.trainer.config import loading as config_lib
 
 
 def parser(prog: str = "jaxstep train") -> argparse.ArgumentParser:
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     # heavy imports only after the config is valid
     from jaxstep.parallel import initialize_distributed
-    from jaxstep.trainer.loop import train
-    from jaxstep.trainer.plan import configure_devices
-    from jaxstep.trainer.run_dir import check_shared
+    from jaxstep.trainer.config_run import train
+    from jaxstep.trainer.plan.numbers import configure_devices
+    from jaxstep.trainer.store.run_dir import check_shared
 
     configure_devices(cfg)
     m = cfg.mesh

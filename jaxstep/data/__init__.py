@@ -1,11 +1,14 @@
 """Local data → fixed-shape samples with loss masks → global batches.
 
-``readers`` (files → documents), ``tokenizer``, ``samples`` (documents → tokens with target
-flags), ``preparation`` (``prepare``: → shards), ``manifest`` (what a prepared folder
-records, read back checked), ``out_folder`` (which ``--out`` may be replaced), ``shards``
-(memory-mapped windows with loss masks), ``dataset`` (splits, epoch order, global batches),
-``loader`` (global batches read ahead by Grain) and ``corpus`` (regenerates the bundled
-corpus in ``corpus/``).
+``readers`` (files → documents), ``tokenizer`` (the tokenizer classes), ``hf_folder`` (a
+model folder's tokenizer), ``tokenizer_loading`` (``load_tokenizer``: a tokenizer from a spec
+or a folder), ``samples`` (documents → tokens with target flags), ``preparation``
+(``prepare``: → shards), ``manifest`` (what a prepared folder records, read back checked),
+``out_folder`` (which ``--out`` may be replaced), ``shards`` (memory-mapped windows with loss
+masks), ``data_config`` (``DataConfig``), ``single_corpus`` (one corpus → a ``Dataset``),
+``mixture`` (several corpora mixed by weight), ``dataset`` (``load_dataset``, which picks
+one of those two; epoch order, global batches), ``loader`` (global batches read ahead by
+Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
 
 ``BatchLoader`` is imported on first use, so that importing this package does not import
 Grain.
@@ -13,21 +16,21 @@ Grain.
 
 import importlib
 
+from jaxstep.data.data_config import DataConfig
 from jaxstep.data.dataset import (
-  DataConfig,
-  Dataset,
   epoch_order,
   eval_batches,
   global_batch,
   load_dataset,
-  prepared_tokenizer,
   split_steps_per_epoch,
   steps_per_epoch,
 )
 from jaxstep.data.manifest import read_manifest
 from jaxstep.data.preparation import prepare
 from jaxstep.data.shards import Windows
-from jaxstep.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from jaxstep.data.single_corpus import Dataset
+from jaxstep.data.tokenizer import ByteTokenizer, train_bpe
+from jaxstep.data.tokenizer_loading import load_tokenizer, prepared_tokenizer
 
 __all__ = [
   "BatchLoader",

@@ -16,7 +16,8 @@ from typing import NoReturn
 import numpy as np
 
 from jaxstep.data import samples
-from jaxstep.data.tokenizer import Tokenizer, load_tokenizer
+from jaxstep.data.tokenizer import Tokenizer
+from jaxstep.data.tokenizer_loading import load_tokenizer
 from jaxstep.errors import DataError, WorkerError
 
 # Worker processes keep their tokenizer in a global: it is loaded once per process.

@@ -40,7 +40,7 @@ import re
 import numpy as np
 
 from jaxstep.data.chat_template import render_chat  # noqa: F401 - re-exported
-from jaxstep.data.tokenizer import HFTokenizer, SentencePieceTokenizer, _describe
+from jaxstep.data.tokenizer import HFTokenizer, SentencePieceTokenizer, describe
 from jaxstep.errors import DataError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -144,7 +144,7 @@ class _FolderSpecials:
     """What a manifest records: the usual entry, plus ``has_bos``, the stop ids and a
     SHA-256 of every folder file read, so that another model's tokenizer never matches."""
     return {
-      **_describe(self, file=self.path.name),
+      **describe(self, file=self.path.name),
       "has_bos": self.has_bos,
       "stop_ids": list(self.stop_ids),
       "folder_files": dict(self.files),

@@ -26,12 +26,10 @@ import dataclasses
 import functools
 import hashlib
 import json
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxstep.data.dataset import load_dataset
 from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.tokenizer import same_tokenizer
 from jaxstep.errors import ConfigError, DataError
@@ -152,45 +150,20 @@ class Mixture:
     return {f"tokens_{s.name}": int(n) for s, n in zip(self.sources, totals, strict=True)}
 
 
-SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-def check_sources(entries) -> tuple[dict, ...]:
-  """``data.sources`` checked: a list of ``{name, path, weight}`` with unique names
-  (letters, digits, ``_ . -``), non-empty paths and finite weights > 0."""
-  if not isinstance(entries, list | tuple):
-    raise ConfigError(f"data.sources must be a list of {{name, path, weight}}, got {entries!r}")
-  out, names = [], set()
-  for i, entry in enumerate(entries):
-    if not isinstance(entry, dict) or set(entry) - {"name", "path", "weight"}:
-      raise ConfigError(f"data.sources[{i}] must be a mapping of name, path and weight")
-    name, path, weight = entry.get("name"), entry.get("path"), entry.get("weight", 1.0)
-    if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name) or name in names:
-      raise ConfigError(
-        f"data.sources[{i}] name {name!r}: give each source a distinct name of letters, "
-        f"digits, '_', '.' and '-'"
-      )
-    if not isinstance(path, str) or not path.strip():
-      raise ConfigError(f"data.sources[{i}] ({name}) needs a path, like data.path")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-      raise ConfigError(f"data.sources[{i}] ({name}) weight must be a number > 0, got {weight!r}")
-    if not np.isfinite(weight):
-      raise ConfigError(f"data.sources[{i}] ({name}) weight must be finite, got {weight!r}")
-    names.add(name)
-    out.append({"name": name, "path": path, "weight": float(weight)})
-  return tuple(out)
-
-
-def load_mixture(data_cfg, seq_len: int, progress: bool = False):
+def load_mixture(data_cfg, seq_len: int, progress: bool = False, *, load_source: Callable):
   """The ``Dataset`` of ``data_cfg.sources``: each source read like ``data.path`` (raw
   input prepared with ``data.tokenizer`` and ``data.format``, ``data.eval_fraction`` held
   out; a prepared folder as it is), all with one tokenizer; ``train`` is their
-  ``Mixture``, and each source's held-out split is an eval set under its name."""
+  ``Mixture``, and each source's held-out split is an eval set under its name.
+
+  ``load_source(data_cfg, seq_len, progress)`` reads one source's ``DataConfig`` (its
+  ``path``, no ``sources``) into a ``Dataset``: ``single_corpus.load_single_corpus``, passed
+  in by ``dataset.load_dataset`` so that neither loader imports the other."""
   loaded = []
   for entry in data_cfg.sources:
     one = dataclasses.replace(data_cfg, path=entry["path"], sources=())
     try:
-      loaded.append(load_dataset(one, seq_len, progress))
+      loaded.append(load_source(one, seq_len, progress))
     except DataError as e:
       raise DataError(f"data.sources {entry['name']!r}: {e}") from None
   first = loaded[0]

@@ -46,7 +46,8 @@ import numpy as np
 from jaxstep.data import encoding, hf_folder, out_folder, readers
 from jaxstep.data.manifest import FORMAT_VERSION, MANIFEST, file_times, read_manifest, sha256
 from jaxstep.data.shard_writer import ShardWriter
-from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from jaxstep.data.tokenizer import ByteTokenizer, Tokenizer, train_bpe
+from jaxstep.data.tokenizer_loading import load_tokenizer
 from jaxstep.errors import ConfigError, DataError, RunIOError
 
 SHARD_TOKENS = 1 << 26  # tokens per shard file: 128 MiB of uint16

@@ -1,6 +1,7 @@
 """Tokenizers from local files only: bytes (the default), a Hugging Face ``tokenizer.json``
 (the ``tokenizers`` library), a SentencePiece ``.model``; and a byte-level BPE trained on
-your own text. Nothing is downloaded.
+your own text. Nothing is downloaded. Choosing and loading one from a spec (``byte``, a file,
+a model folder) is ``tokenizer_loading``'s ``load_tokenizer``.
 
 Every tokenizer has three special ids the data path uses: BOS starts a document (never a
 target), EOS ends one (a target: it teaches the model to stop), PAD fills short windows
@@ -65,7 +66,7 @@ class ByteTokenizer:
     return (np.arange(self.vocab_size) < 256).astype(np.int32)
 
   def describe(self) -> dict:
-    return _describe(self, file=None)
+    return describe(self, file=None)
 
 
 class HFTokenizer:
@@ -137,7 +138,7 @@ class HFTokenizer:
     return out
 
   def describe(self) -> dict:
-    return _describe(self, file=self.path.name)
+    return describe(self, file=self.path.name)
 
 
 class SentencePieceTokenizer:
@@ -190,7 +191,7 @@ class SentencePieceTokenizer:
     return out
 
   def describe(self) -> dict:
-    return _describe(self, file=self.path.name)
+    return describe(self, file=self.path.name)
 
 
 Tokenizer = ByteTokenizer | HFTokenizer | SentencePieceTokenizer
@@ -200,8 +201,10 @@ def _first_known(token_to_id, names) -> int | None:
   return next((i for i in map(token_to_id, names) if i is not None), None)
 
 
-def _describe(tok, file: str | None) -> dict:
-  """What a manifest records about a tokenizer."""
+def describe(tok, file: str | None) -> dict:
+  """What a manifest records about tokenizer ``tok`` saved as ``file`` (None: nothing is
+  saved, bytes): its kind, vocabulary size and special ids; each tokenizer class's
+  ``describe()`` returns it (``hf_folder``'s add the folder's own fields to it)."""
   return {
     "kind": tok.kind,
     "file": file,
@@ -210,29 +213,6 @@ def _describe(tok, file: str | None) -> dict:
     "bos_id": tok.BOS,
     "eos_id": tok.EOS,
   }
-
-
-def load_tokenizer(spec: str, base: pathlib.Path | None = None) -> Tokenizer:
-  """``byte``, a ``tokenizer.json``, a SentencePiece ``.model``, or a model folder (its
-  tokenizer with the special tokens it declares: ``jaxstep.data.hf_folder``); relative
-  paths are taken from ``base`` when given."""
-  if spec == "byte":
-    return ByteTokenizer()
-  path = pathlib.Path(spec)
-  if base is not None and not path.is_absolute():
-    path = base / path
-  if path.is_dir():
-    from jaxstep.data import hf_folder  # it builds on this module's tokenizers
-
-    return hf_folder.folder_tokenizer(path)
-  if path.suffix not in (".json", ".model"):
-    raise ConfigError(
-      f"tokenizer {spec!r}: use 'byte', a tokenizer.json (Hugging Face tokenizers), a "
-      f"SentencePiece .model file or a model folder holding one"
-    )
-  if not path.is_file():
-    raise DataError(f"tokenizer file {path} does not exist")
-  return HFTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | pathlib.Path) -> HFTokenizer:

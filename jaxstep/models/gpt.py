@@ -184,7 +184,9 @@ class GPT(DecoderStack):
     )
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def _embed(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+  def embed_inputs(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    """What the first block reads: token embeddings plus the ``positions``' embeddings
+    (``[B, S, d_model]``)."""
     return self.embed(inputs) + self.pos_embed(positions)
 
   def _logits(self, x: jax.Array) -> jax.Array:

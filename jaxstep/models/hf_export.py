@@ -213,15 +213,17 @@ def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict) -> list[Tensor]:
   _check_leaves(params, shapes, stacked)
   out = []
   for path, name, transposed in hf_names(cfg):
-    fetch = _fetcher(params, path, stacked)
-    shape = _leaf_shape(params, path, stacked)
+    fetch = fetcher(params, path, stacked)
+    shape = leaf_shape(params, path, stacked)
     if shape != shapes[path]:
-      raise ConfigError(f"params{_spell(path)} has shape {shape}, the config needs {shapes[path]}")
+      raise ConfigError(f"params{spell(path)} has shape {shape}, the config needs {shapes[path]}")
     out.append(Tensor(name, fetch, transposed, shape[::-1] if transposed else shape))
   return out
 
 
-def _spell(path: tuple) -> str:
+def spell(path: tuple) -> str:
+  """A params path as an error message writes it: ``('blocks', 0, 'kernel')`` →
+  ``['blocks'][0]['kernel']``."""
   return "".join(f"[{k!r}]" for k in path)
 
 
@@ -234,7 +236,7 @@ def _child(node, key):
   raise KeyError(key)
 
 
-def _stored_path(path: tuple, stacked: bool) -> tuple[tuple, int | None]:
+def stored_path(path: tuple, stacked: bool) -> tuple[tuple, int | None]:
   """Where a per-block path lives in ``params``: the path there and, when stacked, the
   layer's index along the leading axis."""
   if stacked and path[0] == "blocks":
@@ -243,25 +245,27 @@ def _stored_path(path: tuple, stacked: bool) -> tuple[tuple, int | None]:
 
 
 def _lookup(params: dict, path: tuple, stacked: bool):
-  where, _ = _stored_path(path, stacked)
+  where, _ = stored_path(path, stacked)
   node = params
   for key in where:
     try:
       node = _child(node, key)
     except (KeyError, TypeError):
-      raise ConfigError(f"params lack {_spell(where)}, which the config needs") from None
+      raise ConfigError(f"params lack {spell(where)}, which the config needs") from None
   return node
 
 
-def _leaf_shape(params: dict, path: tuple, stacked: bool) -> tuple:
+def leaf_shape(params: dict, path: tuple, stacked: bool) -> tuple:
+  """The shape of the tensor at per-block ``path`` in ``params`` (one layer's, without the
+  leading layer axis, when ``stacked``); ``ConfigError`` when ``params`` lack it."""
   shape = tuple(_lookup(params, path, stacked).shape)
-  return shape[1:] if _stored_path(path, stacked)[1] is not None else shape
+  return shape[1:] if stored_path(path, stacked)[1] is not None else shape
 
 
-def _fetcher(params: dict, path: tuple, stacked: bool) -> Callable[[], object]:
+def fetcher(params: dict, path: tuple, stacked: bool) -> Callable[[], object]:
   """A function returning the tensor at ``path`` (a stacked leaf sliced to its layer only
   when called, so one layer's copy exists at a time)."""
-  leaf, (_, layer) = _lookup(params, path, stacked), _stored_path(path, stacked)
+  leaf, (_, layer) = _lookup(params, path, stacked), stored_path(path, stacked)
   return (lambda: leaf) if layer is None else (lambda: leaf[layer])
 
 
@@ -269,7 +273,7 @@ def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:
   """``ConfigError`` for params leaves the config has no tensor for (they would be lost)."""
   import jax
 
-  wanted = {tuple(map(str, _stored_path(p, stacked)[0])) for p in shapes}
+  wanted = {tuple(map(str, stored_path(p, stacked)[0])) for p in shapes}
   found = jax.tree_util.tree_flatten_with_path(params)[0]
   extra = [p for p, _ in found if tuple(key_name(k) for k in p) not in wanted]
   if extra:
@@ -301,14 +305,17 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
   return [*shards, current] if current else shards
 
 
-def _numpy_dtype(dtype: str):
+def numpy_dtype(dtype: str):
+  """The numpy dtype a file's tensors are written in: ``bfloat16`` (``ml_dtypes``') or
+  ``float32``."""
   import ml_dtypes
 
   return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
 
-def _host(tensor: Tensor, dtype) -> np.ndarray:
-  """The tensor on the host as the file lays it (cast, transposed, contiguous)."""
+def host(tensor: Tensor, dtype) -> np.ndarray:
+  """The tensor on the host as the file lays it (cast to ``dtype``, transposed, contiguous):
+  gathered here, one tensor at a time."""
   import jax
 
   array = np.asarray(jax.device_get(tensor.fetch())).astype(dtype, copy=False)
@@ -320,7 +327,7 @@ def _write_weights(staging: pathlib.Path, tensors: list[Tensor], dtype: str, max
   tensors on the host at a time."""
   from safetensors.numpy import save_file
 
-  np_dtype = _numpy_dtype(dtype)
+  np_dtype = numpy_dtype(dtype)
   itemsize = np.dtype(np_dtype).itemsize
   sizes = [(t.name, math.prod(t.shape) * itemsize) for t in tensors]
   shards = plan_shards(sizes, max_bytes)
@@ -328,7 +335,7 @@ def _write_weights(staging: pathlib.Path, tensors: list[Tensor], dtype: str, max
   weight_map = {}
   for i, names in enumerate(shards, 1):
     file = SINGLE if len(shards) == 1 else SHARD.format(i, len(shards))
-    arrays = {name: _host(by_name[name], np_dtype) for name in names}
+    arrays = {name: host(by_name[name], np_dtype) for name in names}
     save_file(arrays, str(staging / file), metadata={"format": "pt"})
     del arrays
     weight_map.update(dict.fromkeys(names, file))

@@ -237,7 +237,8 @@ class Llama(DecoderStack):
     )
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def _embed(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+  def embed_inputs(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    """What the first block reads: the token embeddings (``[B, S, d_model]``)."""
     del positions  # rotary: the blocks turn q and k by the positions
     return self.embed_tokens(inputs)
 

@@ -100,20 +100,20 @@ def adapter_tensors(cfg: LlamaConfig | GPTConfig, params: dict) -> list[hf_expor
   for path, name, _ in hf_names(cfg):
     if path[0] != "blocks" or path[-1] != "kernel" or path[-2] not in targets:
       continue
-    fan_in, fan_out = hf_export._leaf_shape(params, path, stacked)
+    fan_in, fan_out = hf_export.leaf_shape(params, path, stacked)
     module = PREFIX + name.removesuffix(".weight")
     for leaf, tag, shape in (
       ("lora_a", "lora_A", (fan_in, cfg.lora.rank)),
       ("lora_b", "lora_B", (cfg.lora.rank, fan_out)),
     ):
       where = (*path[:-1], "lora", leaf)
-      got = hf_export._leaf_shape(params, where, stacked)
+      got = hf_export.leaf_shape(params, where, stacked)
       if got != shape:
         raise ConfigError(
-          f"params{hf_export._spell(where)} has shape {got}, the config needs {shape}"
+          f"params{hf_export.spell(where)} has shape {got}, the config needs {shape}"
         )
-      stored.add("/".join(map(str, hf_export._stored_path(where, stacked)[0])))
-      fetch = hf_export._fetcher(params, where, stacked)
+      stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
+      fetch = hf_export.fetcher(params, where, stacked)
       out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, True, shape[::-1]))
   _check_all_written(params, stored)
   return out
@@ -180,6 +180,6 @@ def _write_weights(file: pathlib.Path, tensors: list[hf_export.Tensor], dtype: s
   """One safetensors file (adapters are small: PEFT never shards them)."""
   from safetensors.numpy import save_file
 
-  np_dtype = hf_export._numpy_dtype(dtype)
-  arrays = {t.name: hf_export._host(t, np_dtype) for t in tensors}
+  np_dtype = hf_export.numpy_dtype(dtype)
+  arrays = {t.name: hf_export.host(t, np_dtype) for t in tensors}
   save_file(arrays, str(file), metadata={"format": "pt"})

@@ -3,7 +3,7 @@ forward pass and the forward pass over a key/value cache.
 
 A subclass sets ``cfg`` (with ``n_layers``, ``max_seq_len``, ``scan_layers``, ``remat``),
 ``blocks`` (a list, or one stacked module: ``layers.py``) and ``dropout``, and defines
-``_embed(inputs, positions)``, ``_logits(x)`` and ``_cache_heads()``; each block has
+``embed_inputs(inputs, positions)``, ``_logits(x)`` and ``_cache_heads()``; each block has
 ``__call__(x, rng=, train=, segment_ids=None, positions=None)`` and ``decode(x, cache,
 positions)``.
 """
@@ -50,7 +50,7 @@ class DecoderStack(nnx.Module):
           raise BatchError(f"{name} has shape {value.shape}, the inputs {inputs.shape}")
         block_inputs[name] = value
     keys = jax.random.split(rng, n + 1) if rng is not None else None
-    x = self._embed(inputs, jnp.arange(s) if positions is None else positions)
+    x = self.embed_inputs(inputs, jnp.arange(s) if positions is None else positions)
     x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
     x = layers.walk(
       self.blocks,
@@ -63,7 +63,10 @@ class DecoderStack(nnx.Module):
     )
     return self._logits(x)
 
-  def _block_list(self) -> list[nnx.Module]:
+  def block_list(self) -> list[nnx.Module]:
+    """The ``n_layers`` blocks in order, one module each (a stacked layout's layer ``i``
+    sliced out, ``layers.layer``): to walk them one at a time, as ``decode`` and
+    ``hf_parity`` do."""
     if self.cfg.scan_layers:
       return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
     return list(self.blocks)
@@ -90,9 +93,9 @@ class DecoderStack(nnx.Module):
     ``0 … S-1``), each decode step one call with ``S = 1``. No dropout. A position written
     here and later re-written (a shorter prompt's padding) is never seen before that: a
     query sees only positions up to its own."""
-    x = self._embed(inputs, positions)
+    x = self.embed_inputs(inputs, positions)
     new_cache = []
-    for block, layer_cache in zip(self._block_list(), cache, strict=True):
+    for block, layer_cache in zip(self.block_list(), cache, strict=True):
       x, layer_cache = block.decode(x, layer_cache, positions)
       new_cache.append(layer_cache)
     return self._logits(x), tuple(new_cache)

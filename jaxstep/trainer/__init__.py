@@ -2,19 +2,14 @@
 jitted step → one update loop with hooks for checkpoints, metrics, evaluation, guards,
 callbacks and trackers.
 
-``config`` and ``sections`` (the schema and YAML loading), ``plan`` (every derived value
-resolved once: vocabulary, K, run and schedule length, mesh), ``steps`` (the jitted train
-and eval steps of a config), ``assemble`` (``build``: everything built once), ``driver``
-(the one update loop, ``Loop``), ``hooks`` (what a hook is and when it is called),
-``run_hooks`` (the built-in hooks both clients use), ``loop`` (``train``: the bundled
-models' client), ``fit`` / ``fit_eval`` / ``sources`` (``Trainer``: any model's client, its
-eval sets and data sources), ``eval_sets`` (named eval sets of a config), ``trackers`` and
-``tracker_backends`` (MLflow, W&B), ``run_state`` (the host-side position), ``checkpoint``,
-``checkpoint_read`` and ``resume`` (orbax saves, the one verified read path, restore and
-reconcile), ``run_dir`` (the output folder), ``records`` (kept files: JSON lines, atomic
-rewrites), ``metrics`` (JSONL, TensorBoard, progress, one-update-late read-back),
-``guards`` (skipped updates), ``callbacks``, ``signals`` (SIGTERM/SIGINT), ``perf`` (MFU),
-``memory`` (the ledger) and ``loss_plot``.
+Rooms, in the order a run's data flows through them (``docs/design.md`` has the map and
+what each may import): ``config`` (the schema and YAML loading), ``plan`` (derived values,
+the jitted steps, everything built once), ``store`` (run dir, records, checkpoints, the one
+resume), ``loop`` (the ``Loop``, hooks, the one loop assembly), ``tracking`` (metrics, MFU,
+trackers, plots, profiles), ``evaluation`` (eval sets, the one scoring loop, samples) and
+``saved_run`` (a finished run loaded, scored, exported). The two clients on top:
+``config_run`` (``train``: a config's model and data) and ``trainer_run`` with
+``trainer_data`` and ``trainer_eval`` (``Trainer``: any model).
 """
 
 from __future__ import annotations
@@ -25,22 +20,22 @@ import importlib.util
 # Loaded on first use: ``config`` (and so every ``--help`` and config error) must not wait
 # for jax, orbax and TensorBoard to import.
 _LAZY = {
-  "Callback": "jaxstep.trainer.callbacks",
-  "EarlyStopping": "jaxstep.trainer.callbacks",
-  "TrainerControl": "jaxstep.trainer.callbacks",
-  "Run": "jaxstep.trainer.assemble",
-  "build": "jaxstep.trainer.assemble",
-  "RunState": "jaxstep.trainer.run_state",
-  "TrainResult": "jaxstep.trainer.loop",
-  "evaluate": "jaxstep.trainer.loop",
-  "train": "jaxstep.trainer.loop",
+  "Callback": "jaxstep.trainer.loop.callbacks",
+  "EarlyStopping": "jaxstep.trainer.loop.callbacks",
+  "TrainerControl": "jaxstep.trainer.loop.callbacks",
+  "Run": "jaxstep.trainer.plan.build",
+  "build": "jaxstep.trainer.plan.build",
+  "RunState": "jaxstep.trainer.store.run_state",
+  "TrainResult": "jaxstep.trainer.config_run",
+  "evaluate": "jaxstep.trainer.config_run",
+  "train": "jaxstep.trainer.config_run",
 }
 
 __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-  """An export above, or a submodule (``jaxstep.trainer.loop``) imported on first use."""
+  """An export above, or a submodule (``jaxstep.trainer.config_run``) imported on first use."""
   if name in _LAZY:
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import TrainState
-from jaxstep.trainer.checkpoint import Checkpointer
+from jaxstep.trainer.store.checkpoint import Checkpointer
 
 
 def layout(x, mesh):

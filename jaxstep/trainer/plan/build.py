@@ -1,0 +1,116 @@
+"""Everything a run builds once from a ``Config``: the plan (data, mesh, the derived values),
+the model, the jitted train and eval steps, the initial state and run position. All config
+and data errors surface here, before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxstep import data, models, parallel
+from jaxstep._version import __version__
+from jaxstep.core import freeze
+from jaxstep.core.state import TrainState
+from jaxstep.errors import ConfigError
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.evaluation import eval_sets, text_samples
+from jaxstep.trainer.plan import init_from, steps
+from jaxstep.trainer.plan.numbers import make_plan
+from jaxstep.trainer.store.run_state import RunState
+from jaxstep.trainer.tracking import trackers
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a run builds once: data, compiled functions, and the schedule's length."""
+
+  cfg: config_lib.Config  # resolved: vocabulary and K are numbers
+  dataset: data.Dataset
+  step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
+  eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens, target UTF-8 bytes)
+  mesh: Mesh
+  batch_sharding: NamedSharding  # samples over every device
+  total_steps: int  # update steps this run will take in all (max_steps / epochs)
+  schedule_steps: int  # update steps the lr schedule spans (train.schedule_steps or total)
+  steps_per_epoch: int
+  flops_per_token: float
+  accum_table: tuple = ()  # grad_accum_steps=auto: the (K, bytes per device) compiled
+  eval_sets: dict = dataclasses.field(default_factory=dict)  # eval.sets: name -> windows
+
+
+def config_digest(cfg: config_lib.Config) -> str:
+  return hashlib.sha256(config_lib.dump(cfg).encode()).hexdigest()[:16]
+
+
+def _base_identity(cfg: config_lib.Config, fingerprint: str) -> dict:
+  """The identity of the weights a run reloads at every start (``RunState.base``):
+  ``fingerprint`` is the full one of the read that gave the run its first params."""
+  if steps.stored(cfg) is None:
+    return {}
+  return {"path": cfg.model.init_from, "fingerprint": fingerprint}
+
+
+def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
+  """Loads data (all data errors surface here), resolves the plan, checks the sample prompts
+  against the tokenizer and the model, builds the jitted steps.
+
+  With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
+  step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
+  ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
+  """
+  trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
+  plan = make_plan(cfg, read_data=True)
+  cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
+  text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
+  sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
+  clash = sorted(set(sets) & set(dataset.source_evals))
+  if clash:
+    raise ConfigError(
+      f"eval.sets name {clash[0]!r} is also a data.sources name, whose held-out split is "
+      f"evaluated under it; rename one"
+    )
+  apply_fn, params = models.build(
+    cfg.model, jax.random.PRNGKey(t.seed), abstract=bool(cfg.model.init_from)
+  )
+  base_fingerprint = ""  # of model.init_from's weights, hashed as they are read
+  if cfg.model.init_from:
+    params, base_fingerprint = init_from.read_base(cfg.model, mesh, t.seed)
+  freeze.check_patterns(params, cfg.optim.trainable)
+  params = steps.frozen_cast(cfg, params)
+  step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
+  state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
+  state_sh = parallel.tree_shardings(state, mesh)
+  state = jax.device_put(state, state_sh)
+  eval_step = steps.make_eval_step(apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size)
+  batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
+  run = Run(
+    cfg=cfg,
+    dataset=dataset,
+    step_fn=steps.jit_step(step, state_sh, mesh),
+    eval_fn=jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
+    mesh=mesh,
+    batch_sharding=batch_sh,
+    total_steps=plan.total_steps,
+    schedule_steps=plan.schedule_steps,
+    steps_per_epoch=plan.steps_per_epoch,
+    flops_per_token=cfg.model.flops_per_token(t.seq_len),
+    accum_table=plan.accum_table,
+    eval_sets=sets,
+  )
+  run_state = RunState(
+    dataset_fingerprint=dataset.fingerprint,
+    global_batch_size=t.global_batch_size,
+    grad_accum_steps=t.grad_accum_steps,
+    config_digest=config_digest(cfg),
+    jaxstep_version=__version__,
+    seed=t.seed,
+    schedule_steps=plan.schedule_steps,
+    model=config_lib.to_dict(cfg.model),
+    trainable=list(cfg.optim.trainable),
+    base=_base_identity(cfg, base_fingerprint),
+  )
+  return run, state, run_state

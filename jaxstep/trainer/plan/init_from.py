@@ -1,0 +1,102 @@
+"""A run that starts from a Hugging Face model folder (``model.init_from``).
+
+The folder decides the model: its ``config.json`` becomes the model section (the family,
+every shape key, the RoPE settings) and its weights the first params; the model section
+keeps only what the folder cannot know — ``dropout`` and the kernel choices ``attention``,
+``remat``, ``scan_layers``. A shape key the config sets to something else than the folder
+says is refused by name rather than silently overridden. ``data.tokenizer`` left at
+``byte`` becomes the folder (its tokenizer, its special ids); any other tokenizer must fit
+the folder's vocabulary (``plan.resolve_vocab`` checks).
+
+The resolved config is what ``run_dir/config.yaml`` records, so a resume, ``generate`` or
+``evaluate`` of the run needs nothing but the run directory; only a fresh start reads the
+weights. Each tensor is put onto its target sharding as it is read (the fsdp rule depends on
+the shape alone), so a model that only fits sharded never sits whole on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jaxstep.core import layout
+from jaxstep.errors import ConfigError
+from jaxstep.models import hf_config, lora
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.config.values import require_init_from
+
+# model keys the folder does not decide: they stay as the config sets them
+OPTION_KEYS = ("dropout", "attention", "remat", "scan_layers", "init_from", "lora")
+
+
+def resolve(cfg: config_lib.Config) -> config_lib.Config:
+  """``cfg`` with its model section read from ``model.init_from`` (unchanged without one)."""
+  model = cfg.model
+  if not model.init_from:
+    return cfg
+  require_init_from(model.init_from)
+  folder = pathlib.Path(model.init_from)
+  hf = hf_config.read_config(folder)
+  where = str(folder / hf_config.CONFIG)
+  resolved = hf_config.model_config(hf, where, **{k: getattr(model, k) for k in OPTION_KEYS})
+  _refuse_contradictions(model, resolved, where)
+  hf_config.check_sliding_window(hf, cfg.train.seq_len, where)
+  if cfg.train.seq_len > resolved.max_seq_len:
+    raise ConfigError(
+      f"train.seq_len {cfg.train.seq_len} exceeds the {resolved.max_seq_len} positions of "
+      f"{where} (max_position_embeddings); lower train.seq_len"
+    )
+  tokenizer = str(folder) if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+  data = dataclasses.replace(cfg.data, tokenizer=tokenizer)
+  return dataclasses.replace(cfg, model=resolved, data=data)
+
+
+def _refuse_contradictions(model, resolved, where: str) -> None:
+  """A shape key set to neither its default nor the folder's value is a ``ConfigError``."""
+  defaults = type(model)(vocab_size=0)
+  for field in dataclasses.fields(model):
+    name = field.name
+    mine, theirs = getattr(model, name), getattr(resolved, name, "not a setting there")
+    if name not in OPTION_KEYS and mine != getattr(defaults, name) and mine != theirs:
+      raise ConfigError(
+        f"model.{name} {mine} contradicts {where} ({theirs}); with model.init_from the "
+        f"model's shape comes from the folder: drop model.{name}"
+      )
+
+
+def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
+  """``(params, fingerprint)``: the folder's weights as fp32 params in ``model_cfg``'s
+  layout, each tensor on its ``core.layout`` sharding as it is read (stacked layers: read,
+  stacked, then placed), fresh adapters with ``model.lora``, and the weights' full
+  fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
+  from jaxstep.models.pretrained import load_pretrained
+
+  fsdp = mesh.shape["fsdp"]
+
+  def place(path, array):
+    return jax.device_put(array, NamedSharding(mesh, layout.leaf_spec(array.shape, fsdp)))
+
+  scanned = model_cfg.scan_layers
+  options = {k: getattr(model_cfg, k) for k in ("dropout", "attention", "remat")}  # no lora
+  loaded = load_pretrained(
+    model_cfg.init_from,
+    place=None if scanned else place,
+    scan_layers=scanned,
+    max_seq_len=model_cfg.max_seq_len,
+    **options,
+  )
+  params = loaded.params
+  if scanned:
+    params = jax.device_put(params, layout.tree_shardings(params, mesh))
+  if model_cfg.lora.rank:
+    fsdp = mesh.shape["fsdp"]
+    params = lora.attach(
+      params,
+      model_cfg,
+      seed,
+      place=lambda a: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp))),
+    )
+  return params, loaded.fingerprint

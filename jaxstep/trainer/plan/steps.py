@@ -1,0 +1,149 @@
+"""The jitted functions a config's run is made of: its train step with K micro-steps, the
+jit that lays the state and batch out on the mesh, the abstract state and batch that
+``memory`` and ``auto`` compile against, and the evaluation step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxstep import models, parallel
+from jaxstep.core import freeze
+from jaxstep.core.loss_scale import DynamicLossScale
+from jaxstep.core.losses import document_fields, masked_nll, next_token_loss
+from jaxstep.core.optim import make_optimizer
+from jaxstep.core.step import make_train_step
+from jaxstep.models import lora
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.config.schema import TrainConfig
+
+
+def loss_scaler(t: TrainConfig) -> DynamicLossScale | None:
+  """Dynamic loss scaling for fp16 from ``train.loss_scale_*``; None otherwise."""
+  if t.precision != "fp16":
+    return None
+  return DynamicLossScale(
+    t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min, t.loss_scale_max
+  )
+
+
+def _poisonable(loss_fn):
+  """Fault injection for ``train.debug_nan_step``: adds ``Σ batch["poison"]`` to the loss."""
+
+  def poisoned(params, batch, rng):
+    batch = dict(batch)
+    poison = batch.pop("poison")
+    loss_sum, aux = loss_fn(params, batch, rng)
+    return loss_sum + jnp.sum(poison), aux
+
+  return poisoned
+
+
+def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int):
+  """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps and an lr schedule
+  spanning ``schedule_steps`` update steps."""
+  t = cfg.train
+  loss_fn = next_token_loss(apply_fn)
+  return make_train_step(
+    _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
+    make_optimizer(cfg.optim, schedule_steps),
+    grad_accum_steps=k,
+    precision=t.precision,
+    mesh=mesh if mesh.devices.size > 1 else None,
+    loss_scale=loss_scaler(t),
+    spike_factor=t.spike_factor,
+    spike_window=t.spike_window,
+    scan_unroll=t.scan_unroll,
+    trainable=trainable(cfg),
+  )
+
+
+def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
+  """Which params train: with LoRA the adapters plus ``optim.trainable``'s matches, else
+  ``optim.trainable``'s (None: all)."""
+  patterns = cfg.optim.trainable
+  if cfg.model.lora.rank:
+    patterns = (lora.ADAPTER, *patterns)
+  return freeze.by_patterns(patterns) if patterns else None
+
+
+def frozen_cast(cfg: config_lib.Config, params):
+  """``params`` with the frozen leaves in ``optim.frozen_dtype``."""
+  if cfg.optim.frozen_dtype == "fp32":
+    return params
+  return freeze.cast_frozen(params, trainable(cfg), jnp.bfloat16)
+
+
+def stored(cfg: config_lib.Config) -> freeze.Trainable | None:
+  """Which params a checkpoint of ``cfg``'s run holds: a run from ``model.init_from`` with
+  frozen leaves (LoRA) stores its trainable ones only, since every start reads the frozen
+  ones from the folder again; any other run stores all (None)."""
+  return trainable(cfg) if cfg.model.init_from else None
+
+
+def jit_step(step, state_shardings, mesh: Mesh):
+  """``step`` jitted: state donated and laid out by ``state_shardings``, the batch's samples
+  over every device, metrics replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(
+    step,
+    in_shardings=(state_shardings, parallel.batch_sharding(mesh)),
+    out_shardings=(state_shardings, replicated),
+    donate_argnums=0,
+  )
+
+
+def compile_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int, state):
+  """The train step with K = ``k``, compiled (never run) on ``state``'s shapes and shardings
+  (abstract or concrete) and an abstract global batch: what ``memory`` and ``auto`` measure."""
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
+  return jit_step(step, state_sh, mesh).lower(state, abstract_batch(cfg.train, mesh)).compile()
+
+
+def abstract_batch(t: TrainConfig, mesh: Mesh) -> dict:
+  """A global batch's shapes, dtypes and sharding (what the loop feeds the step)."""
+  sharding = parallel.batch_sharding(mesh)
+  shape = (t.global_batch_size, t.seq_len)
+  batch = {
+    k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    for k in ("inputs", "targets", "loss_mask")
+  }
+  if t.debug_nan_step:
+    batch["poison"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
+  return batch
+
+
+def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
+  """``(apply_fn, state)``: the model and its initial train state as shapes and shardings
+  only (nothing allocated: what ``memory`` and ``auto`` compile against). ``cfg.model``
+  must have its vocabulary resolved."""
+  apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(cfg.train.seed), abstract=True)
+  params = frozen_cast(cfg, params)
+  step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
+  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
+  return apply_fn, with_shardings(state, parallel.tree_shardings(state, mesh))
+
+
+def with_shardings(tree, shardings):
+  """``tree``'s leaves as ``ShapeDtypeStruct``s carrying ``shardings``."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def make_eval_step(apply_fn, token_bytes, vocab_size: int) -> Callable:
+  """``(params, batch) -> (Σ NLL, Σ tokens, Σ bytes)`` over the loss-masked targets (fp32
+  sums), where bytes are the UTF-8 bytes the targets stand for (``token_bytes`` per id)."""
+  table = jnp.zeros(vocab_size, jnp.float32).at[: len(token_bytes)].set(token_bytes)
+
+  def eval_step(params, batch):
+    logits = apply_fn(params, batch["inputs"], train=False, **document_fields(batch))
+    nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return nll_sum, jnp.sum(mask), jnp.sum(table[batch["targets"]] * mask)
+
+  return eval_step

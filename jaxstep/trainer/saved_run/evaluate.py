@@ -1,0 +1,146 @@
+"""A saved run's model (or a Hugging Face model folder's: ``saved_run.load_model_folder``)
+scored on any data: token-weighted loss, perplexity, bits per byte.
+
+The data is cut into windows exactly as training cuts them (the run's ``train.seq_len``
+and ``data.pack``, the same loss masks: text targets every token but BOS, chat only the
+assistant's); raw files are prepared with the run's own tokenizer first (cached like
+training data; a model folder's: the folder's). Every window is scored once, in order,
+``batch_size`` windows a batch (default ``train.global_batch_size``), never more than the
+windows there are, so a short text does not pay for a batch of padding.
+
+Bits per byte is tokenizer-independent: the nats of every masked target divided by
+``ln 2 ×`` the UTF-8 bytes those targets stand for (EOS counts its nats and no bytes), so
+runs with different vocabularies compare on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import jax
+
+from jaxstep import data, models
+from jaxstep.core import device_memory
+from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
+from jaxstep.data.tokenizer import same_tokenizer
+from jaxstep.errors import DataError
+from jaxstep.trainer.evaluation.scoring import eval_record, summed
+from jaxstep.trainer.plan.steps import make_eval_step
+from jaxstep.trainer.saved_run.load import SavedRun, is_model_folder, saved_tokenizer_file
+
+SPLITS = ("all", "train", "eval")
+log = logging.getLogger("jaxstep")
+
+
+def _tokenizer_spec(run_dir: pathlib.Path) -> str:
+  """How ``prepare`` loads the run's tokenizer: a model folder itself, the run's saved
+  file, else bytes."""
+  if is_model_folder(run_dir):
+    return str(run_dir)
+  saved = saved_tokenizer_file(run_dir)
+  return "byte" if saved is None else str(saved)
+
+
+def run_data_format(cfg) -> str:
+  """The format the run's own data was read in: what its prepared folder's manifest
+  records (``jaxstep prepare --format``), else ``data.format``. Raw text read another way
+  cuts other documents and windows, so it scores differently (a few % in bits per byte)."""
+  folder = pathlib.Path(cfg.data.path)
+  if cfg.data.path not in BUNDLED_PATHS and (folder / "manifest.json").is_file():
+    try:
+      fmt = json.loads((folder / "manifest.json").read_text())["settings"]["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+      fmt = None
+    if fmt in FORMATS:
+      return fmt
+    log.warning("%s records no data format; reading raw input as %s", folder, cfg.data.format)
+  return cfg.data.format
+
+
+def load_data(
+  saved: SavedRun, run_dir: pathlib.Path, path: str, fmt: str | None = None
+) -> data.Dataset:
+  """``path`` as windows of the run's geometry: a prepared folder (its tokenizer must be the
+  run's) or raw input prepared with the run's tokenizer and, unless ``fmt`` says otherwise,
+  the run's data format; nothing held out."""
+  cfg = saved.cfg
+  prepared = (pathlib.Path(path) / "manifest.json").is_file()
+  data_cfg = data.DataConfig(
+    path=path,
+    format=fmt or run_data_format(cfg),
+    tokenizer="byte" if prepared else _tokenizer_spec(run_dir),
+    pack=cfg.data.pack,
+    eval_fraction=0.0,
+  )
+  dataset = data.load_dataset(data_cfg, cfg.train.seq_len)
+  if not same_tokenizer(dataset.manifest["tokenizer"], saved.tokenizer.describe()):
+    raise DataError(
+      f"{path} was prepared with another tokenizer ({dataset.manifest['tokenizer']['kind']}, "
+      f"{dataset.manifest['tokenizer']['vocab_size']} ids) than the run's "
+      f"({saved.tokenizer.kind}, {saved.tokenizer.vocab_size} ids); pass the raw files, or "
+      f"prepare them with --tokenizer {_tokenizer_spec(run_dir)}"
+    )
+  return dataset
+
+
+def eval_bytes(model, rows: int, seq_len: int) -> int:
+  """Bytes one eval batch of ``rows`` windows of ``seq_len`` holds at once beside the params,
+  a floor, so what fits is never refused:
+
+    rows × S × 4 × (3              its int32 inputs, targets and loss mask
+                    + D            the fp32 residual stream
+                    + max(V, r·D)) the fp32 logits, or a block's MLP hidden layer
+
+  (V the vocabulary, D = ``d_model``, r·D the MLP's hidden width). A forward pass without a backward
+  one frees each block's activations before the next and the last before the logits, so
+  only the larger of the two counts, and the depth adds nothing."""
+  widest = max(model.vocab_size, model.mlp_hidden)
+  return rows * seq_len * 4 * (3 + model.d_model + widest)
+
+
+def refuse_batch_that_cannot_fit(
+  saved: SavedRun, batch_size: int = 0, option: str = "batch_size"
+) -> None:
+  """``ConfigError`` naming ``option`` when a batch of ``batch_size`` windows (0: the run's
+  ``train.global_batch_size``) would not fit one device beside the params (``eval_bytes``),
+  before the data is read or anything of that size allocated."""
+  cfg = saved.cfg
+  rows = batch_size or cfg.train.global_batch_size
+  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  device_memory.refuse_count_over_memory(
+    option,
+    rows,
+    eval_bytes(cfg.model, 1, cfg.train.seq_len),
+    params,
+    device_memory.device_memory_bytes(),
+    f"a batch of {rows:,} windows of {cfg.train.seq_len} tokens, and the params",
+  )
+
+
+def evaluate(
+  saved: SavedRun, dataset: data.Dataset, *, split: str = "all", batch_size: int = 0
+) -> dict:
+  """Sums over every window of ``split`` (``all``: train and eval) → loss, ppl, bpb; a
+  ``batch_size`` that cannot fit one device is refused before anything is allocated."""
+  refuse_batch_that_cannot_fit(saved, batch_size)
+  windows = [w for name, w in (("train", dataset.train), ("eval", dataset.eval))
+             if w is not None and split in ("all", name)]  # fmt: skip
+  if not windows:
+    raise DataError(f"the data has no {split!r} split")
+  apply_fn = models.decoder(saved.cfg.model).apply_fn
+  step = jax.jit(
+    make_eval_step(
+      lambda p, x, train, **doc: apply_fn(p, x, **doc),
+      saved.tokenizer.token_bytes(),
+      saved.cfg.model.vocab_size,
+    )
+  )
+  rows = min(batch_size or saved.cfg.train.global_batch_size, max(1, *map(len, windows)))
+  batches = (batch for w in windows for batch in data.eval_batches(w, rows, dataset.pad_id))
+  sums = summed(step(saved.params, batch) for batch in batches)
+  sums = [0.0, 0.0, 0.0] if sums is None else [float(x) for x in sums]
+  if sums[1] == 0:
+    raise DataError("the data has no loss-masked target (chat data needs assistant turns)")
+  return {**eval_record(*sums, prefix=""), "windows": sum(len(w) for w in windows)}

@@ -1,0 +1,229 @@
+"""A finished (or running) run directory — or a Hugging Face model folder — read back for
+use: its config, its tokenizer, its chat template and the params of one checkpoint — what
+``jaxstep generate`` and ``jaxstep evaluate`` need.
+
+Only the ``params`` of the checkpoint are read (``checkpoint_read`` with ``params_only``:
+the optimizer state stays on disk), onto this process's first device, whatever mesh wrote
+them, and verified as a resume would (checksums, finiteness); the source is never written
+to. The tokenizer
+is the copy ``train`` leaves in the run directory (``tokenizer.json`` / ``tokenizer.model``;
+none for bytes; a model folder's tokenizer files in ``tokenizer/``), so a deleted data cache
+does not orphan a run.
+
+A folder with ``config.json`` and no ``config.yaml`` is a model folder (``load_model_folder``):
+its config is what a run started from it would record (``model.init_from``; the other
+sections at their defaults), its params are its weights (update step 0) and its tokenizer
+and chat template are its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Any
+
+import jax
+
+from jaxstep import data, models
+from jaxstep.core import freeze
+from jaxstep.errors import CheckpointError, ConfigError, RunDirError
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan import steps
+from jaxstep.trainer.store import checkpoint_read, records
+
+log = logging.getLogger("jaxstep")
+BASE_CONFIG = "hf_config.json"
+TOKENIZER_FILES = ("tokenizer", "tokenizer.json", "tokenizer.model")  # "tokenizer": a folder's
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+  cfg: config_lib.Config  # the run's config.yaml (the vocabulary resolved)
+  tokenizer: Any
+  params: Any  # on this process's first device
+  step: int  # the update step of the checkpoint read (0: a model folder's weights)
+  chat_template: str | None = None  # the model folder's (or a run's copy of it), if any
+  model_folder: bool = False  # read from a Hugging Face model folder, not a run directory
+
+
+def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
+  """Copies the dataset's tokenizer file (if it has one; a model folder's tokenizer files
+  into ``run_dir/tokenizer/``) into ``run_dir``, each file atomically: a kill during the
+  copy leaves the previous copy, never a cut one generate would fail on."""
+  entry = dataset.manifest["tokenizer"]
+  source = None if entry["file"] is None else dataset.folder / entry["file"]
+  if source is not None and source.is_dir():
+    (run_dir / "tokenizer").mkdir(exist_ok=True)
+    for file in source.iterdir():
+      records.write_atomic(run_dir / "tokenizer" / file.name, file.read_bytes())
+  elif source is not None:
+    suffix = pathlib.Path(entry["file"]).suffix
+    copy = (dataset.folder / entry["file"]).read_bytes()
+    records.write_atomic(run_dir / f"tokenizer{suffix}", copy)
+
+
+def save_base_config(run_dir: pathlib.Path, model_cfg) -> None:
+  """A run started from a model folder keeps that folder's ``config.json`` as
+  ``run_dir/hf_config.json`` (atomically): an export writes its fields jaxstep does not
+  know (token ids, generation settings) back out, whatever became of the folder."""
+  if model_cfg.init_from:
+    source = pathlib.Path(model_cfg.init_from) / "config.json"
+    records.write_atomic(run_dir / BASE_CONFIG, source.read_bytes())
+
+
+def saved_tokenizer_file(run_dir: pathlib.Path) -> pathlib.Path | None:
+  """The copy of the tokenizer that ``save_tokenizer`` left in ``run_dir`` (None: bytes, or
+  a run trained before runs kept one)."""
+  return next((run_dir / n for n in TOKENIZER_FILES if (run_dir / n).exists()), None)
+
+
+def run_tokenizer(run_dir: pathlib.Path, cfg: config_lib.Config):
+  """The run's tokenizer: its saved copy, else what its data config names."""
+  saved = saved_tokenizer_file(run_dir)
+  if saved is not None:
+    return data.load_tokenizer(str(saved))
+  folder = pathlib.Path(cfg.data.path)
+  if (folder / "manifest.json").is_file():
+    return data.prepared_tokenizer(folder, data.read_manifest(folder, verify=False))
+  return data.load_tokenizer(cfg.data.tokenizer)
+
+
+def read_config(run_dir: str | pathlib.Path) -> config_lib.Config:
+  """``run_dir/config.yaml``; ``RunDirError`` when the folder is not a run directory."""
+  run_dir = pathlib.Path(run_dir)
+  if not run_dir.is_dir():
+    raise RunDirError(f"run directory {run_dir} does not exist")
+  if not (run_dir / "config.yaml").is_file():
+    raise RunDirError(f"{run_dir} has no config.yaml: not a run directory (train into it first)")
+  cfg = config_lib.load(run_dir / "config.yaml")
+  if cfg.model.vocab_size == 0:
+    raise RunDirError(f"{run_dir / 'config.yaml'} has no resolved model.vocab_size")
+  return cfg
+
+
+def is_model_folder(path: str | pathlib.Path) -> bool:
+  """Whether ``path`` is a Hugging Face model folder: ``config.json`` and no ``config.yaml``."""
+  path = pathlib.Path(path)
+  return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+
+
+def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
+  """The run's config, tokenizer and the params of update step ``step`` (default: the
+  newest checkpoint that restores; a newer damaged one is skipped with a warning). A model
+  folder is read by ``load_model_folder`` (it has no steps: ``step`` must be None)."""
+  run_dir = pathlib.Path(run_dir)
+  if is_model_folder(run_dir):
+    if step is not None:
+      raise ConfigError(
+        f"{run_dir} is a Hugging Face model folder (config.json, no config.yaml): it has no "
+        f"checkpoints to pick a step from; drop --step"
+      )
+    return load_model_folder(run_dir)
+  if run_dir.is_dir() and not (run_dir / "config.yaml").is_file():
+    raise RunDirError(
+      f"{run_dir} has neither config.yaml (a run directory: train into it first) nor "
+      f"config.json (a Hugging Face model folder)"
+    )
+  cfg = read_config(run_dir)
+  tokenizer = run_tokenizer(run_dir, cfg)
+  kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
+  params, found, run = restore_params(
+    run_dir / "checkpoints", cfg.model, step, stored=kept, cast=lambda p: steps.frozen_cast(cfg, p)
+  )
+  if kept is not None:
+    params = with_base(cfg, params, kept, run)
+  folder = run_dir / "tokenizer"  # a model folder's tokenizer files, template included
+  template = None
+  if folder.is_dir():
+    from jaxstep.data import hf_folder  # jinja2: only for runs trained from a model folder
+
+    template = hf_folder.chat_template(folder)
+  return SavedRun(cfg, tokenizer, params, found, chat_template=template)
+
+
+def load_model_folder(path: str | pathlib.Path) -> SavedRun:
+  """A Hugging Face model folder as a ``SavedRun``: the config a run started from it would
+  record (``model.init_from`` resolved; ``data.tokenizer`` the folder; ``train`` at its
+  defaults, ``train.seq_len`` at most the positions the model takes), its fp32 weights on
+  this process's first device (step 0), its tokenizer and chat template. ``ConfigError``
+  for a folder ``load_pretrained`` refuses (no config.json, another architecture, …)."""
+  from jaxstep.models import hf_config
+  from jaxstep.models.pretrained import load_pretrained
+  from jaxstep.trainer.plan import init_from
+
+  folder = pathlib.Path(path)
+  hf = hf_config.read_config(folder)
+  longest = _usable_positions(hf, hf_config.model_config(hf, str(folder / hf_config.CONFIG)))
+  cfg = config_lib.load(None)
+  train = dataclasses.replace(cfg.train, seq_len=min(cfg.train.seq_len, longest))
+  model = dataclasses.replace(cfg.model, init_from=str(folder))
+  cfg = init_from.resolve(dataclasses.replace(cfg, model=model, train=train))
+  model = dataclasses.replace(cfg.model, max_seq_len=longest)
+  cfg = dataclasses.replace(cfg, model=model)
+  device = jax.local_devices()[0]
+  pre = load_pretrained(
+    folder,
+    place=lambda _, array: jax.device_put(array, device),
+    max_seq_len=longest,
+    attention=model.attention,
+  )
+  return SavedRun(cfg, pre.tokenizer, pre.params, 0, pre.chat_template, model_folder=True)
+
+
+def _usable_positions(hf: dict, model_cfg) -> int:
+  """The longest sequence the model attends over exactly: ``max_position_embeddings``, or a
+  shorter sliding window it uses (this attention is not windowed)."""
+  window = hf.get("sliding_window")
+  if window is not None and hf.get("use_sliding_window", True):
+    return min(model_cfg.max_seq_len, int(window))
+  return model_cfg.max_seq_len
+
+
+def with_base(cfg, params, kept, run: dict | None):
+  """``params`` (the stored part) completed by the frozen leaves of ``model.init_from``'s
+  weights, once the folder is checked to hold the weights the run was trained on (the
+  fingerprint of the read that loads them against the run's; an older run's sampled one
+  by ``hf_weights.matches``)."""
+  from jaxstep import parallel
+  from jaxstep.models import hf_weights
+  from jaxstep.trainer.plan import init_from
+
+  folder = cfg.model.init_from
+  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  base, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed)
+  recorded = ((run or {}).get("base") or {}).get("fingerprint")
+  if recorded and not hf_weights.matches(recorded, folder, fingerprint)[0]:
+    raise CheckpointError(
+      f"the base weights in {folder} changed since this run's checkpoint was written; "
+      f"its checkpoints hold the trained parameters only and need the base they were "
+      f"trained on"
+    )
+  base = steps.frozen_cast(cfg, base)
+  return freeze.combine(params, freeze.partition(base, kept)[1])
+
+
+def restore_params(
+  directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None, cast=None
+):
+  """``(params, step, run-state JSON)`` from the newest usable (or exactly ``step``)
+  checkpoint, read-only; ``stored``: the checkpoint holds only those params leaves (the
+  others come back None); ``cast``: the params' dtypes as the run keeps them (abstract)."""
+  directory = directory.resolve()
+  if not any(step is None or s == step for s, _ in checkpoint_read.step_dirs(directory)):
+    what = f"no checkpoint of update step {step}" if step is not None else "no checkpoint"
+    raise RunDirError(f"{directory} holds {what} (see: jaxstep checkpoints RUN_DIR)")
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+    jax.eval_shape(lambda: models.build(model_cfg, 0)[1]),
+  )
+  if cast is not None:
+    abstract = cast(abstract)
+  if stored is not None:
+    abstract = freeze.partition(abstract, stored)[0]
+  read, skipped = checkpoint_read.newest(directory, abstract, step=step, params_only=True)
+  if read is None:
+    problems = "; ".join(f"step {r.step}: {r.problem}" for r in skipped)
+    raise CheckpointError(f"no checkpoint in {directory} restores ({problems})")
+  return read.state, read.step, read.run

@@ -1,0 +1,56 @@
+"""Where a CLI run stands on the host: the JSON-able ``RunState`` saved next to the
+``TrainState`` in every checkpoint (the step never sees it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+  """Host-side position of a run, JSON-able; checkpointed next to ``TrainState``.
+
+  Attributes:
+    step: update steps done (mirrors ``TrainState.step`` without a device read).
+    epoch: current pass over the data (0-based).
+    step_in_epoch: global batches of this epoch already consumed.
+    dataset_fingerprint: hash of the tokenized training samples + data config.
+    global_batch_size: G, samples per update step.
+    grad_accum_steps: K, micro-steps per update step.
+    config_digest: hash of the resolved config.
+    jaxstep_version: the version that wrote it.
+    seed: ``train.seed`` (data order, init, dropout).
+    schedule_steps: update steps the lr schedule was planned for.
+    model: the resolved ``model`` config section.
+    trainable: ``optim.trainable``, the patterns of the leaves that train (the optimizer
+      state holds those leaves only).
+    base: ``{"path", "fingerprint"}`` of the ``model.init_from`` weights a run reloads
+      at every start because its checkpoints hold only the trainable parameters; else {}.
+    trackers: ``{tracker: run id}`` of the external trackers (MLflow, W&B), so a resumed
+      run continues the same tracker runs.
+  """
+
+  step: int = 0
+  epoch: int = 0
+  step_in_epoch: int = 0
+  dataset_fingerprint: str = ""
+  global_batch_size: int = 0
+  grad_accum_steps: int = 1
+  config_digest: str = ""
+  jaxstep_version: str = ""
+  seed: int = 0
+  schedule_steps: int = 0
+  model: dict = dataclasses.field(default_factory=dict)
+  trainable: list = dataclasses.field(default_factory=list)
+  base: dict = dataclasses.field(default_factory=dict)
+  trackers: dict = dataclasses.field(default_factory=dict)
+
+  def advanced(self, *, steps_per_epoch: int) -> RunState:
+    """The position after consuming one global batch (one update step)."""
+    step_in_epoch = self.step_in_epoch + 1
+    if step_in_epoch == steps_per_epoch:
+      return dataclasses.replace(self, step=self.step + 1, epoch=self.epoch + 1, step_in_epoch=0)
+    return dataclasses.replace(self, step=self.step + 1, step_in_epoch=step_in_epoch)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
