@@ -9,12 +9,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Raw data is prepared into a cache on first use: one per test session, never the user's.
 os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cache-"))
 # Compiled programs too: the many subprocess runs of the same small configs compile each
-# train step once per session instead of once per process. Processes a test kills pass
-# ``killable(env)``: jax writes cache entries in place, and a kill mid-write would leave a
-# truncated one for the next process to warn about.
+# program once per session instead of once per process. Processes a test kills pass
+# ``killable(env)``: jax writes cache entries in place, so each such process reads a
+# snapshot of the session's cache (hard links, taken as it starts) and a kill mid-write
+# truncates an entry of that snapshot only.
 JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
 os.environ.setdefault(JIT_CACHE, tempfile.mkdtemp(prefix="jaxstep-test-jit-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -173,9 +174,19 @@ def restore_logging():
 
 
 def killable(env: dict) -> dict:
-  """``env`` for a process a test may kill: it reads nothing from and writes nothing to the
-  session's compilation cache."""
-  return {k: v for k, v in env.items() if k != JIT_CACHE}
+  """``env`` for a process a test may kill: it compiles into a snapshot of the session's
+  compilation cache (hard links to the entries there now, so it starts warm), never into the
+  session's own, where a kill mid-write would leave a truncated entry for the next process
+  to warn about. jax never rewrites an entry that exists, so a linked one stays whole."""
+  import atexit
+  import shutil
+
+  if not env.get(JIT_CACHE):
+    return dict(env)
+  snapshot = tempfile.mkdtemp(prefix="jaxstep-test-jit-killable-")
+  atexit.register(shutil.rmtree, snapshot, True)
+  shutil.copytree(env[JIT_CACHE], snapshot, copy_function=os.link, dirs_exist_ok=True)
+  return {**env, JIT_CACHE: snapshot}
 
 
 def straight_and_killed(tmp_path, args, kill_at: int):

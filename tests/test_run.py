@@ -26,7 +26,7 @@ def test_max_steps_counts_update_steps_not_micro_steps(tmp_path):
   )
   result = trainer.train(cfg)
   assert int(result.state.step) == 3 and result.run_state.step == 3
-  assert result.run_state.sample_cursor == 24  # 3 updates × 8 samples = 12 micro-batches of 2
+  assert (result.run_state.epoch, result.run_state.step_in_epoch) == (0, 3)  # 12 micro-batches of 2
   assert [r["step"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 

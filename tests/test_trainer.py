@@ -416,14 +416,14 @@ def test_both_clients_take_their_resume_refusals_from_one_function(tmp_path, mon
 
   monkeypatch.setattr(resume, "refuse_a_different_run", spy)
 
-  def scheduled(max_steps):
+  def scheduled(max_steps, **change):
     return jaxstep.Trainer(
       linear_loss,
       {"w": jnp.zeros(3)},
       jaxstep.OptimConfig(lr=0.1, warmup_steps=0),
       train_data=[batch_of(i) for i in range(100)],
       run_dir=tmp_path / "run",
-      train={"global_batch_size": G, "grad_accum_steps": 2, "max_steps": max_steps},
+      train={"global_batch_size": G, "grad_accum_steps": 2, "max_steps": max_steps, **change},
       checkpoint={"every": 4},
     )
 
@@ -434,7 +434,7 @@ def test_both_clients_take_their_resume_refusals_from_one_function(tmp_path, mon
   ]
   for change, words in refusals:
     with pytest.raises(CheckpointError, match=words + r".*fit\(resume=False\) to start over"):
-      trainer(tmp_path, train={"max_steps": 4, **change}).fit()
+      scheduled(4, **change).fit()
   with pytest.raises(CheckpointError, match="lr schedule was planned for 4 update steps, this"):
     scheduled(8).fit()
   # the CLI, on a run written earlier (a fixture with a checkpoint at update 2)

@@ -1,10 +1,15 @@
-"""Where a run starts: fresh, from its own newest checkpoint, or from ``--resume-from``.
+"""Where a run starts, for both clients: fresh, from its own newest checkpoint, or from
+another run's (``--resume-from``). ``start`` is the one path; what differs between
+``jaxstep train`` and ``jaxstep.Trainer`` comes in as arguments.
 
-Also reconciles the saved ``RunState`` with the current config: the dataset fingerprint
-and the global batch size must match (G defines what a position and an update step mean);
-``grad_accum_steps`` may change while G stays, since the update is the same by construction.
-A vocabulary that changed together with the data (re-prepared with another tokenizer) is
-reported as the data's change, not the model's, since ``model.vocab_size`` follows it.
+A checkpoint resumes only into the run it came from. Both clients refuse another seed,
+another global batch size and (with a jaxstep schedule) another schedule length in
+``refuse_a_different_run``; ``jaxstep train`` also reconciles the saved ``RunState`` with
+its config (``reconcile``): the model, the base weights' fingerprint and the dataset
+fingerprint must match, ``grad_accum_steps`` may change while G stays (the update is the
+same by construction), and a vocabulary that changed together with the data (re-prepared
+with another tokenizer) is reported as the data's change, not the model's, since
+``model.vocab_size`` follows it.
 """
 
 from __future__ import annotations
