@@ -15,7 +15,7 @@ os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cac
 # truncates an entry of that snapshot only.
 JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
 os.environ.setdefault(JIT_CACHE, tempfile.mkdtemp(prefix="jaxstep-test-jit-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
