@@ -69,6 +69,17 @@ def np_rng():
   return np.random.default_rng(0)
 
 
+# The tiny random Hugging Face model the parity tests build locally (``from_config``).
+TINY_HF_SHAPE = {
+  "vocab_size": 96,
+  "hidden_size": 32,
+  "intermediate_size": 48,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "max_position_embeddings": 64,
+}
+
 SMALL_MODEL = [
   "model.d_model=32",
   "model.n_layers=1",

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import TINY_HF_SHAPE
 from tolerance import assert_close, assert_far, planted
 
 from jaxstep import models
@@ -15,15 +16,7 @@ from jaxstep.models import hf_config, hf_weights
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SHAPE = {
-  "vocab_size": 96,
-  "hidden_size": 32,
-  "intermediate_size": 48,
-  "num_hidden_layers": 2,
-  "num_attention_heads": 4,
-  "num_key_value_heads": 2,
-  "max_position_embeddings": 64,
-}
+SHAPE = TINY_HF_SHAPE
 # jaxstep against transformers on the same weights: the longest sum (GPT-2's MLP, 4 × hidden;
 # the others' is intermediate_size) once per layer
 TERMS = 4 * SHAPE["hidden_size"] * SHAPE["num_hidden_layers"]

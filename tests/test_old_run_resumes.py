@@ -13,18 +13,13 @@ import shutil
 
 import jax
 import numpy as np
-from conftest import restore_state_arrays
+from conftest import SMALL_MODEL, restore_state_arrays
 
 from jaxstep.cli import train as train_cli
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "run_before_rooms"
 ARGS = [
-  "model.d_model=32",
-  "model.n_layers=1",
-  "model.n_heads=2",
-  "model.max_seq_len=16",
-  "train.seq_len=16",
-  "train.progress=false",
+  *SMALL_MODEL,
   "train.schedule_steps=8",
   "train.log_every=1",
   "train.eval_every=0",

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tiny_lm_apply, tiny_lm_params
+from conftest import TINY_HF_SHAPE, tiny_lm_apply, tiny_lm_params
 from tolerance import assert_close, assert_far
 
 from jaxstep.core.accumulate import split_micro_batches
@@ -375,16 +375,7 @@ def test_dpo_label_smoothing_is_trls_conservative_dpo(trl):
   assert_close(float(plain) / b, trl_smoothed, terms=TERMS)  # TRL's DPO: ε had no effect
 
 
-# the tiny random Llama of tests/test_hf_import.py
-LLAMA = {
-  "vocab_size": 96,
-  "hidden_size": 32,
-  "intermediate_size": 48,
-  "num_hidden_layers": 2,
-  "num_attention_heads": 4,
-  "num_key_value_heads": 2,
-  "max_position_embeddings": 64,
-}
+LLAMA = TINY_HF_SHAPE  # the tiny random Llama the parity tests share
 # jaxstep against transformers on the same weights: the longest sum (the MLP) once per layer
 LLAMA_TERMS = 4 * LLAMA["hidden_size"] * LLAMA["num_hidden_layers"]
 
