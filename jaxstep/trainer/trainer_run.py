@@ -44,6 +44,7 @@ from jaxstep.trainer.tracking import trackers as trackers_lib
 from jaxstep.trainer.trainer_eval import Evaluator, check_first_batches
 
 log = logging.getLogger("jaxstep")
+WAY_OUT = ", or fit(resume=False) to start over"  # a resume refusal's other choice
 
 
 def _section(value, cls, name: str):
@@ -213,7 +214,7 @@ class Trainer:
         state,
         checkpoint=self.checkpoint_cfg,
         fits=lambda restored: self._fits(restored, source),
-        way_out=", or fit(resume=False) to start over",
+        way_out=WAY_OUT,
         resume=resume,
       )
       _say_how_data_resumes(source)
@@ -236,7 +237,7 @@ class Trainer:
       restored.metadata.get("trainer", {}),
       {**ours, "schedule_steps": ours["schedule_steps"] if self.optimizer_cfg else None},
       allow_schedule_change=self.checkpoint_cfg.allow_schedule_change,
-      way_out=", or fit(resume=False) to start over",
+      way_out=WAY_OUT,
     )
     source.restore(restored.metadata)
     return {"trainer": ours, "trackers": dict(restored.metadata.get("trackers") or {})}

@@ -15,10 +15,10 @@ def drop_closed_loop_echoes() -> None:
   that was there before. Called where checkpoints are read or written, so the Python API
   is as quiet as the commands."""
   if not getattr(sys.unraisablehook, "drops_reported_write_echoes", False):
-    sys.unraisablehook = without_closed_loop_noise(sys.unraisablehook)
+    sys.unraisablehook = _without_closed_loop_noise(sys.unraisablehook)
 
 
-def without_closed_loop_noise(hook):
+def _without_closed_loop_noise(hook):
   """``hook`` without ``drop_closed_loop_echoes``' two echoes."""
 
   def filtered(unraisable):

@@ -80,6 +80,9 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
   )  # fmt: skip
 
 
+_WHY_G = "G defines what a data position and an update step mean"
+
+
 def refuse_a_different_run(
   saved: dict, current: dict, *, allow_schedule_change: bool, way_out: str
 ) -> None:
@@ -107,9 +110,6 @@ def refuse_a_different_run(
       f"checkpoint.allow_schedule_change=true to re-plan it for {new} steps"
     )
   log.warning("RESUME WITH A CHANGE: the lr schedule re-planned from %d to %d steps", old, new)
-
-
-_WHY_G = "G defines what a data position and an update step mean"
 
 
 def _check_same_vocabulary(saved: dict, current: RunState) -> None:
@@ -183,12 +183,11 @@ def _locate(path: str) -> tuple[pathlib.Path, int | None]:
 @dataclasses.dataclass(frozen=True)
 class Start:
   """Where a run starts: ``ckpt`` open for saving in ``run_dir/checkpoints``, the state to
-  continue from (the initial one when nothing was restored), the update step it was saved
-  at (None: a fresh start) and what the client's ``fits`` made of the restored checkpoint."""
+  continue from (the initial one when nothing was restored) and what the client's ``fits``
+  made of the restored checkpoint (None: a fresh start)."""
 
   ckpt: Checkpointer
   state: object
-  step: int | None
   fitted: object = None
 
 
@@ -242,7 +241,7 @@ def start(
     log.info("resumed from the checkpoint of update step %d", restored.step)
     state = restored.state
   ckpt = Checkpointer(own, keep=checkpoint.keep, async_save=checkpoint.async_, stored=stored)
-  return Start(ckpt, state, None if restored is None else restored.step, fitted)
+  return Start(ckpt, state, fitted)
 
 
 def refuse_history_without_checkpoint(run_dir: pathlib.Path) -> None:
