@@ -27,14 +27,17 @@ import numpy as np
 WORDS = "the cat sat on a mat while seven quick foxes jumped over lazy dogs near rivers".split()
 
 
-def make_corpus(path: pathlib.Path, num_bytes: int, seed: int = 0) -> pathlib.Path:
-  """~``num_bytes`` of text: paragraphs of random words separated by blank lines."""
+def make_corpus(
+  path: pathlib.Path, num_bytes: int, seed: int = 0, paragraphs: int = 2000
+) -> pathlib.Path:
+  """~``num_bytes`` of text (at least ``paragraphs`` of them, the ones written at a time):
+  paragraphs of random words separated by blank lines."""
   rng = np.random.default_rng(seed)
   words = np.array(WORDS)
   written = 0
   with path.open("w") as f:
     while written < num_bytes:
-      chunk = "\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(2000)) + "\n\n"
+      chunk = "\n\n".join(" ".join(rng.choice(words, 60)) for _ in range(paragraphs)) + "\n\n"
       f.write(chunk)
       written += len(chunk)
   return path
@@ -42,7 +45,8 @@ def make_corpus(path: pathlib.Path, num_bytes: int, seed: int = 0) -> pathlib.Pa
 
 def startup_contender(spec: dict):
   """Wall seconds and peak RSS (MiB) of ``jaxstep train`` on ``spec['data']`` through its
-  first update step (``max_steps=1``, one eval batch, the final checkpoint only)."""
+  first update step (``max_steps=1``, one eval batch, the final checkpoint only), with
+  ``spec['overrides']`` if any."""
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-startup-"))
   counter = iter(range(10**9))
   args = [
@@ -55,6 +59,7 @@ def startup_contender(spec: dict):
     "train.eval_batches=1",  # the one evaluation at the end reads one batch, whatever the size
     "checkpoint.every=0",
     "train.progress=false",
+    *spec.get("overrides", []),
   ]
 
   def run_once() -> dict:
@@ -241,6 +246,26 @@ def global_batch_contender(spec: dict):
   return {"windows": len(split)}, run_once
 
 
+# the scaling measurements' sizes: batch G × S, windows of the two loaders and tokens of the
+# two prepared folders (quick: the same code on small ones)
+FULL_SCALE = {"g": 256, "s": 1024, "windows": (10**6, 10**8), "tokens": (10**7, 2 * 10**9)}
+QUICK_SCALE = {"g": 8, "s": 64, "windows": (10**4, 10**6), "tokens": (10**5, 10**7)}
+
+
+def _count(n: int) -> str:
+  """A token count as the labels write it: 2 G, 10 M, 48 k."""
+  for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+    if n >= size:
+      return f"{n / size:g} {unit}"
+  return str(n)
+
+
+def _power(n: int) -> str:
+  """A window count as the labels write it: 10^8 (a power of ten), else the number."""
+  exp = len(str(n)) - 1
+  return f"10^{exp}" if n == 10**exp else f"{n:,}"
+
+
 def scale_suite(quick: bool) -> dict:
   """Costs that must not grow with the corpus, on sparse prepared folders:
 
@@ -249,23 +274,27 @@ def scale_suite(quick: bool) -> dict:
   - ``data_startup_delta_s_2b_10m``: ``load_dataset`` seconds at 2 G − at 10 M tokens
     (goal ≤ 1 s: sizes and times, not bytes).
 
+  ``quick``: the same keys from smaller sizes (``QUICK_SCALE``), one batch a round.
+
   Paired per round (``harness.measure``); returns ``raw``, ``summary`` and ``rows`` for
   ``suite_data`` to merge.
   """
   from benchmarks.harness import fmt, measure, ratio_stats
 
-  g, s = 256, 1024
+  sizes = QUICK_SCALE if quick else FULL_SCALE
+  g, s = sizes["g"], sizes["s"]
+  windows, tokens = sizes["windows"], sizes["tokens"]
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-scale-"))
   try:
-    batch = {"kind": "global_batch", "g": g, "s": s, "batches": 2 if quick else 32}
+    batch = {"kind": "global_batch", "g": g, "s": s, "batches": 1 if quick else 32}
     load = {"kind": "data_startup", "s": s}
     specs = {
-      "batch_1m": {**batch, "windows": 10**6},
-      "batch_100m": {**batch, "windows": 10**8},
-      "startup_10m": {**load, "data": str(sparse_prepared(root / "t10m", 10**7, 2048))},
-      "startup_2b": {**load, "data": str(sparse_prepared(root / "t2b", 2 * 10**9, 2048))},
+      "batch_1m": {**batch, "windows": windows[0]},
+      "batch_100m": {**batch, "windows": windows[1]},
+      "startup_10m": {**load, "data": str(sparse_prepared(root / "t10m", tokens[0], 2 * s))},
+      "startup_2b": {**load, "data": str(sparse_prepared(root / "t2b", tokens[1], 2 * s))},
     }
-    res, info, _ = measure(specs, rounds=2 if quick else 15)
+    res, info, _ = measure(specs, rounds=1 if quick else 15)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   cost = ratio_stats(
@@ -290,11 +319,17 @@ def scale_suite(quick: bool) -> dict:
     },
     "rows": [
       (
-        f"one global batch ({g} × {s}) at 10^8 ÷ at 10^6 windows ({per_batch_ms:.1f} ms at 10^8)",
+        f"one global batch ({g} × {s}) at {_power(windows[1])} ÷ at {_power(windows[0])} "
+        f"windows ({per_batch_ms:.1f} ms at {_power(windows[1])})",
         fmt(cost),
         "≤ 1.2",
       ),
-      ("data start-up (load_dataset): 2 G − 10 M prepared tokens (s)", fmt(startup), "≤ +1"),
+      (
+        f"data start-up (load_dataset): {_count(tokens[1])} − {_count(tokens[0])} prepared "
+        "tokens (s)",
+        fmt(startup),
+        "≤ +1",
+      ),
     ],
   }
 
@@ -312,24 +347,28 @@ CONTENDERS = {
 def suite_data(quick: bool) -> dict:
   """Start-up and peak RSS against corpus size, prepare against its tokenizer, the loader."""
   from benchmarks.harness import fmt, measure, ratio_stats
+  from benchmarks.loop_suites import QUICK_TINY
   from jaxstep.data import prepare, train_bpe
   from jaxstep.data.readers import read_documents
 
   root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-bench-"))
-  sizes = (
-    {"small": 300_000, "big": 1_200_000} if quick else {"small": 10_000_000, "big": 200_000_000}
-  )
+  # quick: a few dozen paragraphs (~12 and ~48 KB), prepared in this process
+  sizes = {"small": 12_000, "big": 48_000} if quick else {"small": 10_000_000, "big": 200_000_000}
   folders = {}
   for name, size in sizes.items():
-    make_corpus(root / f"{name}.txt", size)
+    make_corpus(root / f"{name}.txt", size, paragraphs=40 if quick else 2000)
     folders[name] = str(root / name)
-    prepare([str(root / f"{name}.txt")], folders[name], workers=os.cpu_count(), progress=False)
+    workers = 1 if quick else os.cpu_count()
+    prepare([str(root / f"{name}.txt")], folders[name], workers=workers, progress=False)
   docs = read_documents(str(root / "small.txt"))[0]
   train_bpe(docs[:2000], 4096, root / "tokenizer.json")
   text, tok = str(root / "small.txt"), str(root / "tokenizer.json")
+  train = {"kind": "startup"}
+  if quick:  # the loop suites' quick model
+    train["overrides"] = QUICK_TINY
   specs = {
-    "startup_small": {"kind": "startup", "data": folders["small"]},
-    "startup_big": {"kind": "startup", "data": folders["big"]},
+    "startup_small": {**train, "data": folders["small"]},
+    "startup_big": {**train, "data": folders["big"]},
     "tokenize_raw": {"kind": "tokenize_raw", "text": text, "tokenizer": tok},
     "prepare": {"kind": "prepare", "text": text, "tokenizer": tok},
   }
@@ -340,11 +379,10 @@ def suite_data(quick: bool) -> dict:
   prep = ratio_stats(
     [r["tokens_per_s"] for r in res["prepare"]], [r["tokens_per_s"] for r in res["tokenize_raw"]]
   )
-  g, s, n = (64, 256, 4) if quick else (256, 1024, 8)
+  g, s, n = (8, 64, 1) if quick else (256, 1024, 8)
   loader_spec = {"kind": "loader", "data": folders["big"], "g": g, "s": s, "batches": n}
   loader_res, _, _ = measure({"loader": loader_spec}, rounds=1 if quick else 5)
   loader = ratio_stats([r["tokens_per_s"] for r in loader_res["loader"]], 1)
-  big_mt, small_mt = sizes["big"] // 10**6, sizes["small"] // 10**6
   shutil.rmtree(root, ignore_errors=True)
   scale = scale_suite(quick)  # per-batch and start-up costs at 10^8 windows / 2 G tokens
   return {
@@ -364,11 +402,16 @@ def suite_data(quick: bool) -> dict:
     "rows": [
       *scale["rows"],
       (
-        f"start-up to the first update: {big_mt} M − {small_mt} M prepared tokens (s)",
+        f"start-up to the first update: {_count(sizes['big'])} − {_count(sizes['small'])} "
+        "prepared tokens (s)",
         fmt(startup),
         "≤ +5",
       ),
-      (f"peak RSS: {big_mt} M − {small_mt} M prepared tokens (MiB)", fmt(rss), "≤ +200"),
+      (
+        f"peak RSS: {_count(sizes['big'])} − {_count(sizes['small'])} prepared tokens (MiB)",
+        fmt(rss),
+        "≤ +200",
+      ),
       (
         "prepare tokens/s ÷ its tokenizer's encode_batch tokens/s (BPE 4096, 1 worker)",
         fmt(prep),

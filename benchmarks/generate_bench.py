@@ -5,7 +5,8 @@ token; and what samples during training cost next to an update step.
 Every contender decodes the same prompts greedily with random weights of the same layer
 sizes (the ``small`` config's: d_model 256, 4 layers, 8 heads, vocabulary 264, positions
 up to 512 so that 256 new tokens fit) and generates exactly ``new_tokens`` per row (EOS is
-never chosen), so tokens/s compare like for like.
+never chosen), so tokens/s compare like for like (``--quick``: ``QUICK_SHAPES``, one small
+block).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 SHAPES = {"vocab_size": 264, "max_seq_len": 512, "d_model": 256, "n_layers": 4, "n_heads": 8}
+QUICK_SHAPES = {"vocab_size": 264, "max_seq_len": 32, "d_model": 32, "n_layers": 1, "n_heads": 2}
 
 
 def _prompts(batch: int, length: int) -> np.ndarray:
@@ -25,7 +27,8 @@ def jax_decoder(spec: dict):
   """jaxstep's Generator; ``use_cache`` False is the reference full-recompute path."""
   from jaxstep import models
 
-  return timed_jax_decode(models.GPTConfig(**SHAPES), spec, use_cache=spec["use_cache"])
+  cfg = models.GPTConfig(**spec.get("shapes", SHAPES))
+  return timed_jax_decode(cfg, spec, use_cache=spec["use_cache"])
 
 
 def timed_jax_decode(cfg, spec: dict, *, use_cache: bool = True, vocab_size: int | None = None):
@@ -67,12 +70,13 @@ def hf_decoder(spec: dict):
   from transformers import GPT2Config, GPT2LMHeadModel
 
   torch.manual_seed(0)
+  shapes = spec.get("shapes", SHAPES)
   config = GPT2Config(
-    vocab_size=SHAPES["vocab_size"],
-    n_positions=SHAPES["max_seq_len"],
-    n_embd=SHAPES["d_model"],
-    n_layer=SHAPES["n_layers"],
-    n_head=SHAPES["n_heads"],
+    vocab_size=shapes["vocab_size"],
+    n_positions=shapes["max_seq_len"],
+    n_embd=shapes["d_model"],
+    n_layer=shapes["n_layers"],
+    n_head=shapes["n_heads"],
     bos_token_id=257,
     eos_token_id=258,
   )
@@ -130,7 +134,8 @@ def samples_cost(spec: dict):
   from jaxstep.trainer.config_run import next_batch
   from jaxstep.trainer.evaluation.text_samples import TextSamples
 
-  cfg = config_lib.load("tiny", ["train.progress=false", "run_dir=/tmp/unused"])
+  overrides = ["train.progress=false", "run_dir=/tmp/unused", *spec.get("overrides", [])]
+  cfg = config_lib.load("tiny", overrides)
   run, state, rs = trainer.build(cfg)
   samples = TextSamples(run.cfg.model, run.dataset.tokenizer, run.cfg.train)
   batch = parallel.put_batch(next_batch(run, rs), run.batch_sharding)
@@ -160,13 +165,18 @@ def suite_generate(quick: bool) -> dict:
   import importlib.util
 
   from benchmarks.harness import fmt, measure, ratio_stats
+  from benchmarks.loop_suites import QUICK_STEPS, QUICK_TINY
 
-  new, prompt_len = (16, 16) if quick else (256, 64)
+  new, prompt_len = (4, 8) if quick else (256, 64)
   batches = (8,) if quick else (1, 8)  # quick: one worker per contender
   hf = bool(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"))
-  specs = {"samples": {"kind": "samples_cost", "steps": 2 if quick else 10}}
+  specs = {"samples": {"kind": "samples_cost", "steps": 1 if quick else 10}}
+  if quick:  # the loop suites' quick model and run length: their compiled train step
+    specs["samples"]["overrides"] = [*QUICK_TINY, f"train.max_steps={QUICK_STEPS}"]
   for b in batches:
     base = {"batch": b, "new_tokens": new, "prompt_len": prompt_len}
+    if quick:  # a one-block model (QUICK_SHAPES) in place of the small config's shapes
+      base["shapes"] = QUICK_SHAPES
     specs[f"cache_b{b}"] = {**base, "kind": "decode_jax", "use_cache": True}
     specs[f"recompute_b{b}"] = {**base, "kind": "decode_jax", "use_cache": False}
     if hf:

@@ -6,14 +6,35 @@ from __future__ import annotations
 
 from benchmarks.harness import Worker, fmt, measure, ratio_stats
 
+# --quick: the tiny config shrunk to one 32-wide block, 8 × 32 tokens in 2 micro-steps, no
+# warm-up, and 4 update steps in every loop (the lr schedule spans the run: runs of one length
+# share their compiled train step)
+QUICK_TINY = [
+  "model.d_model=32",
+  "model.n_layers=1",
+  "model.n_heads=2",
+  "model.max_seq_len=32",
+  "train.seq_len=32",
+  "train.global_batch_size=8",
+  "train.grad_accum_steps=2",
+  "optim.warmup_steps=0",
+]
+QUICK_STEPS = 4
+
 
 def suite_host_overhead(quick: bool) -> dict:
   """Host-side overhead per update step on the tiny config (data, dispatch, read-back and
   the loop's hooks), without and with an MLflow tracker logging every update step."""
-  spec = {"kind": "loop", "config": "tiny", "steps": 6 if quick else 30}
+  spec = {"kind": "loop", "config": "tiny", "steps": QUICK_STEPS if quick else 30}
+  if quick:
+    spec["overrides"] = QUICK_TINY
   tracked = {
     **spec,
-    "overrides": ["train.trackers=[jsonl, tensorboard, mlflow]", "train.log_every=1"],
+    "overrides": [
+      *spec.get("overrides", []),
+      "train.trackers=[jsonl, tensorboard, mlflow]",
+      "train.log_every=1",
+    ],
   }
   specs = {
     "real": spec,
@@ -21,7 +42,7 @@ def suite_host_overhead(quick: bool) -> dict:
     "real_mlflow": tracked,
     "noop_mlflow": {**tracked, "noop": True},
   }
-  res, _, _ = measure(specs, rounds=2 if quick else 10)
+  res, _, _ = measure(specs, rounds=1 if quick else 10)
 
   def overhead(suffix: str) -> dict:
     real = [r["median_step"] for r in res[f"real{suffix}"]]
@@ -47,12 +68,14 @@ def suite_host_overhead(quick: bool) -> dict:
 def suite_doc_mask(quick: bool) -> dict:
   """Step time with document masking ÷ without: the small config on packed text, blocked
   CPU attention (the segment-id compare inside its blocks and the two extra batch fields)."""
-  spec = {"kind": "loop", "config": "tiny" if quick else "small", "steps": 4 if quick else 12}
+  spec = {"kind": "loop", "config": "tiny" if quick else "small"}
+  spec["steps"] = QUICK_STEPS if quick else 12
+  shape = QUICK_TINY if quick else []
   specs = {
-    "plain": {**spec, "overrides": ["data.document_mask=false"]},
-    "masked": {**spec, "overrides": ["data.document_mask=true"]},
+    "plain": {**spec, "overrides": [*shape, "data.document_mask=false"]},
+    "masked": {**spec, "overrides": [*shape, "data.document_mask=true"]},
   }
-  res, _, _ = measure(specs, rounds=2 if quick else 8)
+  res, _, _ = measure(specs, rounds=1 if quick else 8)
   stats = ratio_stats(
     [r["median_step"] for r in res["masked"]], [r["median_step"] for r in res["plain"]]
   )
@@ -74,14 +97,16 @@ def suite_doc_mask(quick: bool) -> dict:
 def suite_checkpoint(quick: bool) -> dict:
   """Loop stall per checkpoint save, async vs sync, and save/restore MB/s."""
   config = "tiny" if quick else "small"
-  steps, every = (6, 3) if quick else (12, 4)
+  steps, every = (QUICK_STEPS, 2) if quick else (12, 4)
   base = {"kind": "loop", "config": config, "steps": steps}
+  if quick:
+    base["overrides"] = QUICK_TINY
   specs = {
     "none": {**base, "rates": True},
     "async": {**base, "save_every": every, "async_save": True},
     "sync": {**base, "save_every": every, "async_save": False},
   }
-  res, info, _ = measure(specs, rounds=2 if quick else 6)
+  res, info, _ = measure(specs, rounds=1 if quick else 6)
   step = [r["median_step"] for r in res["none"]]
   out = {"spec": base, "every": every, "raw": res, "rates": info["none"]}
   rows = []
@@ -127,7 +152,7 @@ def suite_checkpoint(quick: bool) -> dict:
 def suite_fsdp_memory(quick: bool) -> dict:
   """Per-device params + optimizer state bytes for fsdp = 1, 2, 4, 8 on 8 CPU devices."""
   model = (
-    {"d_model": 64, "n_heads": 4, "max_seq_len": 32}
+    {"d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16}
     if quick
     else {"d_model": 256, "n_layers": 4, "n_heads": 8, "max_seq_len": 128}
   )

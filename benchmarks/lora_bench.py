@@ -31,8 +31,8 @@ MEMORY_MODEL = {
   "tie_embeddings": True,
   "scan_layers": True,
 }
-QUICK_MEMORY_MODEL = {**MEMORY_MODEL, "vocab_size": 512, "max_seq_len": 64, "d_model": 64}
-QUICK_MEMORY_MODEL |= {"n_layers": 2, "n_heads": 4, "intermediate_size": 128}
+QUICK_MEMORY_MODEL = {**MEMORY_MODEL, "vocab_size": 512, "max_seq_len": 32, "d_model": 32}
+QUICK_MEMORY_MODEL |= {"n_layers": 1, "n_heads": 2, "intermediate_size": 64}
 LORA = ["model.lora.rank=8"]
 
 

@@ -8,13 +8,15 @@ table of every row (docs/performance.md links it).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
 import pathlib
 import time
 
 from benchmarks.data_bench import suite_data
 from benchmarks.generate_bench import suite_generate
-from benchmarks.harness import RESULTS, environment, write
+from benchmarks.harness import RESULTS, environment, quick_compiles, write
 from benchmarks.hf_bench import suite_hf
 from benchmarks.loop_suites import (
   suite_checkpoint,
@@ -63,32 +65,74 @@ def markdown(out_dir: pathlib.Path) -> str:
   return "\n".join(lines) + "\n"
 
 
+# --quick, a smoke run whose numbers are not measurements: suites run four at a time, so
+# that some keep the cores busy while others wait on a single process; the longest start
+# first, each after those whose workers and compiled programs it reuses
+QUICK_SUITES_AT_ONCE = 4
+QUICK_ORDER = (
+  "step",
+  "data",
+  "depth",
+  "host_overhead",
+  "hf",
+  "checkpoint",
+  "doc_mask",
+  "lora",
+  "fsdp_memory",
+  "compile",
+  "generate",
+)
+
+
+def _timed(name: str, quick: bool) -> dict:
+  t = time.perf_counter()
+  result = SUITES[name](quick)
+  result["seconds"] = time.perf_counter() - t
+  return result
+
+
+def _quick_order(name: str) -> int:
+  return QUICK_ORDER.index(name) if name in QUICK_ORDER else len(QUICK_ORDER)
+
+
+def _side_by_side(names: list[str], at_once: int):
+  """``(name, result)`` of each suite in the order of ``names``, ``at_once`` of them running
+  at a time in ``QUICK_ORDER`` (each in a thread, its workers in processes of their own)."""
+  pool = concurrent.futures.ThreadPoolExecutor(at_once)
+  try:
+    futures = {name: pool.submit(_timed, name, True) for name in sorted(names, key=_quick_order)}
+    for name in names:
+      yield name, futures[name].result()
+  finally:
+    pool.shutdown(cancel_futures=True)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
   p.add_argument(
     "--quick",
     action="store_true",
-    help="tiny sizes, few rounds (the test suite's smoke run); writes results/quick/",
+    help="tiny sizes, one round, suites side by side sharing compiles and workers (the test "
+    "suite's smoke run, not a measurement); writes results/quick/",
   )
   p.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
   p.add_argument("--out", type=pathlib.Path, help="output folder (default: results[/quick])")
   args = p.parse_args(argv)
   out_dir = args.out or (RESULTS / "quick" if args.quick else RESULTS)
-  env = environment()
   summary_path = out_dir / "summary.json"
   summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-  for name in args.only or SUITES:
-    t = time.perf_counter()
-    result = SUITES[name](args.quick)
-    result.update(
-      environment=env,
-      quick=args.quick,
-      date=time.strftime("%Y-%m-%d"),
-      seconds=time.perf_counter() - t,
-    )
-    write(name, result, out_dir)
-    summary.update(result["summary"])
-    print(f"{name}: {json.dumps(result['summary'])}", flush=True)
+  with quick_compiles() if args.quick else contextlib.nullcontext():
+    env = environment()
+    names = list(args.only or SUITES)
+    if args.quick:
+      results = _side_by_side(names, QUICK_SUITES_AT_ONCE)
+    else:
+      results = ((name, _timed(name, quick=False)) for name in names)
+    for name, result in results:
+      result.update(environment=env, quick=args.quick, date=time.strftime("%Y-%m-%d"))
+      write(name, result, out_dir)
+      summary.update(result["summary"])
+      print(f"{name}: {json.dumps(result['summary'])}", flush=True)
   write("summary", summary, out_dir)
   table = markdown(out_dir)
   (out_dir / "results.md").write_text(table)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.harness import Worker, fmt, measure, ratio_stats
+from benchmarks.harness import OWN_COMPILES, Worker, fmt, measure, ratio_stats
 
 
 def suite_step(quick: bool) -> dict:
@@ -17,12 +17,14 @@ def suite_step(quick: bool) -> dict:
   from jaxstep.models import GPTConfig
   from jaxstep.parallel.cpu_devices import ONE_THREAD
 
-  model, g, k = (QUICK_MODEL, 16, 4) if quick else (MODEL, 64, 16)
+  model, g, k = (QUICK_MODEL, 8, 2) if quick else (MODEL, 64, 16)
   base = {"model": model, "g": g, "k": k}
+  if quick:  # one timed update per round
+    base["repeats"] = 1
   specs = {n: {**base, "kind": n} for n in ("jaxstep", "floor", "multisteps", "unrolled")}
   specs["matmul"] = {
     "kind": "matmul",
-    "n": 256 if quick else 1024,
+    "n": 128 if quick else 1024,
     "model": model,
     "rows": g // k * model["max_seq_len"],
   }
@@ -43,7 +45,7 @@ def suite_step(quick: bool) -> dict:
     if not quick:
       specs["torch_compile"] = {**base, "kind": "torch", "compile": True}
       specs["torch_ddp"] = {**base, "kind": "torch_ddp"}
-  res, info, failed = measure(specs, rounds=2 if quick else 20)
+  res, info, failed = measure(specs, rounds=1 if quick else 20)
   sec = {n: [r["seconds"] for r in rounds] for n, rounds in res.items() if n != "matmul"}
   out = {
     "spec": base,
@@ -126,7 +128,8 @@ def suite_compile(quick: bool) -> dict:
       "ks": ks,
       "max_unrolled_k": 4 if quick else 64,
       "compile_repeats": 1 if quick else 3,
-    }
+    },
+    OWN_COMPILES if quick else None,
   )
   by_k = w.info["rows"]  # the worker measures while it builds; read before closing it
   w.close()
@@ -171,13 +174,13 @@ def suite_depth(quick: bool) -> dict:
     "kind": "depth",
     "model": model,
     "shallow": 2,
-    "deep": 8 if quick else 24,
+    "deep": 4 if quick else 24,
     "k": 2,
     "micro": 4,
     "remats": ["none"] if quick else ["none", "block", "dots"],
     "repeats": 1 if quick else 3,
   }
-  w = Worker(spec)
+  w = Worker(spec, OWN_COMPILES if quick else None)
   found = w.info["rows"]
   w.close()
   mib, deep = 2**20, spec["deep"]

@@ -85,6 +85,32 @@ def test_quick_benchmarks_write_results(tmp_path):
   assert "| measurement |" in (tmp_path / "results.md").read_text()
 
 
+def test_reusable_kinds_are_contenders():
+  """A quick run hands workers of ``harness.REUSABLE`` kinds on to later suites: each names
+  a contender (a misspelt one would only start processes anew, silently)."""
+  from benchmarks import harness, worker
+
+  assert set(harness.REUSABLE) <= set(worker.contenders())
+  assert "jaxstep" not in harness.REUSABLE  # it splits the CPU before JAX starts
+
+
+def test_quick_workers_share_a_cache_and_keep_their_own_xla_flags(monkeypatch):
+  from benchmarks import harness
+
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/a/users/cache")
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert "JAX_COMPILATION_CACHE_DIR" not in harness._worker_env(None)  # every worker compiles
+  with harness.quick_compiles():
+    own = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env, measuring = harness._worker_env(own), harness._worker_env(harness.OWN_COMPILES)
+    assert os.path.isdir(env["JAX_COMPILATION_CACHE_DIR"])
+    assert env["XLA_FLAGS"].split() == [own["XLA_FLAGS"], *harness.quick_xla_flags()]
+    assert measuring["XLA_FLAGS"].split() == harness.quick_xla_flags()
+    assert measuring["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+  assert "XLA_FLAGS" not in os.environ and not os.path.exists(env["JAX_COMPILATION_CACHE_DIR"])
+  assert "JAX_COMPILATION_CACHE_DIR" not in harness._worker_env(None)
+
+
 @pytest.mark.slow
 def test_gpu_smoke_runs_on_tiny_shapes_and_round_trips_bitwise(tmp_path):
   """The GPU check's script, on this host with tiny shapes: one JSON line, the checkpoint
