@@ -3,11 +3,11 @@ error line when it cannot be drawn or written."""
 
 import errno
 
+import matplotlib.figure
 import pytest
 
 from jaxstep.cli import plot
 from jaxstep.trainer.store import records
-from jaxstep.trainer.tracking import loss_plot
 
 
 def _metrics(run_dir, lines):
@@ -38,7 +38,7 @@ def test_a_folder_that_cannot_be_written_is_exit_74(tmp_path, monkeypatch, capsy
   def read_only(*_, **__):
     raise OSError(errno.EROFS, "Read-only file system")
 
-  monkeypatch.setattr(loss_plot.plt.Figure, "savefig", read_only)
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", read_only)
   assert plot.main([str(tmp_path)]) == 74
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "Read-only file system" in err

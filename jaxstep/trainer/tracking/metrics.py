@@ -1,8 +1,9 @@
 """Where metrics go: ``metrics.jsonl`` / ``eval.jsonl``, TensorBoard events, progress bar;
 and ``LateMetrics``, which reads each update's device metrics back one update late.
 
-TensorBoard events are written with tensorboardX: maintained, small, and needs neither
-TensorFlow nor a JAX-specific runtime (clu's writers pull in TensorFlow).
+TensorBoard events are written with tensorboardX (``tensorboard_events``): maintained,
+small, and needs neither TensorFlow nor a JAX-specific runtime (clu's writers pull in
+TensorFlow).
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import time
 
 import jax
 import tqdm
-from tensorboardX import SummaryWriter
 
 from jaxstep.trainer.store import records
+from jaxstep.trainer.tracking import tensorboard_events
 from jaxstep.trainer.tracking.mfu import mfu
-from jaxstep.trainer.tracking.threads import watch_threads
 
 log = logging.getLogger("jaxstep")
 
-QUEUE_EVENTS = 10_000  # TensorBoard events waiting for the writer thread
 
 # What every metrics.jsonl line holds; aux sums and counters come on top.
 TRAIN_FIELDS = (
@@ -77,13 +76,10 @@ class MetricsSink:
     self.samples_path = run_dir / "samples.jsonl"
     for path in (self.train_path, self.eval_path, self.samples_path):
       records.truncate_records(path, start_step)
-    # purge_step tells TensorBoard to drop events a resumed run is about to write again
-    # A queue far longer than one update's events: if the writer thread dies (disk full)
-    # the loop learns it from the thread's exception before a put could ever block.
     self.tb = (
-      SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1, max_queue=QUEUE_EVENTS)
+      tensorboard_events.open_events(run_dir / "tensorboard", purge_step=start_step + 1)
       if tensorboard
-      else _NoEvents()
+      else tensorboard_events.NoEvents()
     )
     self.bar = tqdm.tqdm(
       total=total_steps,
@@ -158,65 +154,7 @@ class MetricsSink:
     try:
       self.bar.close()
     finally:
-      _close_events(self.tb)
-
-
-def _close_events(tb) -> None:
-  """Closes a tensorboardX ``SummaryWriter`` and raises what its final flush raised.
-
-  tensorboardX's ``close`` flushes first and, when that fails (a full disk), returns without
-  stopping its writer thread or closing the event file: the thread lived on and failed in the
-  background at its next timed flush, and its exit handler failed again at the end of the
-  process. Here the unflushed events are dropped, the thread is joined and the file closed."""
-  try:
-    tb.close()
-  finally:
-    for file_writer in (getattr(tb, "all_writers", None) or {}).values():
-      _abandon(file_writer.event_writer)
-    if getattr(tb, "all_writers", None) is not None:
-      tb.file_writer = tb.all_writers = None  # a second close does nothing
-
-
-class _Discard:
-  """Where a failed writer's last events go: nowhere."""
-
-  def write_event(self, event) -> None:
-    pass
-
-  def flush(self) -> None:
-    pass
-
-
-def _abandon(events) -> None:
-  """Ends a tensorboardX ``EventFileWriter`` whose flush failed: its thread takes the queued
-  events into ``_Discard`` up to the stop sign, and the file is closed (what is still buffered
-  for it is lost; the error of that write was raised already)."""
-  if events._closed:
-    return
-  events._closed = True  # add_event, flush, and the close at exit, do nothing from now on
-  worker, queue, file = events._worker, events._event_queue, events._ev_writer
-  with watch_threads():  # a write the thread was making as it failed is not reported twice
-    worker._record_writer = _Discard()
-    worker.stop()  # the stop sign, then join
-  queue.close()
-  queue.join_thread()
-  try:
-    file._py_recordio_writer.close()  # the descriptor is closed even when the flush fails
-  except OSError:
-    pass
-  events._event_queue = events._worker = None
-
-
-class _NoEvents:
-  """TensorBoard switched off (``train.trackers`` without ``tensorboard``)."""
-
-  def add_scalar(self, *args, **kwargs) -> None:
-    pass
-
-  add_text = add_scalar
-
-  def close(self) -> None:
-    pass
+      tensorboard_events.close_events(self.tb)
 
 
 class NullSink:
