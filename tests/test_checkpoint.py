@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import make_cfg, read_lines, restore_state_arrays
+from conftest import make_cfg, read_lines, restore_state_arrays, xla_flags
 
 from jaxstep import CheckpointError, trainer
 from jaxstep.cli.checkpoints import table
@@ -284,7 +284,7 @@ def test_restore_across_device_layouts(tmp_path, save_devices, restore_devices):
     env = {
       **os.environ,
       "JAX_PLATFORMS": "cpu",
-      "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+      "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}"),
     }
     proc = subprocess.run(
       [sys.executable, str(script), mode, str(tmp_path / "ck")],

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
 
@@ -24,7 +25,7 @@ def test_python_api_walkthrough_runs_as_written(tmp_path):
   env = {
     **os.environ,
     "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
   }
   proc = subprocess.run(
     [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env

@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 
 import pytest
+from conftest import xla_flags
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -50,7 +51,7 @@ def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise():
   import subprocess
   import sys
 
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags()}  # no device count: the example chooses
   proc = subprocess.run(
     [sys.executable, str(EXAMPLES / "own_model.py"), "40"],
     capture_output=True,

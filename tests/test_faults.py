@@ -8,7 +8,7 @@ import os
 import pathlib
 
 import pytest
-from conftest import can_mount, make_cfg
+from conftest import can_mount, make_cfg, xla_flags
 from fault_helpers import IO_EXIT, SMALL, one_error, train_main
 
 from jaxstep.cli import train as train_cli
@@ -171,7 +171,7 @@ def test_memory_accepts_the_fsdp_mesh_that_train_accepts():
 
   if (os.cpu_count() or 1) < 2:
     pytest.skip("needs 2 cores for 2 CPU devices")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags()}  # no device count: the CLI splits the CPU
   proc = subprocess.run(
     [sys.executable, "-m", "jaxstep.memory", "mesh.fsdp=2"],
     capture_output=True,

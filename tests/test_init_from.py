@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import read_lines
+from conftest import read_lines, xla_flags
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_pretrained import FOLDER_TERMS, folder  # noqa: F401 - fixture
 from tolerance import assert_close, assert_far, planted
@@ -270,7 +270,7 @@ print("ok", len(leaves))
 
 def test_a_four_device_fsdp_import_equals_one_device_and_is_sharded(folder, tmp_path):  # noqa: F811
   path, _ = folder
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
   proc = subprocess.run(
     [sys.executable, "-c", FSDP_SCRIPT, str(path)], env=env, capture_output=True, text=True
   )

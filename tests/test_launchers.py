@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags
 from jax._src import clusters
 
 from jaxstep.errors import ConfigError
@@ -311,7 +312,7 @@ def clean_env(devices: int) -> dict:
   jaxstep = ("JAXSTEP_COORDINATOR", "JAXSTEP_NUM_PROCESSES", "JAXSTEP_PROCESS_ID")
   env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in jaxstep}
   env.pop("KUBERNETES_SERVICE_HOST", None)  # JAXSTEP_CACHE stays: the test session's cache
-  xla = f"--xla_force_host_platform_device_count={devices}"
+  xla = xla_flags(f"--xla_force_host_platform_device_count={devices}")
   return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla}
 
 

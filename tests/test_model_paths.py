@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 from flax import nnx
 from tolerance import assert_close, assert_far, planted
 
@@ -252,7 +253,7 @@ def test_scanned_remat_model_on_an_fsdp_mesh_matches_one_device(tmp_path):
     f"trainer.train(make_cfg(root, *{scanned!r})); "
     f"trainer.train(make_cfg(root, *{mesh!r}, 'train.max_steps=4'))"
   )
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
   proc = subprocess.run(
     [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
   )

@@ -59,7 +59,8 @@ def test_a_run_written_before_the_split_resumes_bitwise(tmp_path, monkeypatch):
   for s in (3, 4):
     # the same samples (the data position came back) and the same update on any CPU: the
     # fixture's numbers were computed on another machine, so the last bits may differ
-    assert resumed[s]["tokens"] == straight[s]["tokens"] and resumed[s]["lr"] == straight[s]["lr"]
+    assert resumed[s]["tokens"] == straight[s]["tokens"]
+    np.testing.assert_allclose(resumed[s]["lr"], straight[s]["lr"], rtol=1e-6)
     np.testing.assert_allclose(resumed[s]["loss"], straight[s]["loss"], rtol=1e-4)
   # steps 1-2 were written before the stop and are kept as they were
   assert resumed[2] == straight[2] | {

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,7 +46,7 @@ def measured(tmp_path_factory):
   out = tmp_path_factory.mktemp("scaling") / "scaling.json"
   cmd = [sys.executable, "-m", "benchmarks.scaling", "--config", "gpt-1.3b"]
   cmd += ["--data", "8", "--fsdp", "8", "--ks", "1,4", "--json", str(out), *MODEL]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags()}  # no device count: the benchmark chooses
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text())

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SMALL_MODEL, make_cfg, read_lines
+from conftest import SMALL_MODEL, make_cfg, read_lines, xla_flags
 from jax.sharding import PartitionSpec as P
 
 from jaxstep import ConfigError
@@ -26,7 +26,7 @@ def devices_env(n):
   return {
     **os.environ,
     "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+    "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={n}"),
   }
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import killable
+from conftest import killable, xla_flags
 from tolerance import assert_close, assert_far
 
 import jaxstep
@@ -291,7 +291,7 @@ print("same")
 @pytest.mark.slow
 def test_a_trainer_on_a_four_device_mesh_equals_one_device(tmp_path):
   script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
   done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
   assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
 
