@@ -42,25 +42,48 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   """``check_accumulation`` on ``cfg``'s model, optimizer and first global batch (dropout
   off), resolved by the same plan ``train`` uses."""
   from jaxstep import data, models
+  from jaxstep.core import preference
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
+  from jaxstep.trainer.plan import preference_plan
   from jaxstep.trainer.plan.numbers import make_plan
 
   plan = make_plan(cfg, read_data=True)
   cfg, dataset, t = plan.cfg, plan.dataset, plan.cfg.train
   model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
   apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
-  optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
+  optimizer = _frozen_left_alone(make_optimizer(cfg.optim, plan.schedule_steps), cfg, params)
   batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
+  pairs = bool(cfg.preference.loss)  # a preference run: its loss over pairs, N = the pairs
+  if loss_fn is None:
+    loss_fn = preference_plan.loss_fn(cfg, apply_fn) if pairs else next_token_loss(apply_fn)
   return check_accumulation(
-    loss_fn or next_token_loss(apply_fn),
+    loss_fn,
     params,
     jax.tree.map(jnp.asarray, batch),
     optimizer,
     _compared_k(t.grad_accum_steps, t.global_batch_size),
-    apply_fn=apply_fn,
+    apply_fn=None if pairs else apply_fn,  # the logits stage reads single sequences
+    units_fn=preference.pair_units if pairs else None,
     precision=t.precision,
   )
+
+
+def _frozen_left_alone(optimizer, cfg, params):
+  """``optimizer`` on the leaves the run trains (``train``'s choice: LoRA adapters,
+  ``optim.trainable``), the others' updates zero, as the step leaves them: clipping reads
+  the trainable leaves only, and a frozen leaf whose gradient is rounding noise around zero
+  (a key bias) is not blown up to ±lr by Adam's normalization and reported as a divergence."""
+  import optax
+
+  from jaxstep.core import freeze
+  from jaxstep.trainer.plan import steps
+
+  trainable = steps.trainable(cfg)
+  if trainable is None:
+    return optimizer
+  labels = jax.tree.map(lambda t: "train" if t else "frozen", freeze.mask(params, trainable))
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
 def main(argv=None) -> int:

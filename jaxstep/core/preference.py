@@ -54,6 +54,7 @@ orpo ``λ·π̄``. ``logps/*`` is ``π`` for dpo and ipo, ``π̄`` for simpo and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
@@ -78,6 +79,54 @@ METRICS = (
 )
 # ORPO's own extra metrics in TRL: the NLL term, mean logσ(log odds ratio), mean log odds ratio
 ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+PREFERENCE_REFERENCES = ("auto", "adapters", "none")  # auto: adapters for dpo/ipo, else none
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+  """Preference optimization on (prompt, chosen, rejected) pairs (``docs/preference.md``): with
+  ``loss`` set, ``data.path`` holds pairs and the run minimizes that loss; "" is supervised."""
+
+  loss: str = ""  # "" (supervised) | dpo | ipo | simpo | orpo
+  beta: float = 0.1  # β of dpo, ipo and simpo (ipo's target margin is 1/(2β))
+  label_smoothing: float = 0.0  # ε of dpo and simpo (conservative DPO), in [0, 0.5]
+  gamma: float = 0.5  # simpo: the target reward margin γ
+  cpo_alpha: float = 0.0  # simpo: weight of the chosen completion's NLL (1 = CPO-SimPO)
+  orpo_lambda: float = 0.1  # orpo: weight λ of the odds-ratio term
+  max_prompt_len: int = 0  # prompt tokens kept, its last ones (0 = half of train.seq_len)
+  reference: str = "auto"  # auto | adapters (the LoRA base: dpo, ipo) | none (simpo, orpo)
+
+  def __post_init__(self):
+    if self.loss and self.loss not in LOSSES:
+      raise ConfigError(
+        f"preference.loss must be one of {', '.join(LOSSES)} (or empty for a supervised "
+        f"run), got {self.loss!r}"
+      )
+    if self.reference not in PREFERENCE_REFERENCES:
+      raise ConfigError(
+        f"preference.reference must be one of {', '.join(PREFERENCE_REFERENCES)}, got "
+        f"{self.reference!r}"
+      )
+    if self.loss in REFERENCE_FREE and self.reference not in ("auto", "none"):
+      raise ConfigError(
+        f"preference.loss={self.loss} is reference-free; drop preference.reference={self.reference}"
+      )
+    if self.beta <= 0:
+      raise ConfigError(f"preference.beta must be > 0, got {self.beta}")
+    if not 0.0 <= self.label_smoothing <= 0.5:
+      raise ConfigError(
+        f"preference.label_smoothing must be in [0, 0.5], got {self.label_smoothing}"
+      )
+    if self.label_smoothing and self.loss in ("ipo", "orpo"):
+      raise ConfigError(f"preference.label_smoothing has no meaning for {self.loss}; drop it")
+    if self.max_prompt_len < 0:
+      raise ConfigError(f"preference.max_prompt_len must be >= 0, got {self.max_prompt_len}")
+
+  def prompt_len(self, seq_len: int) -> int:
+    """The prompt tokens a pair keeps: ``max_prompt_len``, or half of ``seq_len`` for 0."""
+    return self.max_prompt_len or max(seq_len // 2, 1)
 
 
 def pair_units(batch: Mapping[str, jax.Array]) -> jax.Array:

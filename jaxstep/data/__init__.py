@@ -7,7 +7,9 @@ or a folder), ``samples`` (documents → tokens with target flags), ``preparatio
 ``out_folder`` (which ``--out`` may be replaced), ``shards`` (memory-mapped windows with loss
 masks), ``data_config`` (``DataConfig``), ``single_corpus`` (one corpus → a ``Dataset``),
 ``mixture`` (several corpora mixed by weight), ``dataset`` (``load_dataset``, which picks
-one of those two; epoch order, global batches), ``loader`` (global batches read ahead by
+one of those two; epoch order, global batches), ``preference_pairs`` (a JSONL file of
+preference pairs → arrays), ``pair_dataset`` (a preference run's train and held-out pairs),
+``loader`` (global batches read ahead by
 Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
 
 ``BatchLoader`` is imported on first use, so that importing this package does not import
@@ -26,6 +28,7 @@ from jaxstep.data.dataset import (
   steps_per_epoch,
 )
 from jaxstep.data.manifest import read_manifest
+from jaxstep.data.pair_dataset import PairDataset, load_pair_dataset
 from jaxstep.data.preparation import prepare
 from jaxstep.data.shards import Windows
 from jaxstep.data.single_corpus import Dataset
@@ -41,6 +44,8 @@ __all__ = [
   "eval_batches",
   "global_batch",
   "load_dataset",
+  "load_pair_dataset",
+  "PairDataset",
   "load_tokenizer",
   "prepare",
   "prepared_tokenizer",

@@ -233,3 +233,15 @@ def merged(params, scale: float):
       )
     return out
   return params
+
+
+def adapters_off(params):
+  """``params`` with every adapter's ``B`` at zero: the model with its adapters switched off,
+  whose forward is its base's (``x·W + b + s·(x·A)·0`` adds exact zeros). A preference run's
+  reference is this, the same weights in memory, not a second copy of the model."""
+  if isinstance(params, dict):
+    out = {k: adapters_off(v) for k, v in params.items()}
+    if isinstance(params.get("lora"), dict) and "lora_b" in params["lora"]:
+      out["lora"] = {**out["lora"], "lora_b": jnp.zeros_like(params["lora"]["lora_b"])}
+    return out
+  return params

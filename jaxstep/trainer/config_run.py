@@ -28,7 +28,7 @@ from jaxstep.trainer.loop import assembly
 from jaxstep.trainer.loop.callbacks import Callback
 from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
-from jaxstep.trainer.plan import steps
+from jaxstep.trainer.plan import preference_plan, steps
 from jaxstep.trainer.plan.build import Run, build
 from jaxstep.trainer.saved_run.load import save_base_config, save_tokenizer
 from jaxstep.trainer.store import resume as resume_lib
@@ -54,10 +54,11 @@ def _checked(run: Run, rs: RunState, batch: dict, whole: bool) -> dict[str, np.n
   """Adds the fault-injection column if asked for, and checks on the host that a global
   batch this process holds whole has N > 0 tokens (else the guard reads N from metrics)."""
   t = run.cfg.train
+  units = batch["pair_mask"] if run.cfg.preference.loss else batch["loss_mask"]
   if t.debug_nan_step:
     nan = rs.step + 1 == t.debug_nan_step
-    batch["poison"] = np.full(len(batch["loss_mask"]), np.nan if nan else 0.0, np.float32)
-  if whole and not batch["loss_mask"].any():
+    batch["poison"] = np.full(len(units), np.nan if nan else 0.0, np.float32)
+  if whole and not units.any():
     raise EmptyBatchError(
       f"the global batch of epoch {rs.epoch}, step_in_epoch {rs.step_in_epoch} (update "
       f"step {rs.step + 1}) has no loss-masked tokens; raise train.global_batch_size or "
@@ -84,6 +85,8 @@ def evaluate(run: Run, params, split=None) -> dict:
   batches = data.eval_batches(split, t.global_batch_size, ds.pad_id, t.eval_batches)
   outputs = (run.eval_fn(params, parallel.put_batch(b, run.batch_sharding)) for b in batches)
   sums = summed(outputs, EVAL_IN_FLIGHT)
+  if run.cfg.preference.loss:
+    return preference_plan.eval_record(sums or {"loss": 0.0, "pairs": 0})
   return eval_record(*(np.zeros(3) if sums is None else sums))
 
 
@@ -257,7 +260,7 @@ def run_loop(
       resumed=rs.step > 0,
     ),
     throughput=assembly.Throughput(
-      tokens_per_step=t.global_batch_size * t.seq_len,
+      tokens_per_step=t.global_batch_size * t.seq_len * (2 if run.cfg.preference.loss else 1),
       flops_per_token=run.flops_per_token,
       peak_flops=peak_flops_per_device(t.peak_tflops),
       host_fields=getattr(run.dataset.train, "source_tokens", None),  # a mixture's, per source

@@ -5,8 +5,8 @@ config loads nothing but this and ``loading``/``values``.
 
 Sections: ``model`` (``jaxstep.models``' GPT or Llama config), ``data``
 (``jaxstep.data.DataConfig``), ``train`` (``TrainConfig``), ``optim``
-(``jaxstep.core.optim.OptimConfig``), ``checkpoint``, ``mesh``, ``eval``, ``mlflow``,
-``wandb`` and ``run_dir``. Step counts are update steps.
+(``jaxstep.core.optim.OptimConfig``), ``checkpoint``, ``mesh``, ``eval``, ``preference``,
+``mlflow``, ``wandb`` and ``run_dir``. Step counts are update steps.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from jaxstep.core import geometry
 from jaxstep.core.optim import OptimConfig
 from jaxstep.core.precision import PRECISIONS
+from jaxstep.core.preference import REFERENCE_FREE, PreferenceConfig
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig, LlamaConfig
@@ -310,6 +311,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
   eval: EvalConfig = EvalConfig()
+  preference: PreferenceConfig = PreferenceConfig()
   mlflow: MlflowConfig = MlflowConfig()
   wandb: WandbConfig = WandbConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
@@ -319,6 +321,8 @@ class Config:
       raise ConfigError("run_dir is empty; name the folder for the run's outputs")
     if not self.data.path.strip():
       raise ConfigError("data.path is empty; name a prepared folder, file, directory or glob")
+    if self.preference.loss:
+      check_preference_run(self)
     if self.data.sources and self.train.epochs:
       raise ConfigError(
         "train.epochs has no meaning for a mixture (data.sources): its sources cycle at their "
@@ -329,3 +333,27 @@ class Config:
         f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
         f"{self.model.max_seq_len}; raise model.max_seq_len"
       )
+
+
+def check_preference_run(cfg: Config) -> None:
+  """What a preference run (``preference.loss`` set) cannot combine with."""
+  p = cfg.preference
+  if p.loss not in REFERENCE_FREE and not cfg.model.lora.rank:
+    raise ConfigError(
+      f"preference.loss={p.loss} compares the model with a reference: train LoRA adapters "
+      f"(model.lora.rank > 0), whose base is the reference, or use a reference-free loss "
+      f"(preference.loss=simpo or orpo)"
+    )
+  if p.loss not in REFERENCE_FREE and p.reference == "none":
+    raise ConfigError(f"preference.loss={p.loss} needs a reference; set preference.reference")
+  if cfg.data.sources:
+    raise ConfigError("a preference run reads one pairs file (data.path), not data.sources")
+  if cfg.eval.sets:
+    raise ConfigError(
+      "a preference run evaluates its held-out pairs (data.eval_fraction); drop eval.sets"
+    )
+  if cfg.preference.max_prompt_len > cfg.train.seq_len:
+    raise ConfigError(
+      f"preference.max_prompt_len {cfg.preference.max_prompt_len} exceeds train.seq_len "
+      f"{cfg.train.seq_len}: no completion token would fit; lower it or raise train.seq_len"
+    )

@@ -18,7 +18,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.evaluation import eval_sets, text_samples
-from jaxstep.trainer.plan import init_from, steps
+from jaxstep.trainer.plan import init_from, preference_plan, steps
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState
 from jaxstep.trainer.tracking import trackers
@@ -31,7 +31,7 @@ class Run:
   cfg: config_lib.Config  # resolved: vocabulary and K are numbers
   dataset: data.Dataset
   step_fn: Callable  # jitted (state, batch) -> (state, metrics), state donated
-  eval_fn: Callable  # jitted (params, batch) -> (nll_sum, tokens, target UTF-8 bytes)
+  eval_fn: Callable  # jitted (params, batch) -> sums: (nll, tokens, target UTF-8 bytes); pairs'
   mesh: Mesh
   batch_sharding: NamedSharding  # samples over every device
   total_steps: int  # update steps this run will take in all (max_steps / epochs)
@@ -85,7 +85,12 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
-  eval_step = steps.make_eval_step(apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size)
+  if cfg.preference.loss:
+    eval_step = preference_plan.make_eval_step(cfg, apply_fn)
+  else:
+    eval_step = steps.make_eval_step(
+      apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size
+    )
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
   run = Run(
     cfg=cfg,

@@ -235,6 +235,21 @@ def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[
   return auto_accum.choose(t.global_batch_size, mesh.devices.size, compile_k, budget)
 
 
+def load_data(cfg: config_lib.Config):
+  """A run's data: the pairs of a preference run (``preference.loss``), else the corpus or
+  mixture of ``cfg.data``."""
+  t, p = cfg.train, cfg.preference
+  if p.loss:
+    return data.load_pair_dataset(
+      cfg.data.path,
+      cfg.data.tokenizer,
+      seq_len=t.seq_len,
+      max_prompt_len=p.prompt_len(t.seq_len),
+      eval_fraction=cfg.data.eval_fraction,
+    )
+  return data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
+
+
 def make_plan(
   cfg: config_lib.Config, dataset: data.Dataset | None = None, *, read_data: bool = False
 ) -> Plan:
@@ -247,7 +262,7 @@ def make_plan(
   memory = device_memory.device_memory_bytes()
   refuse_what_cannot_fit(cfg, mesh, memory)  # before the data is read: a vocabulary of 0 counts 0
   if dataset is None and (read_data or cfg.model.vocab_size == 0 or t.epochs):
-    dataset = data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
+    dataset = load_data(cfg)
   if dataset is not None:
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
     refuse_what_cannot_fit(cfg, mesh, memory)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import models, parallel
-from jaxstep.core import freeze
+from jaxstep.core import freeze, preference
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.losses import document_fields, masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
@@ -19,6 +19,7 @@ from jaxstep.core.step import make_train_step
 from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import TrainConfig
+from jaxstep.trainer.plan import preference_plan
 
 
 def loss_scaler(t: TrainConfig) -> DynamicLossScale | None:
@@ -46,8 +47,9 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
   """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps and an lr schedule
   spanning ``schedule_steps`` update steps."""
   t = cfg.train
-  loss_fn = next_token_loss(apply_fn)
-  return make_train_step(
+  pairs = bool(cfg.preference.loss)
+  loss_fn = preference_plan.loss_fn(cfg, apply_fn) if pairs else next_token_loss(apply_fn)
+  step = make_train_step(
     _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
     make_optimizer(cfg.optim, schedule_steps),
     grad_accum_steps=k,
@@ -58,7 +60,9 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
     trainable=trainable(cfg),
+    units_fn=preference.pair_units if pairs else None,
   )
+  return preference_plan.with_pair_means(step) if pairs else step
 
 
 def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
@@ -101,17 +105,21 @@ def compile_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: i
   (abstract or concrete) and an abstract global batch: what ``memory`` and ``auto`` measure."""
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   step = train_step(cfg, apply_fn, mesh, schedule_steps, k)
-  return jit_step(step, state_sh, mesh).lower(state, abstract_batch(cfg.train, mesh)).compile()
+  return jit_step(step, state_sh, mesh).lower(state, abstract_batch(cfg, mesh)).compile()
 
 
-def abstract_batch(t: TrainConfig, mesh: Mesh) -> dict:
+def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
   """A global batch's shapes, dtypes and sharding (what the loop feeds the step)."""
+  t = cfg.train
   sharding = parallel.batch_sharding(mesh)
   shape = (t.global_batch_size, t.seq_len)
-  batch = {
-    k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-    for k in ("inputs", "targets", "loss_mask")
-  }
+  if cfg.preference.loss:
+    batch = preference_plan.abstract_batch(t.global_batch_size, t.seq_len, mesh)
+  else:
+    batch = {
+      k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+      for k in ("inputs", "targets", "loss_mask")
+    }
   if t.debug_nan_step:
     batch["poison"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
   return batch

@@ -51,6 +51,9 @@ def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
   """Copies the dataset's tokenizer file (if it has one; a model folder's tokenizer files
   into ``run_dir/tokenizer/``) into ``run_dir``, each file atomically: a kill during the
   copy leaves the previous copy, never a cut one generate would fail on."""
+  if hasattr(dataset, "tokenizer_files"):  # a preference run's pairs: the tokenizer itself
+    _copy_tokenizer_files(run_dir, dataset.tokenizer_spec, dataset.tokenizer_files())
+    return
   entry = dataset.manifest["tokenizer"]
   source = None if entry["file"] is None else dataset.folder / entry["file"]
   if source is not None and source.is_dir():
@@ -61,6 +64,17 @@ def save_tokenizer(run_dir: pathlib.Path, dataset: data.Dataset) -> None:
     suffix = pathlib.Path(entry["file"]).suffix
     copy = (dataset.folder / entry["file"]).read_bytes()
     records.write_atomic(run_dir / f"tokenizer{suffix}", copy)
+
+
+def _copy_tokenizer_files(run_dir: pathlib.Path, spec: str, files: list[pathlib.Path]) -> None:
+  """A model folder's tokenizer files into ``run_dir/tokenizer/``, a tokenizer file as
+  ``run_dir/tokenizer<suffix>`` (nothing for bytes), as a prepared corpus's are copied."""
+  if pathlib.Path(spec).is_dir():
+    (run_dir / "tokenizer").mkdir(exist_ok=True)
+    for file in files:
+      records.write_atomic(run_dir / "tokenizer" / file.name, file.read_bytes())
+  for file in [] if pathlib.Path(spec).is_dir() else files:
+    records.write_atomic(run_dir / f"tokenizer{file.suffix}", file.read_bytes())
 
 
 def save_base_config(run_dir: pathlib.Path, model_cfg) -> None:

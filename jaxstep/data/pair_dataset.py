@@ -1,0 +1,130 @@
+"""A preference run's data: a JSONL file of pairs (``preference_pairs``) split into train
+and held-out pairs, each a split that the epoch order and the loaders read as they read
+windows (``len`` and ``rows``), so a preference run's batches, their order and a resumed
+run's position are the supervised run's.
+
+The unit of a split is the pair: ``len`` counts pairs, a global batch is G pairs, and the
+last batch of an epoch is padded with rows of ``pair_mask`` 0, which the step's unit count
+(``Σ pair_mask``) leaves out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import pathlib
+
+import numpy as np
+
+from jaxstep.data import hf_folder, preference_pairs, readers
+from jaxstep.data.preference_pairs import PairCounts, PairSet
+from jaxstep.data.preparation import eval_mask
+from jaxstep.data.tokenizer_loading import load_tokenizer
+
+log = logging.getLogger("jaxstep")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSplit:
+  """Some of a ``PairSet``'s pairs, in file order (``index`` into the set)."""
+
+  pairs: PairSet
+  index: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+  def rows(self, index: np.ndarray, n: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Pairs ``index`` of this split as ``n`` batch rows, the rest padding (``pair_mask``
+    0); ``pad_id`` is unused: a padding row is zeros, read by nothing."""
+    del pad_id
+    return preference_pairs.pair_batch(self.pairs, self.index[np.asarray(index)], n)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairDataset:
+  """What a preference run reads: ``train`` and ``eval`` (``None`` without held-out pairs)
+  splits of one file's pairs, with the fields a run reads of any dataset."""
+
+  train: PairSplit
+  eval: PairSplit | None
+  counts: PairCounts
+  fingerprint: str  # of the files' bytes, the tokenizer and the length settings
+  pad_id: int
+  vocab_size: int
+  tokenizer_spec: str  # data.tokenizer: "byte", a file, or a model folder
+  kind: str = "pairs"
+  source_evals: dict = dataclasses.field(default_factory=dict)  # no mixture: none
+
+  @functools.cached_property
+  def tokenizer(self):
+    return load_tokenizer(self.tokenizer_spec)
+
+  def tokenizer_files(self) -> list[pathlib.Path]:
+    """The files that carry the tokenizer (none for bytes): what a run dir keeps a copy of."""
+    if self.tokenizer_spec == "byte":
+      return []
+    path = pathlib.Path(self.tokenizer_spec)
+    return hf_folder.tokenizer_files(path) if path.is_dir() else [path]
+
+
+def load_pair_dataset(
+  path: str,
+  tokenizer: str,
+  *,
+  seq_len: int,
+  max_prompt_len: int | None,
+  eval_fraction: float,
+) -> PairDataset:
+  """The pairs of ``path`` (a JSONL file, folder or glob) encoded with ``tokenizer``, cut
+  to the lengths (``preference_pairs.pair_set``), ``eval_fraction`` of them held out by a
+  fixed hash of the pair's place (the held-out pairs do not move with ``train.seed``).
+
+  Raises:
+    DataError: the file's rows (one line naming the row), or no pair kept.
+  """
+  tok = load_tokenizer(tokenizer)
+  rows = preference_pairs.read_pairs(path)
+  pairs = preference_pairs.pair_set(rows, tok, seq_len=seq_len, max_prompt_len=max_prompt_len)
+  held = eval_mask(0, len(pairs), eval_fraction)
+  if held.all():  # a tiny file: keep one pair to train on
+    held[0] = False
+  c = pairs.counts
+  log.info(
+    "preference pairs: %d rows read, %d kept (%d held out); %d prompts and %d completions "
+    "truncated, %d pairs dropped (a completion kept no token)",
+    c.rows,
+    len(pairs),
+    int(held.sum()),
+    c.prompt_truncated,
+    c.completion_truncated,
+    c.dropped,
+  )
+  digest = _fingerprint(path, tokenizer, tok, seq_len, max_prompt_len, eval_fraction)
+  return PairDataset(
+    train=PairSplit(pairs, np.flatnonzero(~held)),
+    eval=PairSplit(pairs, np.flatnonzero(held)) if held.any() else None,
+    counts=c,
+    fingerprint=digest,
+    pad_id=tok.PAD,
+    vocab_size=tok.vocab_size,
+    tokenizer_spec=tokenizer,
+  )
+
+
+def _fingerprint(path, spec, tok, seq_len, max_prompt_len, eval_fraction) -> str:
+  """sha256 of what decides the pairs' arrays: the files' names and bytes, the tokenizer
+  (its description and files) and the settings. A resume checks it as it checks a corpus's."""
+  h = hashlib.sha256()
+  for file in readers.list_files(path, "jsonl"):
+    h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+  if spec != "byte":
+    p = pathlib.Path(spec)
+    h.update(hf_folder.folder_digest(p).encode() if p.is_dir() else p.read_bytes())
+  settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
+  settings["eval_fraction"] = eval_fraction
+  h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  return h.hexdigest()[:16]

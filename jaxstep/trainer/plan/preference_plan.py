@@ -1,0 +1,105 @@
+"""What a preference run (``preference.loss`` set) builds in place of a supervised run's
+parts: its loss with the reference it names, its abstract batch, its evaluation step, and
+the per-pair means its metrics report.
+
+The reference of dpo and ipo is the model with its LoRA adapters switched off
+(``lora.adapters_off``: the same weights, no second copy in memory); simpo and orpo have
+none. Every sum is over real pairs and divided by the global number of pairs, the step's
+unit (``pair_units``), so K micro-batches and any number of devices give one big batch's
+update and metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxstep import parallel
+from jaxstep.core import preference
+from jaxstep.models import lora
+from jaxstep.trainer.config import loading as config_lib
+
+# the metrics a step reports as sums over pairs and a record shows as means over them
+MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
+
+
+def reference_kind(cfg: config_lib.Config) -> str:
+  """``"none"`` (simpo, orpo) or ``"adapters"`` (dpo, ipo: the config's checks made sure
+  the run has LoRA adapters), what ``preference.reference: auto`` picks."""
+  return "none" if cfg.preference.loss in preference.REFERENCE_FREE else "adapters"
+
+
+def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -> Callable:
+  """The step's ``loss_fn`` for ``cfg.preference``: summed over the micro-batch's pairs;
+  ``train=False`` runs the model without dropout (an evaluation)."""
+  p = cfg.preference
+  if not train:
+    model = apply_fn
+    apply_fn = lambda params, inputs, **kw: model(params, inputs, train=False)  # noqa: E731
+  reference = None
+  if reference_kind(cfg) == "adapters":
+
+    def reference(params, inputs):
+      return apply_fn(lora.adapters_off(params), inputs, train=False)
+
+  options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
+  options["orpo"] = {"orpo_lambda": p.orpo_lambda}
+  return preference.preference_loss(
+    apply_fn,
+    loss=p.loss,
+    beta=p.beta,
+    label_smoothing=p.label_smoothing,
+    reference=reference,
+    **options.get(p.loss, {}),
+  )
+
+
+def with_pair_means(step):
+  """``step`` (a ``make_train_step`` result) whose metrics hold ``MEAN_METRICS`` as means
+  over the global batch's real pairs (the step's N, ``metrics["tokens"]``), as TRL logs
+  them; the loss is such a mean already."""
+
+  def train_step(state, batch):
+    state, metrics = step(state, batch)
+    pairs = jnp.maximum(metrics["tokens"].astype(jnp.float32), 1.0)
+    means = {k: metrics[k] / pairs for k in MEAN_METRICS if k in metrics}
+    return state, {**metrics, **means}
+
+  train_step.init = step.init
+  return train_step
+
+
+def abstract_batch(global_batch_size: int, seq_len: int, mesh: Mesh) -> dict:
+  """A global batch of pairs' shapes, dtypes and sharding (what the loop feeds the step)."""
+  sharding = parallel.batch_sharding(mesh)
+  shape = (global_batch_size, seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in _FIELDS}
+  batch["pair_mask"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=sharding)
+  return batch
+
+
+_FIELDS = preference.PAIR_FIELDS
+
+
+def make_eval_step(cfg: config_lib.Config, apply_fn: Callable) -> Callable:
+  """``(params, batch) -> {"loss": Σ, "pairs": Σ pair_mask, **metric sums}`` over a batch of
+  pairs, the model without dropout."""
+  pair_loss = loss_fn(cfg, apply_fn, train=False)
+
+  def eval_step(params, batch):
+    loss_sum, aux = pair_loss(params, batch, jax.random.PRNGKey(0))
+    return {"loss": loss_sum, "pairs": preference.pair_units(batch), **aux}
+
+  return eval_step
+
+
+def eval_record(sums: dict, prefix: str = "eval_") -> dict:
+  """An evaluation's record from the sums of ``make_eval_step`` over its batches: the mean
+  loss and metrics per real pair, and the number of pairs."""
+  pairs = max(float(sums["pairs"]), 1.0)
+  record = {f"{prefix}loss": float(sums["loss"]) / pairs, f"{prefix}pairs": int(sums["pairs"])}
+  record |= {f"{prefix}{k}": float(v) / pairs for k, v in sums.items() if k in MEAN_METRICS}
+  return record

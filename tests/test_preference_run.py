@@ -1,0 +1,146 @@
+"""Preference runs (``preference.loss``) through ``jaxstep train``: pairs read from JSONL,
+the loss normalized by the global number of pairs (K micro-batches and a padded last batch
+give one big batch's numbers), the LoRA base as the reference, TRL's metric names as means,
+evaluation on held-out pairs, and one-line refusals."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL, read_lines
+
+from jaxstep import models
+from jaxstep.cli import train as train_cli
+from jaxstep.trainer import config_run
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan.build import build
+
+BASE = [
+  *SMALL_MODEL,
+  "train.global_batch_size=8",
+  "train.grad_accum_steps=2",
+  "train.max_steps=3",
+  "train.schedule_steps=8",
+  "train.log_every=1",
+  "train.eval_every=0",
+  "data.eval_fraction=0",
+  "optim.lr=3e-3",
+  "optim.warmup_steps=0",
+  "preference.max_prompt_len=12",  # "12 + 34 = " and BOS: 11 tokens
+]
+DPO = ["preference.loss=dpo", "preference.beta=0.5", "model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def sums_file(tmp_path, n=20, seed=0):
+  """``n`` pairs from sums: prompt ``"a + b = "``, chosen the right answer, rejected a wrong
+  one (the bundled corpus's task as preferences)."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  sums = rng.integers(0, 50, (n, 2))
+  for (a, b), d in zip(sums, rng.integers(1, 9, n), strict=True):
+    rows.append({"prompt": f"{a} + {b} = ", "chosen": f"{a + b}", "rejected": f"{a + b + d}"})
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def cfg_for(tmp_path, *overrides, name="run"):
+  path = sums_file(tmp_path)
+  args = [*BASE, f"data.path={path}", f"run_dir={tmp_path / name}", *overrides]
+  return config_lib.load(None, args)
+
+
+def logged(run_dir):
+  return read_lines(run_dir / "metrics.jsonl")
+
+
+def test_a_lora_dpo_run_starts_at_ln2_with_zero_rewards(tmp_path):
+  """The adapters start at zero, so the policy is its reference: every pair's DPO loss is
+  −log σ(0) = ln 2 and every reward 0 (no chosen reward beats its rejected one)."""
+  config_run.train(cfg_for(tmp_path, *DPO, "train.max_steps=1"))
+  first = logged(tmp_path / "run")[0]
+  assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+  for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+    assert first[name] == 0.0, name
+  assert first["tokens"] == 8  # the step's unit: pairs
+  assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+
+
+def test_k_micro_batches_and_a_padded_last_batch_equal_one_big_batch(tmp_path):
+  """20 pairs in global batches of 8: the third holds 4 real pairs and 4 padding rows. With
+  K = 1, 2 and 4 micro-batches every update's loss and metrics agree (the mean over real
+  pairs of the whole global batch, never a mean of micro-batch means)."""
+  runs = {}
+  for k in (1, 2, 4):
+    name = f"k{k}"
+    config_run.train(cfg_for(tmp_path, *DPO, f"train.grad_accum_steps={k}", name=name))
+    runs[k] = logged(tmp_path / name)
+  assert [r["tokens"] for r in runs[1]] == [8, 8, 4]
+  for k in (2, 4):
+    for a, b in zip(runs[1], runs[k], strict=True):
+      for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        # fp32 sums of a micro-batch's log-probs (tens of nats) in another order: ~1e-6
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-5, err_msg=key)
+  assert runs[1][-1]["loss"] < math.log(2)  # it learns to prefer the right sums
+
+
+def test_a_simpo_run_needs_no_reference_and_its_first_loss_is_computed_by_hand(tmp_path):
+  """Full fine-tuning with SimPO (reference-free): the first update's loss is the mean over
+  the batch's pairs of −log σ(β·(π̄_c − π̄_r) − γ), computed here from the model's logits."""
+  cfg = cfg_for(tmp_path, "preference.loss=simpo", "preference.beta=2.0", "train.max_steps=1")
+  run, state, rs = build(cfg)
+  batch = config_run.next_batch(run, rs)
+  params = jax.device_get(state.params)
+  apply_fn, _ = models.build(run.cfg.model, jax.random.PRNGKey(0), abstract=True)
+
+  def mean_logp(side):
+    logits = np.asarray(apply_fn(params, jnp.asarray(batch[f"{side}_inputs"])), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, batch[f"{side}_targets"][..., None], -1)[..., 0]
+    mask = batch[f"{side}_mask"]
+    return (picked * mask).sum(1) / mask.sum(1)
+
+  z = 2.0 * (mean_logp("chosen") - mean_logp("rejected")) - 0.5
+  want = np.mean(np.log1p(np.exp(-z)))
+  config_run.train(cfg)  # builds the same run again, and trains it
+  assert logged(tmp_path / "run")[0]["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_held_out_pairs_are_evaluated_with_the_same_names(tmp_path):
+  config_run.train(cfg_for(tmp_path, *DPO, "data.eval_fraction=0.25", "train.max_steps=2"))
+  (record,) = read_lines(tmp_path / "run" / "eval.jsonl")
+  assert record["step"] == 2 and record["eval_pairs"] >= 1
+  assert set(record) >= {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"}
+  assert 0 <= record["eval_rewards/accuracies"] <= 1
+
+
+@pytest.mark.parametrize(
+  "overrides, words",
+  [
+    (["preference.loss=dpo"], "model.lora.rank > 0"),
+    (["preference.loss=simpo", "preference.reference=adapters"], "reference-free"),
+    (["preference.loss=kto"], "preference.loss"),
+  ],
+)
+def test_a_preference_config_that_cannot_run_is_one_line_and_exit_2(
+  tmp_path, capsys, overrides, words
+):
+  path = sums_file(tmp_path)
+  args = [*BASE, f"data.path={path}", f"run_dir={tmp_path / 'run'}", *overrides]
+  assert train_cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and words in err[0], err
+  assert not (tmp_path / "run").exists()
+
+
+def test_check_compares_k_micro_batches_of_pairs_with_one(tmp_path, capsys):
+  from jaxstep.cli import check as check_cli
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
+  assert check_cli.main(args) == 0, capsys.readouterr().out
+  assert "PASS" in capsys.readouterr().out
