@@ -3,6 +3,7 @@ the loss normalized by the global number of pairs (K micro-batches and a padded 
 give one big batch's numbers), the LoRA base as the reference, TRL's metric names as means,
 evaluation on held-out pairs, and one-line refusals."""
 
+import dataclasses
 import json
 import math
 
@@ -144,3 +145,107 @@ def test_check_compares_k_micro_batches_of_pairs_with_one(tmp_path, capsys):
   args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
   assert check_cli.main(args) == 0, capsys.readouterr().out
   assert "PASS" in capsys.readouterr().out
+
+
+def test_a_dpo_run_exports_and_generates_as_a_supervised_run_does(tmp_path, capsys):
+  """A LoRA DPO run is a LoRA run: its merged export is a GPT-2 folder, its adapters a
+  PEFT folder, and generate decodes from the run dir with the tokenizer it kept."""
+  from jaxstep.cli import run as run_command
+
+  config_run.train(cfg_for(tmp_path, *DPO, "train.max_steps=2"))
+  run_dir = tmp_path / "run"
+  assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+  assert (tmp_path / "hf" / "config.json").is_file()
+  assert run_command("export", [str(run_dir), "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+  assert (
+    run_command("generate", [str(run_dir), "--prompt", "12 + 30 = ", "--max-new-tokens", "3"]) == 0
+  )
+  assert "12 + 30 = " in capsys.readouterr().out
+
+
+def test_the_lora_reference_is_the_base_models_forward_bitwise(tmp_path):
+  """The reference of a LoRA run's dpo is its params with the adapters off: the same logits,
+  to the bit, as the model built without adapters on the base weights."""
+  from jaxstep.models import lora
+
+  cfg = dataclasses.replace(cfg_for(tmp_path, *DPO).model, vocab_size=264)
+  lora_fn, params = models.build(cfg, jax.random.PRNGKey(0))
+  trained = jax.tree_util.tree_map_with_path(  # adapters as after training: B no longer 0
+    lambda p, x: x + 0.1 if jax.tree_util.keystr(p).endswith("['lora_b']") else x, params
+  )
+  base_cfg = dataclasses.replace(cfg, lora=lora.LoraConfig())
+  base_fn, _ = models.build(base_cfg, jax.random.PRNGKey(0), abstract=True)
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 16)), jnp.int32)
+  assert not np.array_equal(lora_fn(trained, ids), base_fn(lora.merged(params, 1.0), ids))
+  want = base_fn(lora.merged(params, 1.0), ids)  # B = 0: the base weights themselves
+  assert np.array_equal(lora_fn(lora.adapters_off(trained), ids), want)
+
+
+def _cli_run(tmp_path, name, *overrides):
+  import subprocess
+  import sys
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / name}", *overrides]
+  done = subprocess.run([sys.executable, "-m", "jaxstep.train", *args], capture_output=True)
+  assert done.returncode == 0, done.stderr.decode()[-2000:]
+  return logged(tmp_path / name)
+
+
+@pytest.mark.slow
+def test_a_dpo_run_on_four_devices_equals_one_device(tmp_path):
+  """Data over 4 devices (some hold only padding rows in the last batch) and the params
+  over 4 (fsdp): the same losses and metrics as one device."""
+  one = _cli_run(tmp_path, "one", "mesh.cpu_devices=1")
+  for name, mesh in {"data": ["mesh.data=4"], "fsdp": ["mesh.fsdp=4", "mesh.data=1"]}.items():
+    got = _cli_run(tmp_path, name, "mesh.cpu_devices=4", *mesh)
+    for a, b in zip(one, got, strict=True):
+      assert a["tokens"] == b["tokens"]
+      for key in ("loss", "rewards/accuracies", "rewards/margins", "logps/rejected"):
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_a_dpo_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+  from conftest import restore_state_arrays, straight_and_killed
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *DPO, f"data.path={path}", "train.max_steps=6", "checkpoint.every=2"]
+  straight, killed = straight_and_killed(tmp_path, [*args, "mesh.cpu_devices=1"], kill_at=2)
+  (step_a, a), (step_b, b) = restore_state_arrays(straight), restore_state_arrays(killed)
+  assert step_a == step_b == 6
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+  assert [r["loss"] for r in logged(straight)] == [r["loss"] for r in logged(killed)]
+
+
+def test_the_trainer_takes_the_preference_loss_with_pairs_as_its_unit(tmp_path):
+  """From Python: ``preference_loss`` and ``pair_units`` plug into ``jaxstep.Trainer`` with
+  batches of pairs; K = 2 trains as K = 1, and the first DPO loss of LoRA is ln 2."""
+  from jaxstep import Trainer, data
+  from jaxstep.core.optim import OptimConfig
+  from jaxstep.core.preference import pair_units, preference_loss
+  from jaxstep.models import lora
+
+  path = str(sums_file(tmp_path))
+  pairs = data.load_pair_dataset(path, "byte", seq_len=16, max_prompt_len=12, eval_fraction=0)
+  model_cfg = dataclasses.replace(cfg_for(tmp_path, *DPO).model, vocab_size=264)
+  apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(0))
+
+  def reference(p, inputs):
+    return apply_fn(lora.adapters_off(p), inputs, train=False)
+
+  loss_fn = preference_loss(apply_fn, loss="dpo", beta=0.5, reference=reference)
+  batches = [data.global_batch(pairs.train, 0, 0, step, 8, 0) for step in range(3)]
+  optim = OptimConfig(lr=3e-3, warmup_steps=0, trainable=(lora.ADAPTER,))
+  losses = {}
+  for k in (1, 2):
+    train = {"global_batch_size": 8, "grad_accum_steps": k, "max_steps": 3, "log_every": 1}
+    train |= {"eval_every": 0, "progress": False}
+    run_dir = tmp_path / f"k{k}"
+    Trainer(
+      loss_fn, params, optim, train_data=batches, run_dir=run_dir, train=train, units_fn=pair_units
+    ).fit()
+    losses[k] = [r["loss"] for r in logged(run_dir)]
+  assert losses[1][0] == pytest.approx(math.log(2), rel=1e-6)
+  np.testing.assert_allclose(losses[2], losses[1], rtol=2e-5)
