@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL, read_lines
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
 
 from jaxstep import models
 from jaxstep.cli import train as train_cli
@@ -249,3 +251,71 @@ def test_the_trainer_takes_the_preference_loss_with_pairs_as_its_unit(tmp_path):
     losses[k] = [r["loss"] for r in logged(run_dir)]
   assert losses[1][0] == pytest.approx(math.log(2), rel=1e-6)
   np.testing.assert_allclose(losses[2], losses[1], rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_the_dpo_hf_config_tunes_a_model_folder_on_chat_pairs_and_exports(
+  folder,  # noqa: F811
+  tmp_path,
+  monkeypatch,
+  capsys,
+):
+  """``configs/dpo-hf.yaml`` on a Qwen3 folder with a chat template: the bundled chat pairs
+  rendered by the folder's template, LoRA with the folder's model as the reference (the
+  first loss is ln 2), then a merged export carrying the template."""
+  from test_chat_sft import CHATML
+
+  from jaxstep.cli import run as run_command
+
+  path, _ = folder
+  (path / "chat_template.jinja").write_text(CHATML)
+  monkeypatch.setenv("HF_MODEL", str(path))
+  run_dir = tmp_path / "dpo"
+  args = ["--config", "dpo-hf", f"run_dir={run_dir}", "train.max_steps=2", "train.log_every=1"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "mesh.cpu_devices=1"]
+  assert run_command("train", args) == 0, capsys.readouterr().err
+  first = logged(run_dir)[0]
+  assert first["loss"] == pytest.approx(math.log(2), rel=1e-6) and first["tokens"] == 8
+  assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+  assert (tmp_path / "hf" / "chat_template.jinja").read_text() == CHATML
+
+
+@pytest.mark.parametrize(
+  "rows, words",
+  [
+    ([{"prompt": "1 + 1 = ", "rejected": "3"}], "pairs.jsonl:1: no 'chosen' field"),
+    ([{"prompt": "1 + 1 = " * 9, "chosen": "2", "rejected": "3"}], "all 1 pairs were dropped"),
+    (
+      [{"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [], "rejected": []}],
+      "empty list",
+    ),
+  ],
+)
+def test_bad_pairs_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, rows, words):
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
+  args.remove("preference.max_prompt_len=12")  # 0: half of seq_len, 8 tokens
+  args.append("preference.max_prompt_len=16")  # the whole window: no room for a completion
+  assert train_cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and words in err[0], err
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_ledger_counts_pairs_and_names_the_reference(tmp_path, capsys):
+  """A pair is two sequences in one forward: the ledger predicts a preference batch of G
+  pairs as a supervised batch of 2G sequences, and says what the reference holds."""
+  from jaxstep.cli import memory as memory_cli
+  from jaxstep.trainer.plan.memory import predicted_bytes
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
+  assert memory_cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert "micro-batch 4 pairs per device" in out and "the reference is the LoRA base" in out
+  pairs = config_lib.load(None, [*args, "model.vocab_size=264"])
+  sft = dataclasses.replace(pairs, preference=type(pairs.preference)())
+  double = dataclasses.replace(sft, train=dataclasses.replace(sft.train, global_batch_size=16))
+  got, want = (predicted_bytes(c, 10_000, 2, 1, 1) for c in (pairs, double))
+  assert got["activations"] == want["activations"] and got["batch"] == want["batch"]

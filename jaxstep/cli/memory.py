@@ -23,9 +23,10 @@ def report(cfg) -> str:
   gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
   k, rows = c["grad_accum_steps"], cfg.train.global_batch_size // (c["grad_accum_steps"] * dp)
   trains = "" if t is None else f" (T = {t:,} train, {p - t:,} frozen)"
+  unit = " pairs" if cfg.preference.loss else ""
   lines = [
     f"P = {p:,} parameters{trains}; mesh data={c['data']} fsdp={c['fsdp']}; "
-    f"precision {cfg.train.precision}; K = {k} (micro-batch {rows} per device); "
+    f"precision {cfg.train.precision}; K = {k} (micro-batch {rows}{unit} per device); "
     f"remat {cfg.model.remat}, scan_layers {str(cfg.model.scan_layers).lower()}; per device:",
     "",
     f"textbook mixed-precision Adam (16 B/param), D = {dp}:",
@@ -57,6 +58,8 @@ def report(cfg) -> str:
     f"  {'peak: arguments + outputs − aliased + temps':<48} {gib(c['peak_bytes'])}",
     f"  {'predicted ÷ compiled peak':<48} {predicted['peak'] / c['peak_bytes']:9.3f}",
   ]
+  if cfg.preference.loss:
+    lines += ["", preference_line(c["cfg"])]
   if c["auto_table"]:
     budget = c["budget_bytes"]
     lines += ["", f"grad_accum_steps=auto, budget {gib(budget).strip()} per device:"]
@@ -64,6 +67,19 @@ def report(cfg) -> str:
       lines.append(f"  K={cand:<5} {gib(b)}  {'fits' if b <= budget else 'over'}")
     lines.append(f"  chosen K = {k}")
   return "\n".join(lines)
+
+
+def preference_line(cfg) -> str:
+  """What a preference run holds for its reference, in the ledger's words."""
+  from jaxstep.trainer.plan.preference_plan import reference_kind
+
+  p = cfg.preference
+  if reference_kind(cfg) == "none":
+    return f"preference.loss={p.loss}: reference-free, nothing held for a reference"
+  return (
+    f"preference.loss={p.loss}: the reference is the LoRA base (adapters off), the same "
+    f"weights: no second copy of the model; its forward keeps no activations"
+  )
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Generates the bundled corpus (``jaxstep/data/corpus/``) so the default config needs no files.
 
 Text with learnable structure: paragraphs of two-digit arithmetic (``17 + 25 = 42``) and of
-sentences from a small grammar; plus a tiny chat set of arithmetic questions. Deterministic:
+sentences from a small grammar; plus a tiny chat set of arithmetic questions, and the same
+two tasks as preference pairs (the right answer chosen, a near miss rejected). Deterministic:
 ``python -m jaxstep.data.corpus`` rewrites the same bytes.
 """
 
@@ -57,11 +58,47 @@ def chat_records(n: int = 400, seed: int = 1) -> list[dict]:
   return records
 
 
+def _near_miss(r: random.Random, answer: int) -> int:
+  """A wrong answer a model could give: off by 1 to 10, never negative."""
+  wrong = answer + r.choice([-1, 1]) * r.randint(1, 10)
+  return wrong if wrong >= 0 and wrong != answer else answer + r.randint(1, 10)
+
+
+def pair_records(n: int = 600, seed: int = 2) -> list[dict]:
+  """The text corpus's sums as string pairs: prompt ``"a + b = "``, chosen the sum, rejected
+  a near miss."""
+  r = random.Random(seed)
+  records = []
+  for _ in range(n):
+    a, b = r.randrange(100), r.randrange(100)
+    wrong = _near_miss(r, a + b)
+    records.append({"prompt": f"{a} + {b} = ", "chosen": f"{a + b}", "rejected": f"{wrong}"})
+  return records
+
+
+def chat_pair_records(n: int = 400, seed: int = 3) -> list[dict]:
+  """The chat set's questions as conversational pairs, answered right (chosen) or nearly."""
+  r = random.Random(seed)
+  records = []
+  for _ in range(n):
+    a, b = r.randrange(50), r.randrange(50)
+    wrong = _near_miss(r, a + b)
+    prompt = [{"role": "user", "content": f"what is {a} plus {b}?"}]
+    chosen, rejected = ([{"role": "assistant", "content": f"{a} plus {b} is {c}."}]
+                        for c in (a + b, wrong))  # fmt: skip
+    records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+  return records
+
+
+def _jsonl(records: list[dict]) -> str:
+  return "".join(json.dumps(rec) + "\n" for rec in records)
+
+
 def main() -> None:
   BUNDLED_PATHS["bundled:text"].write_text("\n\n".join(text_documents()) + "\n")
-  BUNDLED_PATHS["bundled:chat"].write_text(
-    "".join(json.dumps(rec) + "\n" for rec in chat_records())
-  )
+  BUNDLED_PATHS["bundled:chat"].write_text(_jsonl(chat_records()))
+  BUNDLED_PATHS["bundled:pairs"].write_text(_jsonl(pair_records()))
+  BUNDLED_PATHS["bundled:chat-pairs"].write_text(_jsonl(chat_pair_records()))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ from typing import Any
 from jaxstep.errors import DataError
 
 BUNDLED = pathlib.Path(__file__).resolve().parent / "corpus"
-BUNDLED_PATHS = {"bundled:text": BUNDLED / "text.txt", "bundled:chat": BUNDLED / "chat.jsonl"}
+BUNDLED_PATHS = {
+  "bundled:text": BUNDLED / "text.txt",
+  "bundled:chat": BUNDLED / "chat.jsonl",
+  "bundled:pairs": BUNDLED / "pairs.jsonl",  # preference pairs (jaxstep.data.preference_pairs)
+  "bundled:chat-pairs": BUNDLED / "chat_pairs.jsonl",
+}
 ROLES = ("system", "user", "assistant")
 # txt: documents split at blank lines; file: each file one document; auto: by extension
 FORMATS = ("auto", "txt", "file", "jsonl", "chat")

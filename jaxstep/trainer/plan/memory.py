@@ -184,10 +184,14 @@ def predicted_bytes(
     num_params, precision=t.precision, fsdp=fsdp, trainable=trainable, frozen_bytes=frozen_bytes
   )
   grads = num_params if trainable is None else trainable
-  rows = t.global_batch_size // (k * devices)
+  # a preference row is a pair: its chosen and rejected sequences go through one forward
+  # (2 rows of activations), its batch holds 6 token arrays; the reference's forward (the
+  # LoRA base) keeps no activations for a backward pass
+  sequences = 2 if cfg.preference.loss else 1
+  rows = sequences * t.global_batch_size // (k * devices)
   out = {
     "state": sum(b for n, b in layout.items() if "during" not in n),
-    "batch": 3 * t.global_batch_size // devices * t.seq_len * 4,
+    "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,
     "gathered": sum(b for n, b in layout.items() if "gathered" in n),
     "activations": activation_bytes(cfg.model, rows, t.seq_len, grads, t.precision),
   }
