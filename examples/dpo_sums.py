@@ -34,15 +34,14 @@ DPO = [
   "data.path=bundled:pairs",
   f"data.eval_fraction={EVAL_FRACTION}",
   "preference.loss=dpo",
-  "preference.beta=0.1",
+  "preference.beta=0.5",
   f"preference.max_prompt_len={MAX_PROMPT_LEN}",
-  "model.lora.rank=8",
-  "model.lora.alpha=16",
+  "model.lora.rank=16",
+  "model.lora.alpha=32",
   f"train.seq_len={SEQ_LEN}",
   "train.global_batch_size=32",
   "train.grad_accum_steps=2",
-  "train.max_steps=60",
-  "train.eval_every=20",
+  "train.eval_every=100",
   "train.sample_every=0",
   "optim.lr=0.003",
   "optim.warmup_steps=5",
@@ -85,13 +84,16 @@ def scores(path: pathlib.Path, batch: dict, rows: list[dict]) -> dict:
   }
 
 
-def main(out: str = "runs/dpo-sums") -> dict:
+def main(out: str = "runs/dpo-sums", sft_steps: int = 300, dpo_steps: int = 300) -> dict:
   out_dir = pathlib.Path(out)
   sft, folder, dpo = out_dir / "sft", out_dir / "sft-hf", out_dir / "dpo"
-  assert command("train", ["--config", "tiny", f"run_dir={sft}"]) == 0
+  assert (
+    command("train", ["--config", "tiny", f"train.max_steps={sft_steps}", f"run_dir={sft}"]) == 0
+  )
   if not folder.is_dir():
     assert command("export", [str(sft), "--out", str(folder)]) == 0
-  assert command("train", [*DPO, f"model.init_from={folder}", f"run_dir={dpo}"]) == 0
+  args = [*DPO, f"train.max_steps={dpo_steps}", f"model.init_from={folder}", f"run_dir={dpo}"]
+  assert command("train", args) == 0
   batch, rows = held_out_pairs(str(folder))
   last_eval = [json.loads(line) for line in (dpo / "eval.jsonl").read_text().splitlines()][-1]
   report = {

@@ -40,6 +40,17 @@ def test_sft_chat_counts_only_assistant_tokens(capsys):
   assert last < first
 
 
+@pytest.mark.slow
+def test_the_dpo_demo_runs_from_the_tiny_sft_run_and_reports_before_and_after(tmp_path):
+  report = load("dpo_sums").main(str(tmp_path), sft_steps=40, dpo_steps=20)
+  assert report["held_out_pairs"] > 50
+  for when in ("before", "after"):
+    assert set(report[when]) == {"chosen_more_likely", "greedy_sum_right"}
+    assert all(0 <= v <= 1 for v in report[when].values())
+  assert 0 <= report["after_reward_accuracy"] <= 1
+  assert (tmp_path / "report.json").is_file() and (tmp_path / "sft-hf" / "tokenizer.json").is_file()
+
+
 def test_custom_loss_with_weight_units_is_k_invariant():
   loss, gap = load("custom_loss").main(100)
   assert loss < 0.1 and gap < 1e-4

@@ -2,7 +2,7 @@
 
 ``readers`` (files → documents), ``tokenizer`` (the tokenizer classes), ``hf_folder`` (a
 model folder's tokenizer), ``tokenizer_loading`` (``load_tokenizer``: a tokenizer from a spec
-or a folder), ``samples`` (documents → tokens with target flags), ``preparation``
+or a folder), ``byte_folder`` (the byte tokenizer as a Hugging Face one, for an export), ``samples`` (documents → tokens with target flags), ``preparation``
 (``prepare``: → shards), ``manifest`` (what a prepared folder records, read back checked),
 ``out_folder`` (which ``--out`` may be replaced), ``shards`` (memory-mapped windows with loss
 masks), ``data_config`` (``DataConfig``), ``single_corpus`` (one corpus → a ``Dataset``),

@@ -7,8 +7,10 @@ as it is.
 The architecture is the one the run was imported as (its ``hf_config.json``, whose other
 fields are kept), else the one the model's settings name: the bundled GPT is GPT-2; a
 Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
-A run on the byte tokenizer has no tokenizer file to write: the folder then holds the model
-alone. A LoRA run's adapters are merged into the weights (``W + (α/r)·A·B``).
+A run on the byte tokenizer gets the byte tokenizer written as a Hugging Face one
+(``data.byte_folder``: the same ids), so the folder is a model folder like any other
+(``AutoTokenizer``, a later run's ``model.init_from``). A LoRA run's adapters are merged
+into the weights (``W + (α/r)·A·B``).
 
 With ``adapter=True`` a LoRA run's adapters alone are written instead, in PEFT's format
 (``peft_export``: ``adapter_config.json`` + ``adapter_model.safetensors``, ``A`` and ``B``
@@ -23,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import tempfile
 
-from jaxstep.data import hf_folder
+from jaxstep.data import byte_folder, hf_folder
 from jaxstep.errors import ConfigError
 from jaxstep.models import (
   GPTConfig,
@@ -83,35 +86,37 @@ def export_run(
   export_folder.check_target(pathlib.Path(out), protected)  # before the checkpoint is read
   saved = saved_run.load_run(run_dir, step)
   provenance = {"run": str(run_dir.resolve()), "step": saved.step}
-  if adapter:
-    out = peft_export.save_adapter(
+  with tempfile.TemporaryDirectory(prefix="jaxstep-export-") as scratch:
+    files = tokenizer_files(run_dir) or byte_folder.write_byte_tokenizer(scratch)
+    if adapter:
+      out = peft_export.save_adapter(
+        out,
+        cfg.model,
+        saved.params,
+        base_model_name_or_path=cfg.model.init_from,
+        dtype=dtype,
+        extra_files=files,
+        provenance=provenance,
+        protected=protected,
+      )
+      return out, saved.step
+    model_cfg, params = cfg.model, saved.params
+    if model_cfg.lora.rank:  # adapters folded in: the folder is a plain model
+      params = lora.merged(params, model_cfg.lora.scale)
+      model_cfg = dataclasses.replace(model_cfg, lora=lora.LoraConfig())
+    out = hf_export.save_pretrained(
       out,
-      cfg.model,
-      saved.params,
-      base_model_name_or_path=cfg.model.init_from,
+      model_cfg,
+      params,
+      architecture=arch,
       dtype=dtype,
-      extra_files=tokenizer_files(run_dir),
+      max_shard_bytes=max_shard_bytes,
+      base_config=base,
+      extra_files=files,
       provenance=provenance,
       protected=protected,
     )
     return out, saved.step
-  model_cfg, params = cfg.model, saved.params
-  if model_cfg.lora.rank:  # adapters folded in: the folder is a plain model
-    params = lora.merged(params, model_cfg.lora.scale)
-    model_cfg = dataclasses.replace(model_cfg, lora=lora.LoraConfig())
-  out = hf_export.save_pretrained(
-    out,
-    model_cfg,
-    params,
-    architecture=arch,
-    dtype=dtype,
-    max_shard_bytes=max_shard_bytes,
-    base_config=base,
-    extra_files=tokenizer_files(run_dir),
-    provenance=provenance,
-    protected=protected,
-  )
-  return out, saved.step
 
 
 def tokenizer_files(run_dir: pathlib.Path) -> list[pathlib.Path]:
