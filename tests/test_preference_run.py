@@ -124,7 +124,9 @@ def test_held_out_pairs_are_evaluated_with_the_same_names(tmp_path):
 @pytest.mark.parametrize(
   "overrides, words",
   [
-    (["preference.loss=dpo"], "model.lora.rank > 0"),
+    (["preference.loss=dpo", "preference.reference=adapters"], "model.lora.rank > 0"),
+    (["preference.loss=ipo", "preference.reference=none"], "needs a reference"),
+    (["preference.loss=dpo", "preference.reference_dtype=fp16"], "reference_dtype"),
     (["preference.loss=simpo", "preference.reference=adapters"], "reference-free"),
     (["preference.loss=kto"], "preference.loss"),
   ],
@@ -146,7 +148,22 @@ def test_check_compares_k_micro_batches_of_pairs_with_one(tmp_path, capsys):
   path = sums_file(tmp_path)
   args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
   assert check_cli.main(args) == 0, capsys.readouterr().out
-  assert "PASS" in capsys.readouterr().out
+  assert "PASS: accumulation is exact" in capsys.readouterr().out
+
+
+def test_check_of_full_fine_tuning_dpo_passes_loss_and_gradients(tmp_path, capsys):
+  """With a live reference every parameter trains. At the first update the policy is its
+  reference and the gradients agree (K = 2 vs 1), but Adam divides each gradient by its own
+  magnitude, so entries whose gradient is rounding noise (the key bias, to which attention is
+  invariant) differ in the update; the check reports the gradients' agreement as it is."""
+  from jaxstep.cli import check as check_cli
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *FULL, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
+  check_cli.main(args)
+  table = capsys.readouterr().out
+  for stage in ("loss", "gradients"):
+    assert any(line.split()[:1] == [stage] and line.endswith("PASS") for line in table.splitlines())
 
 
 def test_a_dpo_run_exports_and_generates_as_a_supervised_run_does(tmp_path, capsys):
@@ -284,7 +301,6 @@ def test_the_dpo_hf_config_tunes_a_model_folder_on_chat_pairs_and_exports(
   "rows, words",
   [
     ([{"prompt": "1 + 1 = ", "rejected": "3"}], "pairs.jsonl:1: no 'chosen' field"),
-    ([{"prompt": "1 + 1 = " * 9, "chosen": "2", "rejected": "3"}], "all 1 pairs were dropped"),
     (
       [{"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [], "rejected": []}],
       "empty list",
@@ -295,8 +311,6 @@ def test_bad_pairs_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys
   path = tmp_path / "pairs.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   args = [*BASE, *DPO, f"data.path={path}", f"run_dir={tmp_path / 'run'}"]
-  args.remove("preference.max_prompt_len=12")  # 0: half of seq_len, 8 tokens
-  args.append("preference.max_prompt_len=16")  # the whole window: no room for a completion
   assert train_cli.main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and words in err[0], err
@@ -319,3 +333,53 @@ def test_the_memory_ledger_counts_pairs_and_names_the_reference(tmp_path, capsys
   double = dataclasses.replace(sft, train=dataclasses.replace(sft.train, global_batch_size=16))
   got, want = (predicted_bytes(c, 10_000, 2, 1, 1) for c in (pairs, double))
   assert got["activations"] == want["activations"] and got["batch"] == want["batch"]
+
+
+FULL = ["preference.loss=dpo", "preference.beta=0.5"]  # no LoRA: a live reference
+
+
+def test_full_fine_tuning_dpo_keeps_a_frozen_copy_and_starts_at_ln2(tmp_path):
+  """Without LoRA the reference is a frozen copy of the starting weights in the state: the
+  first loss is ln 2, K = 2 trains as K = 1, and the copy never moves while the params do."""
+  runs = {}
+  for k in (1, 2):
+    cfg = cfg_for(tmp_path, *FULL, f"train.grad_accum_steps={k}", name=f"k{k}")
+    runs[k] = config_run.train(cfg)
+  first = logged(tmp_path / "k1")[0]
+  assert first["loss"] == pytest.approx(math.log(2), rel=1e-6) and first["rewards/margins"] == 0
+  for a, b in zip(logged(tmp_path / "k1"), logged(tmp_path / "k2"), strict=True):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=2e-5, atol=1e-6)
+  state = runs[1].state
+  run, start, _ = build(cfg_for(tmp_path, *FULL, name="fresh"))
+  frozen = jax.tree.leaves(state.model_state["reference"])
+  initial = jax.tree.leaves(jax.device_get(start.params))
+  assert all(np.array_equal(np.asarray(x), y) for x, y in zip(frozen, initial, strict=True))
+  moved = jax.tree.leaves(jax.device_get(state.params))
+  assert any(not np.array_equal(x, y) for x, y in zip(moved, initial, strict=True))
+
+
+def test_a_bf16_reference_copy_halves_its_bytes_and_still_trains(tmp_path, capsys):
+  from jaxstep.cli import memory as memory_cli
+
+  result = config_run.train(cfg_for(tmp_path, *FULL, "preference.reference_dtype=bf16"))
+  leaves = jax.tree.leaves(result.state.model_state["reference"])
+  assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  assert logged(tmp_path / "run")[0]["loss"] == pytest.approx(math.log(2), abs=0.02)
+  args = [*BASE, *FULL, f"data.path={sums_file(tmp_path)}", f"run_dir={tmp_path / 'm'}"]
+  assert memory_cli.main([*args, "preference.reference_dtype=bf16"]) == 0
+  assert "a frozen copy of the starting weights in bf16" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_full_fine_tuning_dpo_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+  """The live reference is checkpointed with the state: the resumed run's copy, params and
+  optimizer state end bitwise equal to the uninterrupted run's."""
+  from conftest import restore_state_arrays, straight_and_killed
+
+  path = sums_file(tmp_path)
+  args = [*BASE, *FULL, f"data.path={path}", "train.max_steps=6", "checkpoint.every=2"]
+  straight, killed = straight_and_killed(tmp_path, [*args, "mesh.cpu_devices=1"], kill_at=2)
+  (step_a, a), (step_b, b) = restore_state_arrays(straight), restore_state_arrays(killed)
+  assert step_a == step_b == 6 and jax.tree.leaves(a["model_state"])
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)

@@ -66,6 +66,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     apply_fn=None if pairs else apply_fn,  # the logits stage reads single sequences
     units_fn=preference.pair_units if pairs else None,
     precision=t.precision,
+    model_state=preference_plan.reference_state(cfg, params) if pairs else None,
   )
 
 

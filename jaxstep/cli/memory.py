@@ -76,6 +76,11 @@ def preference_line(cfg) -> str:
   p = cfg.preference
   if reference_kind(cfg) == "none":
     return f"preference.loss={p.loss}: reference-free, nothing held for a reference"
+  if reference_kind(cfg) == "live":
+    return (
+      f"preference.loss={p.loss}: the reference is a frozen copy of the starting weights in "
+      f"{p.reference_dtype}, part of the state above (sharded like the params, checkpointed)"
+    )
   return (
     f"preference.loss={p.loss}: the reference is the LoRA base (adapters off), the same "
     f"weights: no second copy of the model; its forward keeps no activations"

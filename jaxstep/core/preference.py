@@ -81,7 +81,10 @@ METRICS = (
 ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-PREFERENCE_REFERENCES = ("auto", "adapters", "none")  # auto: adapters for dpo/ipo, else none
+# auto: for dpo and ipo the LoRA base (adapters) on a LoRA run, else a frozen copy (live);
+# for simpo and orpo none
+PREFERENCE_REFERENCES = ("auto", "adapters", "live", "none")
+REFERENCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,8 @@ class PreferenceConfig:
   cpo_alpha: float = 0.0  # simpo: weight of the chosen completion's NLL (1 = CPO-SimPO)
   orpo_lambda: float = 0.1  # orpo: weight λ of the odds-ratio term
   max_prompt_len: int = 0  # prompt tokens kept, its last ones (0 = half of train.seq_len)
-  reference: str = "auto"  # auto | adapters (the LoRA base: dpo, ipo) | none (simpo, orpo)
+  reference: str = "auto"  # auto | adapters (the LoRA base) | live (a frozen copy) | none
+  reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
 
   def __post_init__(self):
     if self.loss and self.loss not in LOSSES:
@@ -123,6 +127,11 @@ class PreferenceConfig:
       raise ConfigError(f"preference.label_smoothing has no meaning for {self.loss}; drop it")
     if self.max_prompt_len < 0:
       raise ConfigError(f"preference.max_prompt_len must be >= 0, got {self.max_prompt_len}")
+    if self.reference_dtype not in REFERENCE_DTYPES:
+      raise ConfigError(
+        f"preference.reference_dtype must be one of {', '.join(REFERENCE_DTYPES)}, got "
+        f"{self.reference_dtype!r}"
+      )
 
   def prompt_len(self, seq_len: int) -> int:
     """The prompt tokens a pair keeps: ``max_prompt_len``, or half of ``seq_len`` for 0."""

@@ -1,16 +1,17 @@
 """Local data → fixed-shape samples with loss masks → global batches.
 
 ``readers`` (files → documents), ``tokenizer`` (the tokenizer classes), ``hf_folder`` (a
-model folder's tokenizer), ``tokenizer_loading`` (``load_tokenizer``: a tokenizer from a spec
-or a folder), ``byte_folder`` (the byte tokenizer as a Hugging Face one, for an export), ``samples`` (documents → tokens with target flags), ``preparation``
-(``prepare``: → shards), ``manifest`` (what a prepared folder records, read back checked),
-``out_folder`` (which ``--out`` may be replaced), ``shards`` (memory-mapped windows with loss
-masks), ``data_config`` (``DataConfig``), ``single_corpus`` (one corpus → a ``Dataset``),
+model folder's tokenizer), ``tokenizer_loading`` (``load_tokenizer``: a tokenizer from a
+spec or a folder), ``byte_folder`` (the byte tokenizer as a Hugging Face one, for an
+export), ``samples`` (documents → tokens with target flags), ``preparation`` (``prepare``: →
+shards), ``manifest`` (what a prepared folder records, read back checked), ``out_folder``
+(which ``--out`` may be replaced), ``shards`` (memory-mapped windows with loss masks),
+``data_config`` (``DataConfig``), ``single_corpus`` (one corpus → a ``Dataset``),
 ``mixture`` (several corpora mixed by weight), ``dataset`` (``load_dataset``, which picks
 one of those two; epoch order, global batches), ``preference_pairs`` (a JSONL file of
 preference pairs → arrays), ``pair_dataset`` (a preference run's train and held-out pairs),
-``loader`` (global batches read ahead by
-Grain) and ``corpus`` (regenerates the bundled corpus in ``corpus/``).
+``loader`` (global batches read ahead by Grain) and ``corpus`` (regenerates the bundled
+corpus in ``corpus/``).
 
 ``BatchLoader`` is imported on first use, so that importing this package does not import
 Grain.

@@ -76,14 +76,17 @@ def next_batch(run: Run, rs: RunState) -> dict[str, np.ndarray]:
   return _checked(run, rs, batch, whole=True)
 
 
-def evaluate(run: Run, params, split=None) -> dict:
+def evaluate(run: Run, params, split=None, model_state=None) -> dict:
   """Token-weighted eval loss over ``split`` (default: the held-out split): ``Σ NLL /
   Σ tokens``, its exp, and bits per byte ``Σ NLL / (ln 2 · Σ UTF-8 bytes of the
   targets)``; float64 sums on the host, ``EVAL_IN_FLIGHT`` batches ahead at most."""
   t, ds = run.cfg.train, run.dataset
   split = ds.eval if split is None else split
   batches = data.eval_batches(split, t.global_batch_size, ds.pad_id, t.eval_batches)
-  outputs = (run.eval_fn(params, parallel.put_batch(b, run.batch_sharding)) for b in batches)
+  extra = (model_state,) if run.cfg.preference.loss else ()  # a live reference rides there
+  outputs = (
+    run.eval_fn(params, parallel.put_batch(b, run.batch_sharding), *extra) for b in batches
+  )
   sums = summed(outputs, EVAL_IN_FLIGHT)
   if run.cfg.preference.loss:
     return preference_plan.eval_record(sums or {"loss": 0.0, "pairs": 0})
@@ -285,7 +288,9 @@ def _evaluation(run: Run) -> assembly.Evaluation:
   splits = eval_splits(run)
 
   def evaluate_all(state) -> dict:
-    return {name: evaluate(run, state.params, split) for name, split in splits.items()}
+    return {
+      name: evaluate(run, state.params, split, state.model_state) for name, split in splits.items()
+    }
 
   samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
   return assembly.Evaluation(evaluate_all if splits else None, next(iter(splits), None), samples)

@@ -338,14 +338,16 @@ class Config:
 def check_preference_run(cfg: Config) -> None:
   """What a preference run (``preference.loss`` set) cannot combine with."""
   p = cfg.preference
-  if p.loss not in REFERENCE_FREE and not cfg.model.lora.rank:
+  if p.reference == "adapters" and not cfg.model.lora.rank:
     raise ConfigError(
-      f"preference.loss={p.loss} compares the model with a reference: train LoRA adapters "
-      f"(model.lora.rank > 0), whose base is the reference, or use a reference-free loss "
-      f"(preference.loss=simpo or orpo)"
+      "preference.reference=adapters is the LoRA base: set model.lora.rank > 0, or use "
+      "preference.reference=live (a frozen copy of the starting weights)"
     )
   if p.loss not in REFERENCE_FREE and p.reference == "none":
-    raise ConfigError(f"preference.loss={p.loss} needs a reference; set preference.reference")
+    raise ConfigError(
+      f"preference.loss={p.loss} needs a reference: preference.reference auto, adapters (LoRA) "
+      f"or live; or use a reference-free loss (simpo, orpo)"
+    )
   if cfg.data.sources:
     raise ConfigError("a preference run reads one pairs file (data.path), not data.sources")
   if cfg.eval.sets:

@@ -82,7 +82,10 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   freeze.check_patterns(params, cfg.optim.trainable)
   params = steps.frozen_cast(cfg, params)
   step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
-  state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1))
+  reference = preference_plan.reference_state(cfg, params)  # a live reference: a copy, frozen
+  state = step.init(
+    params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=reference
+  )
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
   if cfg.preference.loss:
@@ -96,7 +99,9 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     cfg=cfg,
     dataset=dataset,
     step_fn=steps.jit_step(step, state_sh, mesh),
-    eval_fn=jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
+    eval_fn=jax.jit(eval_step, out_shardings=replicated)  # pairs: (params, batch, model_state)
+    if cfg.preference.loss
+    else jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
     mesh=mesh,
     batch_sharding=batch_sh,
     total_steps=plan.total_steps,

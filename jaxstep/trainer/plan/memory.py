@@ -189,8 +189,12 @@ def predicted_bytes(
   # LoRA base) keeps no activations for a backward pass
   sequences = 2 if cfg.preference.loss else 1
   rows = sequences * t.global_batch_size // (k * devices)
+  from jaxstep.trainer.plan.preference_plan import reference_kind
+
+  live = cfg.preference.loss and reference_kind(cfg) == "live"  # a frozen copy in the state
+  copy = num_params * (2 if cfg.preference.reference_dtype == "bf16" else 4) // fsdp if live else 0
   out = {
-    "state": sum(b for n, b in layout.items() if "during" not in n),
+    "state": sum(b for n, b in layout.items() if "during" not in n) + copy,
     "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,
     "gathered": sum(b for n, b in layout.items() if "gathered" in n),
     "activations": activation_bytes(cfg.model, rows, t.seq_len, grads, t.precision),

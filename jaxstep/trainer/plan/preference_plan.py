@@ -1,12 +1,14 @@
-"""What a preference run (``preference.loss`` set) builds in place of a supervised run's
-parts: its loss with the reference it names, its abstract batch, its evaluation step, and
-the per-pair means its metrics report.
+"""What a preference run (``preference.loss`` set) builds in place of a supervised run's parts:
+its loss with the reference it names, its abstract batch, its evaluation step, and the
+per-pair means its metrics report.
 
 The reference of dpo and ipo is the model with its LoRA adapters switched off
-(``lora.adapters_off``: the same weights, no second copy in memory); simpo and orpo have
-none. Every sum is over real pairs and divided by the global number of pairs, the step's
-unit (``pair_units``), so K micro-batches and any number of devices give one big batch's
-update and metrics.
+(``lora.adapters_off``: the same weights, no second copy in memory) on a LoRA run, else a
+frozen copy of the starting weights (``live``, fp32 or bf16) that the train state carries as
+its ``model_state``: sharded like the params, checkpointed with the state, never updated.
+simpo and orpo have none. Every sum is over real pairs and divided by the global number of
+pairs, the step's unit (``pair_units``), so K micro-batches and any number of devices give
+one big batch's update and metrics.
 """
 
 from __future__ import annotations
@@ -26,10 +28,28 @@ from jaxstep.trainer.config import loading as config_lib
 MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
 
 
+REFERENCE = "reference"  # the live reference's key in the state's model_state
+
+
 def reference_kind(cfg: config_lib.Config) -> str:
-  """``"none"`` (simpo, orpo) or ``"adapters"`` (dpo, ipo: the config's checks made sure
-  the run has LoRA adapters), what ``preference.reference: auto`` picks."""
-  return "none" if cfg.preference.loss in preference.REFERENCE_FREE else "adapters"
+  """``"none"`` (simpo, orpo), ``"adapters"`` (the LoRA base) or ``"live"`` (a frozen
+  copy): ``preference.reference``, where ``auto`` picks the adapters on a LoRA run."""
+  p = cfg.preference
+  if p.loss in preference.REFERENCE_FREE:
+    return "none"
+  if p.reference != "auto":
+    return p.reference
+  return "adapters" if cfg.model.lora.rank else "live"
+
+
+def reference_state(cfg: config_lib.Config, params):
+  """The ``model_state`` a run with a live reference starts with: ``{"reference": a copy of
+  params}`` in ``preference.reference_dtype`` (floating leaves); None for other runs."""
+  if not cfg.preference.loss or reference_kind(cfg) != "live":
+    return None
+  dtype = jnp.bfloat16 if cfg.preference.reference_dtype == "bf16" else jnp.float32
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+  return {REFERENCE: jax.tree.map(cast, params)}
 
 
 def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -> Callable:
@@ -39,22 +59,28 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -
   if not train:
     model = apply_fn
     apply_fn = lambda params, inputs, **kw: model(params, inputs, train=False)  # noqa: E731
+  options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
+  options["orpo"] = {"orpo_lambda": p.orpo_lambda}
+  options = dict(
+    loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, **options.get(p.loss, {})
+  )
+  kind = reference_kind(cfg)
+  if kind == "live":  # the copy rides in the state's model_state: the 4-argument loss
+
+    def with_reference(params, batch, rng, model_state):
+      frozen = model_state[REFERENCE]
+      reference = lambda _, inputs: apply_fn(frozen, inputs, train=False)  # noqa: E731
+      pair_loss = preference.preference_loss(apply_fn, reference=reference, **options)
+      return (*pair_loss(params, batch, rng), model_state)
+
+    return with_reference
   reference = None
-  if reference_kind(cfg) == "adapters":
+  if kind == "adapters":
 
     def reference(params, inputs):
       return apply_fn(lora.adapters_off(params), inputs, train=False)
 
-  options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
-  options["orpo"] = {"orpo_lambda": p.orpo_lambda}
-  return preference.preference_loss(
-    apply_fn,
-    loss=p.loss,
-    beta=p.beta,
-    label_smoothing=p.label_smoothing,
-    reference=reference,
-    **options.get(p.loss, {}),
-  )
+  return preference.preference_loss(apply_fn, reference=reference, **options)
 
 
 def with_pair_means(step):
@@ -85,12 +111,15 @@ _FIELDS = preference.PAIR_FIELDS
 
 
 def make_eval_step(cfg: config_lib.Config, apply_fn: Callable) -> Callable:
-  """``(params, batch) -> {"loss": Σ, "pairs": Σ pair_mask, **metric sums}`` over a batch of
-  pairs, the model without dropout."""
+  """``(params, batch, model_state) -> {"loss": Σ, "pairs": Σ pair_mask, **metric sums}``
+  over a batch of pairs, the model without dropout (``model_state``: the state's, which
+  holds a live reference; None otherwise)."""
   pair_loss = loss_fn(cfg, apply_fn, train=False)
 
-  def eval_step(params, batch):
-    loss_sum, aux = pair_loss(params, batch, jax.random.PRNGKey(0))
+  def eval_step(params, batch, model_state=None):
+    rng = jax.random.PRNGKey(0)
+    extra = () if model_state is None else (model_state,)
+    loss_sum, aux = pair_loss(params, batch, rng, *extra)[:2]
     return {"loss": loss_sum, "pairs": preference.pair_units(batch), **aux}
 
   return eval_step

@@ -132,7 +132,11 @@ def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
   apply_fn, params = models.build(cfg.model, jax.random.PRNGKey(cfg.train.seed), abstract=True)
   params = frozen_cast(cfg, params)
   step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
-  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
+
+  def init(params, rng):
+    return step.init(params, rng, model_state=preference_plan.reference_state(cfg, params))
+
+  state = jax.eval_shape(init, params, jax.random.PRNGKey(0))
   return apply_fn, with_shardings(state, parallel.tree_shardings(state, mesh))
 
 

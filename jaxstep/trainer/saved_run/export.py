@@ -8,7 +8,7 @@ The architecture is the one the run was imported as (its ``hf_config.json``, who
 fields are kept), else the one the model's settings name: the bundled GPT is GPT-2; a
 Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
 A run on the byte tokenizer gets the byte tokenizer written as a Hugging Face one
-(``data.byte_folder``: the same ids), so the folder is a model folder like any other
+(``jaxstep.data.byte_folder``: the same ids), so the folder is a model folder like any other
 (``AutoTokenizer``, a later run's ``model.init_from``). A LoRA run's adapters are merged
 into the weights (``W + (α/r)·A·B``).
 
