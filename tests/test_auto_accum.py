@@ -64,7 +64,7 @@ def compiled_tiny(tmp_path_factory):
   def compile_k(k):
     if k not in cache:
       step = train_step(cfg, apply_fn, mesh, 64, k)
-      cache[k] = jit_step(step, shardings, mesh).lower(state, abstract_batch(cfg.train, mesh))
+      cache[k] = jit_step(step, shardings, mesh).lower(state, abstract_batch(cfg, mesh))
       cache[k] = cache[k].compile()
     return cache[k]
 

@@ -289,6 +289,7 @@ def test_the_dpo_hf_config_tunes_a_model_folder_on_chat_pairs_and_exports(
   monkeypatch.setenv("HF_MODEL", str(path))
   run_dir = tmp_path / "dpo"
   args = ["--config", "dpo-hf", f"run_dir={run_dir}", "train.max_steps=2", "train.log_every=1"]
+  args += ["train.seq_len=64", "preference.max_prompt_len=32"]  # the folder has 64 positions
   args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "mesh.cpu_devices=1"]
   assert run_command("train", args) == 0, capsys.readouterr().err
   first = logged(run_dir)[0]
