@@ -11,7 +11,6 @@ last batch of an epoch is padded with rows of ``pair_mask`` 0, which the step's 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -56,12 +55,9 @@ class PairDataset:
   pad_id: int
   vocab_size: int
   tokenizer_spec: str  # data.tokenizer: "byte", a file, or a model folder
+  tokenizer: object = dataclasses.field(repr=False, compare=False)  # the one the pairs used
   kind: str = "pairs"
   source_evals: dict = dataclasses.field(default_factory=dict)  # no mixture: none
-
-  @functools.cached_property
-  def tokenizer(self):
-    return load_tokenizer(self.tokenizer_spec)
 
   def tokenizer_files(self) -> list[pathlib.Path]:
     """The files that carry the tokenizer (none for bytes): what a run dir keeps a copy of."""
@@ -112,6 +108,7 @@ def load_pair_dataset(
     pad_id=tok.PAD,
     vocab_size=tok.vocab_size,
     tokenizer_spec=tokenizer,
+    tokenizer=tok,
   )
 
 
