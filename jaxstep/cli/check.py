@@ -55,12 +55,15 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   optimizer = _frozen_left_alone(make_optimizer(cfg.optim, plan.schedule_steps), cfg, params)
   batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
   pairs = bool(cfg.preference.loss)  # a preference run: its loss over pairs, N = the pairs
+  batch = jax.tree.map(jnp.asarray, batch)
+  if pairs and preference_plan.reference_kind(cfg) == "precompute":  # as the run reads them
+    batch |= _reference_columns(cfg, apply_fn, params, batch)
   if loss_fn is None:
     loss_fn = preference_plan.loss_fn(cfg, apply_fn) if pairs else next_token_loss(apply_fn)
   return check_accumulation(
     loss_fn,
     params,
-    jax.tree.map(jnp.asarray, batch),
+    batch,
     optimizer,
     _compared_k(t.grad_accum_steps, t.global_batch_size),
     apply_fn=None if pairs else apply_fn,  # the logits stage reads single sequences
@@ -68,6 +71,17 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     precision=t.precision,
     model_state=preference_plan.reference_state(cfg, params) if pairs else None,
   )
+
+
+def _reference_columns(cfg, apply_fn, params, batch) -> dict:
+  """The precomputed reference log-probs of ``batch``'s pairs under the starting weights."""
+  from jaxstep.core import preference
+  from jaxstep.trainer.plan import reference_logps
+
+  model = lambda p, inputs: apply_fn(p, inputs, train=False)  # noqa: E731
+  weights = reference_logps.reference_params(cfg, params)
+  logps = preference.reference_logps(model, weights, preference.concatenated(batch))
+  return dict(zip(preference.REF_FIELDS, logps, strict=True))
 
 
 def _frozen_left_alone(optimizer, cfg, params):

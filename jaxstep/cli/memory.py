@@ -81,6 +81,11 @@ def preference_line(cfg) -> str:
       f"preference.loss={p.loss}: the reference is a frozen copy of the starting weights in "
       f"{p.reference_dtype}, part of the state above (sharded like the params, checkpointed)"
     )
+  if reference_kind(cfg) == "precompute":
+    return (
+      f"preference.loss={p.loss}: the reference's log-probs are computed once before "
+      f"training and read with the batches (8 bytes per pair): no copy, no second forward"
+    )
   return (
     f"preference.loss={p.loss}: the reference is the LoRA base (adapters off), the same "
     f"weights: no second copy of the model; its forward keeps no activations"

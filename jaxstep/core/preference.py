@@ -82,8 +82,8 @@ ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 # auto: for dpo and ipo the LoRA base (adapters) on a LoRA run, else a frozen copy (live);
-# for simpo and orpo none
-PREFERENCE_REFERENCES = ("auto", "adapters", "live", "none")
+# for simpo and orpo none. precompute: the starting weights' log-probs, computed once
+PREFERENCE_REFERENCES = ("auto", "adapters", "live", "precompute", "none")
 REFERENCE_DTYPES = ("fp32", "bf16")
 
 
@@ -99,8 +99,9 @@ class PreferenceConfig:
   cpo_alpha: float = 0.0  # simpo: weight of the chosen completion's NLL (1 = CPO-SimPO)
   orpo_lambda: float = 0.1  # orpo: weight λ of the odds-ratio term
   max_prompt_len: int = 0  # prompt tokens kept, its last ones (0 = half of train.seq_len)
-  reference: str = "auto"  # auto | adapters (the LoRA base) | live (a frozen copy) | none
+  reference: str = "auto"  # auto | adapters (LoRA base) | live (frozen copy) | precompute | none
   reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
+  reference_file: str = ""  # precompute: where the log-probs live ("" = RUN/reference_logps.npz)
 
   def __post_init__(self):
     if self.loss and self.loss not in LOSSES:
@@ -266,6 +267,15 @@ def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return x[:half], x[half:]
 
 
+def reference_logps(reference: Callable, params, rows: Mapping[str, jax.Array]):
+  """``(ref_c, ref_r)``: the summed log-probs of the chosen and rejected completions of
+  ``rows`` (``concatenated``'s 2B rows) under ``reference(params, inputs) -> logits``, without
+  gradient. The loss's reference and the precomputed ones (``preference.reference:
+  precompute``) both come from here."""
+  logits = jax.lax.stop_gradient(reference(params, rows["inputs"]))
+  return _halves(sequence_logps(logits, rows["targets"], rows["mask"])[0])
+
+
 def preference_loss(
   apply_fn: Callable,
   *,
@@ -344,9 +354,7 @@ def preference_loss(
       if ref_from_batch:
         ref = tuple(batch[name].astype(jnp.float32) for name in REF_FIELDS)
       else:
-        ref_logits = reference(jax.lax.stop_gradient(params), rows["inputs"])
-        ref_logits = jax.lax.stop_gradient(ref_logits)
-        ref = _halves(sequence_logps(ref_logits, rows["targets"], rows["mask"])[0])
+        ref = reference_logps(reference, jax.lax.stop_gradient(params), rows)
       ref = tuple(safe(x, -1.0) for x in ref)
     per_pair = pair_losses(loss, logps, tokens, ref, **options)
     weight = real.astype(jnp.float32)

@@ -59,6 +59,18 @@ class PairDataset:
   kind: str = "pairs"
   source_evals: dict = dataclasses.field(default_factory=dict)  # no mixture: none
 
+  @property
+  def pairs(self) -> PairSet:
+    """Every kept pair, train and held-out, in file order."""
+    return self.train.pairs
+
+  def with_reference(self, ref_logps: np.ndarray) -> PairDataset:
+    """This dataset with the reference's ``(chosen, rejected)`` log-probs of every pair
+    (float32[N, 2], file order), which its batches then carry as ``ref_*_logps``."""
+    pairs = dataclasses.replace(self.pairs, ref_logps=np.asarray(ref_logps, np.float32))
+    split = lambda s: s and PairSplit(pairs, s.index)  # noqa: E731
+    return dataclasses.replace(self, train=split(self.train), eval=split(self.eval))
+
   def tokenizer_files(self) -> list[pathlib.Path]:
     """The files that carry the tokenizer (none for bytes): what a run dir keeps a copy of."""
     if self.tokenizer_spec == "byte":

@@ -87,6 +87,9 @@ class PairSet:
   arrays: dict[str, np.ndarray]
   counts: PairCounts
   seq_len: int
+  # the reference's summed log-probs of each pair's (chosen, rejected): float32[N, 2], when
+  # precomputed (``preference.reference: precompute``); batches then carry them
+  ref_logps: np.ndarray | None = None
 
   def __len__(self) -> int:
     return len(self.arrays[FIELDS[0]])
@@ -346,4 +349,8 @@ def pair_batch(pairs: PairSet, indices, batch_size: int) -> dict[str, np.ndarray
     batch[name] = np.zeros((batch_size, pairs.seq_len), np.int32)
     batch[name][:n] = values[indices]
   batch["pair_mask"] = (np.arange(batch_size) < n).astype(np.int32)
+  if pairs.ref_logps is not None:
+    ref = np.zeros((batch_size, 2), np.float32)
+    ref[:n] = pairs.ref_logps[indices]
+    batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref[:, 0], ref[:, 1]
   return batch

@@ -28,7 +28,7 @@ from jaxstep.trainer.loop import assembly
 from jaxstep.trainer.loop.callbacks import Callback
 from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
-from jaxstep.trainer.plan import preference_plan, steps
+from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
 from jaxstep.trainer.saved_run.load import save_base_config, save_tokenizer
 from jaxstep.trainer.store import resume as resume_lib
@@ -154,6 +154,7 @@ def train(
   """
   run, state, rs = build(cfg)
   cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
+  reference = _stored_reference(run, state.params)  # refuses another run's file: nothing written
   with run_dir_lib.locked(cfg.run_dir) as run_dir:
     begun = resume_lib.start(
       run_dir,
@@ -174,9 +175,40 @@ def train(
       )
       return _result(out, rs)
     _first_writes(run, run_dir, begun.ckpt, state)
+    if reference is not None:  # dropped once read: the starting weights are not kept
+      run, reference = _with_reference(run, *reference), None
     return run_loop(
       run, state, rs, ckpt=begun.ckpt, run_dir=run_dir, callbacks=callbacks, hooks=hooks
     )
+
+
+def _stored_reference(run: Run, start_params):
+  """With ``preference.reference: precompute``: ``(file, key, reference weights, log-probs
+  stored for them or None)``, the weights being the run's starting ones (what ``build``
+  made, so a resume computes the same key); None for other runs.
+
+  Raises:
+    ConfigError: the file holds log-probs of other weights or other data.
+  """
+  if run.reference_fn is None:
+    return None
+  weights = reference_logps.reference_params(run.cfg, start_params)
+  pairs = run.dataset.pairs
+  digest = reference_logps.weights_digest(weights)
+  key = reference_logps.key_of(digest, run.dataset.fingerprint, len(pairs))
+  path = reference_logps.file_for(run.cfg)
+  return path, key, weights, reference_logps.read(path, key)
+
+
+def _with_reference(run: Run, path, key, weights, logps) -> Run:
+  """``run`` whose batches carry the reference's log-probs: those read from ``path``, or
+  computed now and written there."""
+  if logps is None:
+    t = run.cfg.train
+    pairs = run.dataset.pairs
+    args = (run.reference_fn, weights, pairs, t.global_batch_size, run.batch_sharding)
+    logps = reference_logps.compute(path, key, *args)
+  return dataclasses.replace(run, dataset=run.dataset.with_reference(logps))
 
 
 def _position(run: Run, rs: RunState, restored, *, from_other_run: bool) -> RunState:

@@ -348,6 +348,11 @@ def check_preference_run(cfg: Config) -> None:
       f"preference.loss={p.loss} needs a reference: preference.reference auto, adapters (LoRA) "
       f"or live; or use a reference-free loss (simpo, orpo)"
     )
+  if p.reference_file and p.reference != "precompute":
+    raise ConfigError(
+      "preference.reference_file is where precomputed log-probs live; set "
+      "preference.reference=precompute or drop it"
+    )
   if cfg.data.sources:
     raise ConfigError("a preference run reads one pairs file (data.path), not data.sources")
   if cfg.eval.sets:

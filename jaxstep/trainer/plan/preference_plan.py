@@ -5,7 +5,9 @@ per-pair means its metrics report.
 The reference of dpo and ipo is the model with its LoRA adapters switched off
 (``lora.adapters_off``: the same weights, no second copy in memory) on a LoRA run, else a
 frozen copy of the starting weights (``live``, fp32 or bf16) that the train state carries as
-its ``model_state``: sharded like the params, checkpointed with the state, never updated.
+its ``model_state``: sharded like the params, checkpointed with the state, never updated;
+or, with ``precompute``, log-probs computed once before training that the batches carry
+(``reference_logps``).
 simpo and orpo have none. Every sum is over real pairs and divided by the global number of
 pairs, the step's unit (``pair_units``), so K micro-batches and any number of devices give
 one big batch's update and metrics.
@@ -32,8 +34,9 @@ REFERENCE = "reference"  # the live reference's key in the state's model_state
 
 
 def reference_kind(cfg: config_lib.Config) -> str:
-  """``"none"`` (simpo, orpo), ``"adapters"`` (the LoRA base) or ``"live"`` (a frozen
-  copy): ``preference.reference``, where ``auto`` picks the adapters on a LoRA run."""
+  """``"none"`` (simpo, orpo), ``"adapters"`` (the LoRA base), ``"live"`` (a frozen copy)
+  or ``"precompute"`` (log-probs in the batch, ``reference_logps``):
+  ``preference.reference``, where ``auto`` picks the adapters on a LoRA run."""
   p = cfg.preference
   if p.loss in preference.REFERENCE_FREE:
     return "none"
@@ -98,12 +101,16 @@ def with_pair_means(step):
   return train_step
 
 
-def abstract_batch(global_batch_size: int, seq_len: int, mesh: Mesh) -> dict:
-  """A global batch of pairs' shapes, dtypes and sharding (what the loop feeds the step)."""
+def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
+  """A global batch of pairs' shapes, dtypes and sharding (what the loop feeds the step):
+  with precomputed reference log-probs, their two float32 columns too."""
   sharding = parallel.batch_sharding(mesh)
-  shape = (global_batch_size, seq_len)
+  shape = (cfg.train.global_batch_size, cfg.train.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in _FIELDS}
   batch["pair_mask"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=sharding)
+  if reference_kind(cfg) == "precompute":
+    for name in preference.REF_FIELDS:
+      batch[name] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
   return batch
 
 

@@ -114,7 +114,7 @@ def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
   sharding = parallel.batch_sharding(mesh)
   shape = (t.global_batch_size, t.seq_len)
   if cfg.preference.loss:
-    batch = preference_plan.abstract_batch(t.global_batch_size, t.seq_len, mesh)
+    batch = preference_plan.abstract_batch(cfg, mesh)
   else:
     batch = {
       k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
