@@ -22,6 +22,7 @@ from jaxstep.data import hf_folder, preference_pairs, readers
 from jaxstep.data.preference_pairs import PairCounts, PairSet
 from jaxstep.data.preparation import eval_mask
 from jaxstep.data.tokenizer_loading import load_tokenizer
+from jaxstep.errors import DataError
 
 log = logging.getLogger("jaxstep")
 
@@ -122,6 +123,33 @@ def load_pair_dataset(
     tokenizer_spec=tokenizer,
     tokenizer=tok,
   )
+
+
+def load_pair_eval_set(
+  name: str, path: str, dataset: PairDataset, *, seq_len: int, max_prompt_len: int
+) -> PairSplit:
+  """``eval.sets.<name>``: every pair of ``path`` (a JSONL file, folder, glob or bundled
+  set), encoded with the training pairs' tokenizer and cut to the same lengths.
+
+  Raises:
+    DataError: one line naming ``eval.sets.<name>`` and what is wrong with its rows.
+  """
+  try:
+    rows = preference_pairs.read_pairs(path)
+    pairs = preference_pairs.pair_set(
+      rows, dataset.tokenizer, seq_len=seq_len, max_prompt_len=max_prompt_len
+    )
+  except DataError as e:
+    raise DataError(f"eval.sets.{name}: {e}") from e
+  c = pairs.counts
+  log.info(
+    "eval.sets.%s: %d pairs of %d rows (%d pairs dropped: a completion kept no token)",
+    name,
+    len(pairs),
+    c.rows,
+    c.dropped,
+  )
+  return PairSplit(pairs, np.arange(len(pairs)))
 
 
 def _fingerprint(path, spec, tok, seq_len, max_prompt_len, eval_fraction) -> str:

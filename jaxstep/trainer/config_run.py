@@ -202,13 +202,17 @@ def _stored_reference(run: Run, start_params):
 
 def _with_reference(run: Run, path, key, weights, logps) -> Run:
   """``run`` whose batches carry the reference's log-probs: those read from ``path``, or
-  computed now and written there."""
+  computed now and written there; its ``eval.sets``' computed now (they are not stored)."""
   if logps is None:
     t = run.cfg.train
     pairs = run.dataset.pairs
     args = (run.reference_fn, weights, pairs, t.global_batch_size, run.batch_sharding)
     logps = reference_logps.compute(path, key, *args)
-  return dataclasses.replace(run, dataset=run.dataset.with_reference(logps))
+  sets = {
+    name: preference_plan.split_with_reference(split, run, weights)
+    for name, split in run.eval_sets.items()
+  }
+  return dataclasses.replace(run, dataset=run.dataset.with_reference(logps), eval_sets=sets)
 
 
 def _position(run: Run, rs: RunState, restored, *, from_other_run: bool) -> RunState:

@@ -355,10 +355,6 @@ def check_preference_run(cfg: Config) -> None:
     )
   if cfg.data.sources:
     raise ConfigError("a preference run reads one pairs file (data.path), not data.sources")
-  if cfg.eval.sets:
-    raise ConfigError(
-      "a preference run evaluates its held-out pairs (data.eval_fraction); drop eval.sets"
-    )
   if cfg.preference.max_prompt_len > cfg.train.seq_len:
     raise ConfigError(
       f"preference.max_prompt_len {cfg.preference.max_prompt_len} exceeds train.seq_len "

@@ -68,7 +68,10 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
-  sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
+  if cfg.preference.loss:
+    sets = preference_plan.load_eval_sets(cfg, dataset)
+  else:
+    sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
   clash = sorted(set(sets) & set(dataset.source_evals))
   if clash:
     raise ConfigError(

@@ -15,6 +15,7 @@ one big batch's update and metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -23,8 +24,11 @@ from jax.sharding import Mesh
 
 from jaxstep import parallel
 from jaxstep.core import preference
+from jaxstep.data.pair_dataset import PairDataset, PairSplit, load_pair_eval_set
 from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.config.schema import check_eval_sets
+from jaxstep.trainer.plan import reference_logps
 
 # the metrics a step reports as sums over pairs and a record shows as means over them
 MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
@@ -139,3 +143,26 @@ def eval_record(sums: dict, prefix: str = "eval_") -> dict:
   record = {f"{prefix}loss": float(sums["loss"]) / pairs, f"{prefix}pairs": int(sums["pairs"])}
   record |= {f"{prefix}{k}": float(v) / pairs for k, v in sums.items() if k in MEAN_METRICS}
   return record
+
+
+def load_eval_sets(cfg: config_lib.Config, dataset: PairDataset) -> dict[str, PairSplit]:
+  """``eval.sets`` of a preference run: each a JSONL file of pairs, encoded and cut as the
+  training pairs are, evaluated whole with the same loss and metrics."""
+  t = cfg.train
+  return {
+    name: load_pair_eval_set(
+      name, path, dataset, seq_len=t.seq_len, max_prompt_len=cfg.preference.prompt_len(t.seq_len)
+    )
+    for name, path in check_eval_sets(cfg.eval.sets).items()
+  }
+
+
+def split_with_reference(split: PairSplit, run, weights) -> PairSplit:
+  """``split`` (all of an eval set's pairs) with its reference log-probs computed now under
+  ``weights`` by the run's ``reference_fn``, batched as the training pairs are."""
+  g, pairs = run.cfg.train.global_batch_size, split.pairs
+  batches = range(-(-len(pairs) // g))
+  logps = reference_logps.batch_logps(
+    run.reference_fn, weights, pairs, g, run.batch_sharding, batches
+  )
+  return PairSplit(dataclasses.replace(pairs, ref_logps=logps[: len(pairs)]), split.index)

@@ -161,10 +161,7 @@ def compute(
       out[lo:hi] = np.load(part)
       done += hi - lo
       continue
-    for b in range(first, min(first + CHUNK, batches)):
-      index = np.arange(b * g, min((b + 1) * g, n))
-      batch = parallel.put_batch(pair_batch(pairs, index, g), sharding)
-      out[b * g : (b + 1) * g] = np.asarray(fn(params, batch))
+    out[lo:hi] = batch_logps(fn, params, pairs, g, sharding, range(first, hi // g))
     if writer:
       _save_atomic(part, lambda f, v=out[lo:hi]: np.save(f, v))
   logps = out[:n]
@@ -182,6 +179,17 @@ def compute(
     path,
   )
   return logps
+
+
+def batch_logps(fn, params, pairs: PairSet, g: int, sharding, batches: range) -> np.ndarray:
+  """float32[len(batches)·g, 2]: the log-probs of global batches ``batches`` of ``pairs``
+  (batch b: pairs [b·g, (b+1)·g), the rows past the last pair zeros)."""
+  out = np.zeros((len(batches) * g, 2), np.float32)
+  for i, b in enumerate(batches):
+    index = np.arange(b * g, min((b + 1) * g, len(pairs)))
+    batch = parallel.put_batch(pair_batch(pairs, index, g), sharding)
+    out[i * g : (i + 1) * g] = np.asarray(fn(params, batch))
+  return out
 
 
 def _open_parts(parts: pathlib.Path, partial_key: dict) -> None:
