@@ -3,7 +3,8 @@
 1. the default config's supervised run (``configs/tiny.yaml``, the bundled corpus);
 2. its export as a GPT-2 folder, which a preference run starts from (``model.init_from``);
 3. a LoRA DPO run on ``bundled:pairs`` (``"a + b = "``, the sum chosen, a near miss
-   rejected), the exported model with its adapters off as the reference;
+   rejected), the exported model with its adapters off as the reference, with the chosen
+   answer's NLL added (``preference.rpo_alpha``);
 4. before (the exported model) and after (the DPO run), on the pairs the DPO run held out:
    the share whose chosen completion has the higher log-probability, and the share of their
    sums the greedy decode gets right.
@@ -34,7 +35,8 @@ DPO = [
   "data.path=bundled:pairs",
   f"data.eval_fraction={EVAL_FRACTION}",
   "preference.loss=dpo",
-  "preference.beta=0.5",
+  "preference.beta=0.1",
+  "preference.rpo_alpha=2.0",  # the chosen answer's NLL: without it DPO unlearns the format
   f"preference.max_prompt_len={MAX_PROMPT_LEN}",
   "model.lora.rank=16",
   "model.lora.alpha=32",

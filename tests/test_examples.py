@@ -41,13 +41,18 @@ def test_sft_chat_counts_only_assistant_tokens(capsys):
 
 
 @pytest.mark.slow
-def test_the_dpo_demo_runs_from_the_tiny_sft_run_and_reports_before_and_after(tmp_path):
-  report = load("dpo_sums").main(str(tmp_path), sft_steps=40, dpo_steps=20)
+def test_the_dpo_demo_raises_both_held_out_scores(tmp_path):
+  """The demo as the docs run it (about a minute): on the pairs the DPO run held out, the
+  share whose chosen answer is the more likely one and the share of sums the greedy decode
+  gets right both rise (measured 0.51 → 0.67 and 0.03 → 0.10)."""
+  report = load("dpo_sums").main(str(tmp_path))
   assert report["held_out_pairs"] > 50
   for when in ("before", "after"):
     assert set(report[when]) == {"chosen_more_likely", "greedy_sum_right"}
-    assert all(0 <= v <= 1 for v in report[when].values())
-  assert 0 <= report["after_reward_accuracy"] <= 1
+  before, after = report["before"], report["after"]
+  assert after["chosen_more_likely"] >= before["chosen_more_likely"] + 0.05, report
+  assert after["greedy_sum_right"] >= before["greedy_sum_right"] + 0.03, report
+  assert 0.5 < report["after_reward_accuracy"] <= 1
   assert (tmp_path / "report.json").is_file() and (tmp_path / "sft-hf" / "tokenizer.json").is_file()
 
 

@@ -34,7 +34,7 @@ from jaxstep.core.preference import (
   sequence_logps,
 )
 from jaxstep.core.step import make_train_step
-from jaxstep.errors import BatchError
+from jaxstep.errors import BatchError, ConfigError
 
 VOCAB = 32
 # the brief's fp32 bound, ≈ 1e-5 relative: rtol(100) = 8·ε·10 = 9.5e-6
@@ -180,7 +180,8 @@ class FixedLogits:
 
 def trl_dpo(trl, loss_type, beta, examples, model, *, refs=None, ref_model=None, smoothing=0.0):
   """``DPOTrainer._compute_loss`` on ``examples`` collated by TRL's own collator:
-  (loss, {metric: batch mean})."""
+  (loss, {metric: batch mean}). ``loss_type``: one of TRL's, or ``(types, weights)``."""
+  types, weights = loss_type if isinstance(loss_type, tuple) else ([loss_type], [1.0])
   torch = trl.torch
   inputs = trl.collate([dict(e) for e in examples])
   if refs is not None:
@@ -192,8 +193,8 @@ def trl_dpo(trl, loss_type, beta, examples, model, *, refs=None, ref_model=None,
     ref_model=ref_model,
     precompute_ref_logps=refs is not None,
     beta=beta,
-    loss_types=[loss_type],
-    loss_weights=[1.0],
+    loss_types=types,
+    loss_weights=weights,
     ld_alpha=None,
     f_divergence_type="reverse_kl",
     label_smoothing=smoothing,
@@ -291,6 +292,7 @@ def ours_on(logits_t, examples, *, pad_rows=0, refs=None, **options):
     ("dpo", {"beta": 0.1}, "sigmoid"),
     ("dpo", {"beta": 0.5}, "sigmoid"),
     ("ipo", {"beta": 0.1}, "ipo"),
+    ("dpo", {"beta": 0.1, "rpo_alpha": 0.5}, (["sigmoid", "sft"], [1.0, 0.5])),
     ("simpo", {"beta": 2.0, "gamma": 0.5}, "simpo"),
     ("simpo", {"beta": 2.0, "gamma": 1.0, "cpo_alpha": 1.0}, "simpo"),
     ("orpo", {"orpo_lambda": 0.1}, "orpo"),
@@ -337,7 +339,8 @@ def test_each_loss_and_its_metrics_equal_trls(trl, case):
   assert float(got["rewards/accuracies"]) == pytest.approx(b * want["rewards/accuracies"])
   for name in METRICS:
     assert_close(float(got[name]) / b, float(want[name]), terms=TERMS)
-  if loss in ("dpo", "ipo") or (loss == "simpo" and not options.get("cpo_alpha")):
+  nll = options.get("cpo_alpha") or options.get("rpo_alpha") or loss == "orpo"
+  if not nll:
     assert_close(float(got_loss) / b, want_loss, terms=TERMS)
   else:  # TRL's NLL is a mean over the batch's tokens, not over pairs (the docstring)
     assert abs(float(got_loss) / b - want_loss) > 1e-3
@@ -576,3 +579,25 @@ def test_a_batch_missing_a_field_is_named():
   one_ref = {**batch, "ref_chosen_logps": jnp.zeros(8)}
   with pytest.raises(BatchError, match="without its partner"):
     dpo(params, one_ref, None)
+
+
+def test_rpo_alpha_adds_the_chosen_mean_nll_to_dpo_and_ipo():
+  """``rpo_alpha``·(−π_c/n_c) on top of each pair's dpo or ipo loss, reported as nll_loss;
+  the other losses refuse it."""
+  from jaxstep.core.preference import PreferenceConfig, pair_losses
+
+  rng = np.random.default_rng(0)
+  logps = tuple(jnp.asarray(rng.uniform(-40, -5, 6), jnp.float32) for _ in range(2))
+  refs = tuple(jnp.asarray(rng.uniform(-40, -5, 6), jnp.float32) for _ in range(2))
+  tokens = (jnp.asarray([3.0, 5, 1, 8, 2, 4]), jnp.asarray([2.0, 6, 1, 3, 9, 4]))
+  for loss in ("dpo", "ipo"):
+    plain = pair_losses(loss, logps, tokens, refs, beta=0.2)
+    rpo = pair_losses(loss, logps, tokens, refs, beta=0.2, rpo_alpha=0.7)
+    nll = -np.asarray(logps[0]) / np.asarray(tokens[0])
+    np.testing.assert_allclose(rpo["nll_loss"], nll, rtol=1e-6)
+    np.testing.assert_allclose(rpo["loss"], np.asarray(plain["loss"]) + 0.7 * nll, rtol=1e-6)
+    assert "nll_loss" not in plain
+  with pytest.raises(ConfigError, match="rpo_alpha"):
+    PreferenceConfig(loss="simpo", rpo_alpha=1.0)
+  with pytest.raises(ConfigError, match="rpo_alpha="):
+    preference_loss(lambda *a, **k: None, loss="orpo", rpo_alpha=1.0)

@@ -35,6 +35,9 @@ one a loss uses follows TRL 1.16, whose trainers are the reference implementatio
 - ``ipo`` (``DPOTrainer``, ``loss_type="ipo"``): MEANS. TRL divides each summed log-ratio by
   its completion length, ``h̄ = (π_c − ref_c)/n_c − (π_r − ref_r)/n_r``, loss
   ``(h̄ − 1/(2β))²``; summed ratios would make the squared target scale with length.
+- dpo and ipo take ``rpo_alpha``·(−π̄_c) added (RPO; TRL 1.16: ``loss_type=["sigmoid",
+  "sft"]``, ``loss_weights=[1, rpo_alpha]``): the chosen completion's NLL keeps its
+  likelihood from falling while the margin grows; reported as ``nll_loss``.
 - ``simpo`` (``CPOTrainer``, ``loss_type="simpo"``): reference-free, MEANS. ``z = β·(π̄_c −
   π̄_r) − γ``, loss ``−(1 − ε)·logσ(z) − ε·logσ(−z) + cpo_alpha·(−π̄_c)``. ``cpo_alpha``
   defaults to 0 (SimPO itself; TRL's ``CPOConfig`` defaults to 1, "CPO-SimPO").
@@ -42,11 +45,11 @@ one a loss uses follows TRL 1.16, whose trainers are the reference implementatio
   (``log1mexp``, stable on both sides of −ln 2 as TRL's), loss ``−π̄_c + λ·(−logσ(log
   odds(π̄_c) − log odds(π̄_r)))``, λ = ``orpo_lambda`` (TRL's ``ORPOConfig.beta``).
 
-The NLL terms of simpo (``cpo_alpha``) and orpo are the chosen completion's token-mean NLL
-*per pair*. TRL averages them over every token of the batch instead (and ORPO's over the
-prompt tokens too): a mean over a batch's tokens is not a sum over pairs, so no K
-micro-batches could reproduce it exactly. They agree on a batch of one pair (for ORPO, one
-whose prompt is a single token: then no prompt token is predicted).
+The NLL terms of dpo and ipo (``rpo_alpha``), simpo (``cpo_alpha``) and orpo are the chosen
+completion's token-mean NLL *per pair*. TRL averages them over every token of the batch
+instead (and ORPO's over the prompt tokens too): a mean over a batch's tokens is not a sum
+over pairs, so no K micro-batches could reproduce it exactly. They agree on a batch of one
+pair (for ORPO, one whose prompt is a single token: then no prompt token is predicted).
 
 **Rewards** (the metrics, TRL's names): dpo, ipo ``β·(π − ref)`` on sums; simpo ``β·π̄``;
 orpo ``λ·π̄``. ``logps/*`` is ``π`` for dpo and ipo, ``π̄`` for simpo and orpo, as TRL logs.
@@ -98,6 +101,7 @@ class PreferenceConfig:
   gamma: float = 0.5  # simpo: the target reward margin γ
   cpo_alpha: float = 0.0  # simpo: weight of the chosen completion's NLL (1 = CPO-SimPO)
   orpo_lambda: float = 0.1  # orpo: weight λ of the odds-ratio term
+  rpo_alpha: float = 0.0  # dpo, ipo: weight of the chosen completion's NLL (RPO)
   max_prompt_len: int = 0  # prompt tokens kept, its last ones (0 = half of train.seq_len)
   reference: str = "auto"  # auto | adapters (LoRA base) | live (frozen copy) | precompute | none
   reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
@@ -126,6 +130,11 @@ class PreferenceConfig:
       )
     if self.label_smoothing and self.loss in ("ipo", "orpo"):
       raise ConfigError(f"preference.label_smoothing has no meaning for {self.loss}; drop it")
+    if self.rpo_alpha < 0 or (self.rpo_alpha and self.loss not in ("dpo", "ipo")):
+      raise ConfigError(
+        f"preference.rpo_alpha is a weight >= 0 of dpo and ipo, got {self.rpo_alpha} with "
+        f"loss={self.loss or '(none)'}"
+      )
     if self.max_prompt_len < 0:
       raise ConfigError(f"preference.max_prompt_len must be >= 0, got {self.max_prompt_len}")
     if self.reference_dtype not in REFERENCE_DTYPES:
@@ -179,6 +188,7 @@ def pair_losses(
   gamma: float = 0.5,
   cpo_alpha: float = 0.0,
   orpo_lambda: float = 0.1,
+  rpo_alpha: float = 0.0,
 ) -> dict[str, jax.Array]:
   """Per-pair losses and metrics from log-probs, the math of the module docstring.
 
@@ -202,6 +212,9 @@ def pair_losses(
     else:
       h = ratio_c / jnp.maximum(n_c, 1.0) - ratio_r / jnp.maximum(n_r, 1.0)
       out["loss"] = (h - 1.0 / (2.0 * beta)) ** 2
+    if rpo_alpha:
+      out["nll_loss"] = -mean_c
+      out["loss"] = out["loss"] + rpo_alpha * out["nll_loss"]
     rewards, logged = (beta * ratio_c, beta * ratio_r), (chosen, rejected)
   elif loss == "simpo":
     z = beta * (mean_c - mean_r) - gamma
@@ -285,6 +298,7 @@ def preference_loss(
   gamma: float | None = None,
   cpo_alpha: float | None = None,
   orpo_lambda: float | None = None,
+  rpo_alpha: float | None = None,
   reference: Callable | None = None,
 ) -> Callable:
   """A step ``loss_fn(params, micro_batch, rng) -> (loss_sum, aux)`` for preference pairs.
@@ -305,6 +319,7 @@ def preference_loss(
     gamma: SimPO's target margin γ (default 0.5, TRL's ``simpo_gamma``).
     cpo_alpha: weight of SimPO's chosen NLL (default 0: SimPO; TRL's CPO defaults to 1).
     orpo_lambda: ORPO's odds-ratio weight λ (default 0.1, TRL's ``ORPOConfig.beta``).
+    rpo_alpha: weight of dpo's and ipo's chosen NLL (default 0: none).
     reference: ``(params, inputs) -> logits`` of the reference model (dpo, ipo), called
       on the same 2B rows under ``stop_gradient``; used when the batch holds no
       ``ref_*_logps`` (precomputed ones win).
@@ -316,7 +331,8 @@ def preference_loss(
   if loss not in LOSSES:
     raise ConfigError(f"loss={loss!r} is not a preference loss; choose one of {LOSSES}")
   given = {"gamma": gamma, "cpo_alpha": cpo_alpha, "orpo_lambda": orpo_lambda}
-  takes = {"simpo": ("gamma", "cpo_alpha"), "orpo": ("orpo_lambda",)}.get(loss, ())
+  given["rpo_alpha"] = rpo_alpha
+  takes = {"simpo": ("gamma", "cpo_alpha"), "orpo": ("orpo_lambda",)}.get(loss, ("rpo_alpha",))
   extra = [f"{name}=" for name, value in given.items() if value is not None and name not in takes]
   if reference is not None and loss in REFERENCE_FREE:
     extra.append("reference=")
@@ -337,6 +353,7 @@ def preference_loss(
     gamma=0.5 if gamma is None else gamma,
     cpo_alpha=0.0 if cpo_alpha is None else cpo_alpha,
     orpo_lambda=0.1 if orpo_lambda is None else orpo_lambda,
+    rpo_alpha=rpo_alpha or 0.0,
   )
 
   def loss_fn(params, batch, rng):

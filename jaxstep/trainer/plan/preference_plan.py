@@ -68,6 +68,7 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -
     apply_fn = lambda params, inputs, **kw: model(params, inputs, train=False)  # noqa: E731
   options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
   options["orpo"] = {"orpo_lambda": p.orpo_lambda}
+  options["dpo"] = options["ipo"] = {"rpo_alpha": p.rpo_alpha}
   options = dict(
     loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, **options.get(p.loss, {})
   )
