@@ -601,3 +601,94 @@ def test_rpo_alpha_adds_the_chosen_mean_nll_to_dpo_and_ipo():
     PreferenceConfig(loss="simpo", rpo_alpha=1.0)
   with pytest.raises(ConfigError, match="rpo_alpha="):
     preference_loss(lambda *a, **k: None, loss="orpo", rpo_alpha=1.0)
+
+
+def _torch_tree(trl, model, folder, values, read):
+  """``values`` (a tensor per parameter of ``model``) in jaxstep's layout: written into a
+  copy of ``model`` saved as an HF folder and read back by jaxstep's import (``read``)."""
+  import copy
+
+  torch = trl.torch
+  holder = copy.deepcopy(model)
+  with torch.no_grad():
+    for p, v in zip(holder.parameters(), values, strict=True):
+      p.copy_(v)
+  holder.save_pretrained(folder)
+  return read(folder)
+
+
+@pytest.mark.slow
+def test_two_adamw_updates_of_a_tiny_llama_equal_trls_dpo_loss_under_torch(trl, tmp_path):
+  """TRL's ``DPOTrainer._compute_loss`` (its fused head over a transformers Llama, a second
+  Llama as the reference) differentiated by torch and stepped by ``torch.optim.AdamW``,
+  against jaxstep's ``make_train_step`` (K = 2, two padding rows) with ``optax.adamw`` of the
+  same hyperparameters: the first update's gradient, and the parameters after two updates,
+  agree leaf by leaf."""
+  from jaxstep.models import hf_config, hf_weights
+
+  torch = trl.torch
+  policy, apply_fn, params = tiny_llama(trl, tmp_path / "policy", seed=0)
+  ref_model, ref_apply, ref_params = tiny_llama(trl, tmp_path / "reference", seed=1)
+  jax_cfg = hf_config.model_config(hf_config.read_config(tmp_path / "policy"), attention="xla")
+  read = lambda folder: hf_weights.read_params(folder, jax_cfg)  # noqa: E731
+  examples = make_examples(seed=2)
+  batch = pair_batch(examples, full_length(examples), pad_rows=2, vocab=LLAMA["vocab_size"])
+  lr, wd, beta = 1e-3, 0.01, 0.1
+
+  trl.add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+  trl.add_fused_lm_head(ref_model)
+  policy.train()  # no dropout in this config: train mode computes what eval mode does
+  opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+  inputs = trl.collate([dict(e) for e in examples])
+  torch_grads = None
+  for _ in range(2):
+    opt.zero_grad()
+    stub = trl_self(
+      trl,
+      trl.DPOTrainer,
+      model=policy,
+      ref_model=ref_model,
+      precompute_ref_logps=False,
+      beta=beta,
+      loss_types=["sigmoid"],
+      loss_weights=[1.0],
+      ld_alpha=None,
+      f_divergence_type="reverse_kl",
+      label_smoothing=0.0,
+      use_weighting=False,
+      aux_loss_enabled=False,
+      args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+      _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+      _total_train_tokens=0,
+      _tp_size=1,
+    )
+    trl.DPOTrainer._compute_loss(stub, policy, inputs, return_outputs=False).backward()
+    if torch_grads is None:
+      torch_grads = [p.grad.detach().clone() for p in policy.parameters()]
+    opt.step()
+
+  reference = lambda _, x: ref_apply(ref_params, x)  # noqa: E731
+  loss_fn = preference_loss(apply_fn, loss="dpo", beta=beta, reference=reference)
+  optimizer = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=wd)
+  step = make_train_step(loss_fn, optimizer, grad_accum_steps=2, units_fn=pair_units)
+  state = step.init(params, jax.random.key(0))
+  n = float(pair_units(batch))
+  grads = jax.grad(lambda p: loss_fn(p, batch, jax.random.key(0))[0] / n)(params)
+  step = jax.jit(step)
+  for _ in range(2):
+    state, _ = step(state, batch)
+
+  want_grads = _torch_tree(trl, policy, tmp_path / "grads", torch_grads, read)
+  assert_close(jax.device_get(grads), jax.device_get(want_grads), terms=LLAMA_TERMS)
+  want = _torch_tree(
+    trl, policy, tmp_path / "after", [p.detach() for p in policy.parameters()], read
+  )
+  moved = jax.tree.map(
+    lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), state.params, params
+  )
+  assert min(jax.tree.leaves(moved)) > 1e-4  # every leaf took two real steps
+  np.testing.assert_allclose(
+    np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(state.params))]),
+    np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(want))]),
+    atol=1e-5,
+  )
