@@ -8,6 +8,13 @@ Two things make K and K = 1 differ without any accumulation bug, and the report 
 instead of a stage: a *random* loss (dropout: the K micro-steps draw other masks than the
 one big batch, by design), found by running K = 1 under two keys; and a model state used in
 training mode (BatchNorm: each micro-batch is normalized by its own batch statistics).
+
+The update and the new params are compared where the two runs' gradients agree to the
+tolerance relative to the entry's own size. The others agree only relative to the largest
+gradient (what the ``gradients`` stage asks): rounding noise around a small or exactly-zero
+gradient (e.g. the key bias, to which attention's softmax is invariant). Adam divides each
+gradient by its own magnitude, so it turns that noise into differences of up to ±lr; such
+entries are left out of those two stages and counted in the report.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class Stage:
   max_abs: float
   max_rel: float
   passed: bool
+  left_out: int = 0  # entries not compared: their gradient is rounding noise around zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,13 @@ class CheckReport:
       verdict = "PASS" if s.passed else "FAIL"
       lines.append(f"  {s.name:<16} {s.max_abs:>12.3e} {s.max_rel:>12.3e}  {verdict}")
     failed = self.first_divergence
+    left_out = max((s.left_out for s in self.stages), default=0)
+    if left_out:
+      lines.append(
+        f"note: 'update' and 'new params' leave out {left_out} entries whose gradients "
+        f"agree only relative to the largest one (rounding noise on a small gradient, which "
+        f"Adam scales up to ±lr); their gradients passed at 'gradients'"
+      )
     if self.random_loss:
       lines.append(RANDOM_LOSS)
     elif failed is None:
@@ -97,11 +112,17 @@ class CheckReport:
     return "\n".join(lines)
 
 
-def _errors(a, b) -> tuple[float, float]:
-  a = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(a)])
-  b = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(b)])
+def _flat(tree) -> np.ndarray:
+  leaves = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)]
+  return np.concatenate(leaves) if leaves else np.zeros(0)
+
+
+def _errors(a, b, keep=None) -> tuple[float, float]:
+  a, b = _flat(a), _flat(b)
+  if keep is not None:
+    a, b = a[keep], b[keep]
   max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
-  return max_abs, max_abs / max(float(np.max(np.abs(b))), 1e-30)
+  return max_abs, max_abs / max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
 
 
 def check_accumulation(
@@ -182,8 +203,14 @@ def check_accumulation(
     _errors(a, b)[1] > tol
     for a, b in zip(redrawn[loss_and_grads], reference[loss_and_grads], strict=True)
   )
+  grads = names.index("gradients")
+  g_ref = np.abs(_flat(reference[grads]))
+  resolved = np.abs(_flat(ours[grads]) - _flat(reference[grads])) <= tol * g_ref
   stages = []
-  for name, a, b in zip(names, ours, reference, strict=True):
-    max_abs, max_rel = _errors(a, b)
-    stages.append(Stage(name, max_abs, max_rel, max_rel <= tol))
+  for i, (name, a, b) in enumerate(zip(names, ours, reference, strict=True)):
+    # update, new params: where the gradient is resolved, once the gradients agree at all
+    keep = resolved if i > grads and stages[grads].passed else None
+    max_abs, max_rel = _errors(a, b, keep)
+    left_out = 0 if keep is None else int(resolved.size - resolved.sum())
+    stages.append(Stage(name, max_abs, max_rel, max_rel <= tol, left_out))
   return CheckReport(tuple(stages), k, precision or "fp32", random_loss, model_state is not None)
