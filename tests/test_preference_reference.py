@@ -153,3 +153,21 @@ def test_a_precompute_run_killed_with_sigkill_resumes_bitwise(tmp_path):
   files = [np.load(d / "reference_logps.npz")["logps"] for d in (straight, killed)]
   assert np.array_equal(*files)
   assert [r["loss"] for r in logged(straight)] == [r["loss"] for r in logged(killed)]
+
+
+@pytest.mark.slow
+def test_a_precompute_run_on_four_devices_equals_one_device(tmp_path):
+  """The log-probs computed with the params over 4 devices (fsdp) and with the pairs over 4
+  (data) equal one device's, and so do the runs' losses."""
+  from test_preference_run import _cli_run
+
+  pre = ["preference.reference=precompute"]
+  one = _cli_run(tmp_path, "one", "mesh.cpu_devices=1", *pre)
+  want = np.load(tmp_path / "one" / "reference_logps.npz")["logps"]
+  for name, mesh in {"data": ["mesh.data=4"], "fsdp": ["mesh.fsdp=4", "mesh.data=1"]}.items():
+    got = _cli_run(tmp_path, name, "mesh.cpu_devices=4", *mesh, *pre)
+    logps = np.load(tmp_path / name / "reference_logps.npz")["logps"]
+    np.testing.assert_allclose(logps, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    for a, b in zip(one, got, strict=True):
+      for key in ("loss", "rewards/margins", "logps/rejected"):
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-5, err_msg=f"{name} {key}")
