@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxstep.core.sampling import sampling_logits
 from jaxstep.errors import BatchError, ConfigError
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
@@ -87,12 +88,18 @@ def group_advantages(rewards: jax.Array, kind: str = "grpo") -> jax.Array:
   raise ConfigError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
 
 
-def token_logps(logits: jax.Array, targets: jax.Array, temperature: float = 1.0):
-  """``(log p(target_t), entropy_t)`` per position of ``logits / temperature``, fp32:
-  shapes ``[B, S, V]``, ``[B, S]`` → ``[B, S]``, ``[B, S]``."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+def token_logps(logits, targets, temperature=1.0, *, top_k=0, top_p=1.0, allowed=None):
+  """``(log p(target_t), entropy_t)`` per position, fp32, under the distribution the
+  sampler draws from (``jaxstep.core.sampling.sampling_logits``: the ``allowed`` ids,
+  ÷ ``temperature``, top-k / top-p), so the sampler's and the trainer's log-probs of a
+  drawn token agree. A target outside the filter gets −inf. Shapes ``[B, S, V]``,
+  ``[B, S]`` → ``[B, S]``, ``[B, S]``. With a filter on, every position sorts its
+  vocabulary, as the sampler does at each step."""
+  scaled = sampling_logits(logits, allowed, temperature, top_k, top_p)
+  logp = jax.nn.log_softmax(scaled, axis=-1)
   picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  p = jnp.exp(logp)
+  entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
   return picked, entropy
 
 
@@ -166,6 +173,9 @@ def grpo_loss(
   epsilon_high: float = 0.2,
   beta: float = 0.0,
   temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  allowed=None,
   max_new_tokens: int | None = None,
   reference: Callable | None = None,
 ) -> Callable:
@@ -183,7 +193,9 @@ def grpo_loss(
     epsilon_low, epsilon_high: the clip range ``[1 − ε_low, 1 + ε_high]`` (DAPO's
       clip-higher: ε_high > ε_low).
     beta: weight of the k3 KL to the reference (0: none needed).
-    temperature: the sampler's; the trainer's log-probs divide the logits by it too.
+    temperature, top_k, top_p, allowed: the sampler's settings (``allowed``: bool[V], the
+      ids a completion may hold, or None); the trainer's log-probs use the same
+      distribution (``token_logps``), so they equal the sampler's for the same params.
     max_new_tokens: the sampler's limit; ``constant`` divides by it.
     reference: ``(params, inputs) -> logits`` of the reference (β > 0), called under
       ``stop_gradient`` when the batch holds no ``ref_logps``.
@@ -196,11 +208,14 @@ def grpo_loss(
   if beta < 0 or temperature <= 0:
     raise ConfigError(f"need beta >= 0 and temperature > 0, got {beta}, {temperature}")
   options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
+  dist = dict(temperature=temperature, top_k=top_k, top_p=top_p, allowed=allowed)
 
   def loss_fn(params, batch, rng):
     ref_from_batch = check_rl_batch(batch, beta, reference is not None)
     logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
-    logps, entropy = token_logps(logits, batch["targets"], temperature)
+    mask = batch["completion_mask"].astype(jnp.float32)
+    logps, entropy = token_logps(logits, batch["targets"], **dist)
+    logps = jnp.where(mask > 0, logps, 0.0)  # prompt and padding targets may lie outside
     ref = None
     if beta:
       if ref_from_batch:
@@ -209,11 +224,10 @@ def grpo_loss(
         ref_logits = jax.lax.stop_gradient(
           reference(jax.lax.stop_gradient(params), batch["inputs"])
         )
-        ref = token_logps(ref_logits, batch["targets"], temperature)[0]
+        ref = jnp.where(mask > 0, token_logps(ref_logits, batch["targets"], **dist)[0], 0.0)
     old = batch["old_logps"].astype(jnp.float32)
     adv = batch["advantages"].astype(jnp.float32)
     loss, kl, low, high = per_token_terms(logps, old, adv, ref, **options)
-    mask = batch["completion_mask"].astype(jnp.float32)
     lengths = jnp.sum(mask, axis=-1)
     if loss_norm == "sequences":
       total = jnp.sum(jnp.sum(loss * mask, axis=-1) / jnp.maximum(lengths, 1.0))

@@ -29,8 +29,9 @@ import numpy as np
 from jaxstep import models
 from jaxstep.core import device_memory
 from jaxstep.core.precision import cast_floating
+from jaxstep.core.sampling import draw
 from jaxstep.errors import ConfigError, PromptError
-from jaxstep.generation.sampling import allowed_ids, next_tokens, stop_ids
+from jaxstep.generation.sampling import allowed_ids, stop_ids
 
 STOP_REASONS = ("eos", "max_new_tokens", "max_seq_len")  # codes 1, 2, 3; 0 = still going
 
@@ -222,13 +223,32 @@ class Generator:
   ) -> tuple[list[list[int]], list[str]]:
     """Continuations of already-encoded prompts (each ``1 ≤ len < max_seq_len``): the new
     ids per row and each row's stop reason."""
+    ids, reasons, _ = self.sample_ids(
+      prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+      top_p=top_p, seed=seed,
+    )  # fmt: skip
+    return ids, reasons
+
+  def sample_ids(
+    self,
+    prompts: Sequence[np.ndarray],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+  ) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
+    """``generate_ids`` with each new token's log-prob under the distribution it was drawn
+    from (``jaxstep.core.sampling``: the allowed ids, the temperature, top-k and top-p;
+    at temperature 0 the argmax's log-prob at temperature 1), float32 per row."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = min(self.max_seq_len, int(lengths.max()) + max_new_tokens)  # the token buffer
     buffer = np.full((len(prompts), width), self.tokenizer.PAD, np.int32)
     for row, p in enumerate(prompts):
       buffer[row, : len(p)] = p
     vocab = self._vocab or self._vocab_of(buffer)
-    tokens, ends, reasons = jax.device_get(
+    tokens, ends, reasons, logps = jax.device_get(
       self._compiled(
         self.params,
         buffer,
@@ -244,7 +264,8 @@ class Generator:
       )
     )
     ids = [tokens[r, lengths[r] : ends[r]].tolist() for r in range(len(prompts))]
-    return ids, [STOP_REASONS[c - 1] for c in reasons]
+    logps = [logps[r, lengths[r] : ends[r]] for r in range(len(prompts))]
+    return ids, [STOP_REASONS[c - 1] for c in reasons], logps
 
   def _vocab_of(self, buffer) -> int:
     """An apply_fn's vocabulary, from the shape of its output."""
@@ -253,7 +274,8 @@ class Generator:
 
   def _loop(self, params, tokens, lengths, allowed, seed, temperature, top_k, top_p, *,
             max_new: int, prefill: int, stops: tuple[int, ...]):  # fmt: skip
-    """The jitted prefill + decode loop: the filled buffer, each row's end, its stop code."""
+    """The jitted prefill + decode loop: the filled buffer, each row's end, its stop code,
+    and each new token's log-prob (at its position in the buffer)."""
     params = cast_floating(params, self.dtype)
     rows, width = jnp.arange(tokens.shape[0]), tokens.shape[1]
     logits_at = _logits_at(self._apply, self._decode, params, tokens, prefill, self.dtype)
@@ -262,12 +284,13 @@ class Generator:
     row_keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(rows)
 
     def body(carry):
-      i, tokens, pos, last, cache, reason = carry
+      i, tokens, logps, pos, last, cache, reason = carry
       keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(row_keys)
-      nxt = next_tokens(last, keys, allowed, temperature, top_k, top_p)
+      nxt, logp = draw(last, keys, allowed, temperature, top_k, top_p)
       active = reason == 0
       at = jnp.minimum(pos, width - 1)
       tokens = tokens.at[rows, at].set(jnp.where(active, nxt, tokens[rows, at]))
+      logps = logps.at[rows, at].set(jnp.where(active, logp, logps[rows, at]))
       pos = pos + active
       reason = jnp.select(
         [
@@ -284,11 +307,14 @@ class Generator:
         lambda: logits_at.step(tokens, nxt, at, cache),
         lambda: (last, cache),
       )
-      return i + 1, tokens, pos, last, cache, reason
+      return i + 1, tokens, logps, pos, last, cache, reason
 
-    init = (jnp.int32(0), tokens, lengths, last, cache, jnp.zeros_like(lengths))
-    _, tokens, pos, _, _, reason = jax.lax.while_loop(lambda c: jnp.any(c[-1] == 0), body, init)
-    return tokens, pos, reason
+    logps = jnp.zeros(tokens.shape, jnp.float32)
+    init = (jnp.int32(0), tokens, logps, lengths, last, cache, jnp.zeros_like(lengths))
+    _, tokens, logps, pos, _, _, reason = jax.lax.while_loop(
+      lambda c: jnp.any(c[-1] == 0), body, init
+    )
+    return tokens, pos, reason, logps
 
 
 def _logits_at(apply_fn, decoder, params, tokens, prefill: int, dtype):

@@ -10,9 +10,11 @@ model's PAD or BOS is the same id as one of its stop ids.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+from jaxstep.core.sampling import draw, filter_logits
+
+__all__ = ["allowed_ids", "filter_logits", "next_tokens", "stop_ids"]
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
@@ -31,34 +33,7 @@ def allowed_ids(model_vocab: int, tokenizer) -> np.ndarray:
   return allowed
 
 
-def filter_logits(logits, temperature, top_k, top_p):
-  """``logits [B, V]`` (fp32) divided by the temperature, with every id outside the top-k
-  and outside the top-p nucleus set to −inf. Ties at a cut-off are kept."""
-  neg = jnp.array(-jnp.inf, logits.dtype)
-  scaled = logits / jnp.maximum(temperature, 1e-6)
-  desc = -jnp.sort(-scaled, axis=-1)  # [B, V], largest first
-  k = jnp.clip(top_k, 1, logits.shape[-1])
-  kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=-1)  # [B, 1]
-  scaled = jnp.where((top_k > 0) & (scaled < kth), neg, scaled)
-  desc = jnp.where((top_k > 0) & (desc < kth), neg, desc)
-  probs = jax.nn.softmax(desc, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs  # probability of the ids ranked above
-  smallest_kept = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where((top_p < 1.0) & (scaled < smallest_kept), neg, scaled)
-
-
 def next_tokens(logits, keys, allowed, temperature, top_k, top_p):
   """``int32[B]``: one id per row of ``logits [B, V]``, drawn with that row's ``keys[b]``
-  (greedy when ``temperature`` is 0)."""
-  logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
-
-  def draw():  # the sorts of the filters only run when a filter is on
-    filtered = jax.lax.cond(
-      (top_k > 0) | (top_p < 1.0),
-      lambda: filter_logits(logits, temperature, top_k, top_p),
-      lambda: logits / jnp.maximum(temperature, 1e-6),
-    )
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-
-  greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-  return jax.lax.cond(temperature <= 0, greedy, draw)
+  (greedy when ``temperature`` is 0); ``jaxstep.core.sampling.draw`` without the log-probs."""
+  return draw(logits, keys, allowed, temperature, top_k, top_p)[0]
