@@ -74,3 +74,7 @@ class Interrupted(JaxstepError, RuntimeError):
   def __init__(self, message: str, signum: int):
     super().__init__(message)
     self.signum = signum
+
+
+class RewardError(JaxstepError, RuntimeError):
+  """An RL reward function failed on a completion: it raised, or its score is no number."""
