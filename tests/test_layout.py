@@ -104,6 +104,7 @@ ROOMS = {
   "plan": {"config", "store", "tracking", "evaluation"},
   "loop": {"config", "store", "tracking", "evaluation"},
   "saved_run": {"config", "store", "evaluation", "plan"},
+  "rl": {"config", "store", "tracking", "evaluation", "plan", "loop"},
 }
 MAX_LINES = 400  # a module longer than this holds more than one thing
 

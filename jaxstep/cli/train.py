@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     return report(e)
   last = result.last_metrics
   summary = f"final step {result.run_state.step}: loss {last.get('loss', float('nan')):.4f}"
-  if result.last_eval:
+  if result.last_eval and "eval_loss" in result.last_eval:
     summary += f", eval loss {result.last_eval['eval_loss']:.4f}"
+  elif result.last_eval and "eval_reward" in result.last_eval:
+    summary += f", eval reward {result.last_eval['eval_reward']:.4f}"
   print(f"{summary} ({result.stop_reason}); outputs in {cfg.run_dir}")
   return 0

@@ -35,10 +35,12 @@ every count is the global batch's, so the split does not matter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstep.core.sampling import sampling_logits
 from jaxstep.errors import BatchError, ConfigError
@@ -59,8 +61,9 @@ METRIC_UNITS = {
 }
 
 
-def group_advantages(rewards: jax.Array, kind: str = "grpo") -> jax.Array:
-  """Advantages of ``rewards`` float32[P, G] (P prompts, G completions each), same shape.
+def group_advantages(rewards, kind: str = "grpo") -> np.ndarray:
+  """Advantages of ``rewards`` [P, G] (P prompts, G completions each), float32, same shape;
+  computed on the host in float64 (rewards come from Python functions).
 
   - ``grpo``: ``(r − mean_g) / (std_g + 1e-4)``, std with Bessel's correction (TRL's
     ``scale_rewards="group"``);
@@ -68,24 +71,27 @@ def group_advantages(rewards: jax.Array, kind: str = "grpo") -> jax.Array:
     ``scale_rewards="none"``);
   - ``rloo``: ``r − mean of the other G − 1`` (leave-one-out baseline, TRL's RLOO).
 
-  A group whose rewards are all equal gets advantage 0 under every kind.
+  A group whose rewards are all equal gets advantage exactly 0 under every kind: the
+  deviations are taken from the group's first reward, which they share.
   """
-  rewards = jnp.asarray(rewards, jnp.float32)
+  rewards = np.asarray(rewards, np.float64)
   if rewards.ndim != 2:
     raise ConfigError(f"rewards must be [prompts, completions per prompt], got {rewards.shape}")
+  if kind not in ADVANTAGES:
+    raise ConfigError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
   g = rewards.shape[1]
-  mean = jnp.mean(rewards, axis=1, keepdims=True)
-  if kind == "dr_grpo":
-    return rewards - mean
-  if g < 2:
+  if g < 2 and kind != "dr_grpo":
     raise ConfigError(f"advantage={kind!r} needs at least 2 completions per prompt, got {g}")
-  if kind == "grpo":
-    std = jnp.sqrt(jnp.sum((rewards - mean) ** 2, axis=1, keepdims=True) / (g - 1))
-    return (rewards - mean) / (std + STD_EPS)
-  if kind == "rloo":
-    others = (jnp.sum(rewards, axis=1, keepdims=True) - rewards) / (g - 1)
-    return rewards - others
-  raise ConfigError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
+  shifted = rewards - rewards[:, :1]  # all-equal groups: exact zeros from here on
+  centred = shifted - shifted.mean(axis=1, keepdims=True)
+  if kind == "dr_grpo":
+    out = centred
+  elif kind == "grpo":
+    std = np.sqrt(np.sum(centred**2, axis=1, keepdims=True) / (g - 1))
+    out = centred / (std + STD_EPS)
+  else:  # rloo: r_i − (Σ_j r_j − r_i) / (G − 1) = G / (G − 1) · (r_i − mean)
+    out = centred * g / (g - 1)
+  return out.astype(np.float32)
 
 
 def token_logps(logits, targets, temperature=1.0, *, top_k=0, top_p=1.0, allowed=None):
@@ -247,3 +253,63 @@ def grpo_loss(
     return total, aux
 
   return loss_fn
+
+
+REFERENCES = ("auto", "adapters", "live", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """RL with verifiable rewards (``docs/rl.md``): with ``rewards`` named, ``data.path`` holds
+  prompts (with the columns the rewards read), each update samples ``train.global_batch_size``
+  completions — ``num_generations`` per prompt — scores them and trains on them."""
+
+  rewards: tuple[str, ...] = ()  # bundled names or module:function; empty: not an RL run
+  reward_weights: tuple[float, ...] = ()  # one per reward (default 1 each)
+  num_generations: int = 8  # G: completions per prompt, one group
+  iterations: int = 1  # μ: optimizer updates on each rollout
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1: off
+  advantage: str = "grpo"  # grpo | dr_grpo | rloo
+  loss_norm: str = "tokens"  # tokens | sequences | constant
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  beta: float = 0.0  # weight of the k3 KL to the reference (0: no reference)
+  reference: str = "auto"  # auto (adapters on a LoRA run, else live) | adapters | live | none
+  logp_tolerance: float = 0.02  # max |sampler − trainer| log-prob gap (nats) before a stop
+
+  def __post_init__(self):
+    object.__setattr__(self, "rewards", tuple(self.rewards))
+    object.__setattr__(self, "reward_weights", tuple(float(w) for w in self.reward_weights))
+    if self.advantage not in ADVANTAGES:
+      raise ConfigError(
+        f"rl.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}"
+      )
+    if self.loss_norm not in LOSS_NORMS:
+      raise ConfigError(
+        f"rl.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}"
+      )
+    if self.reference not in REFERENCES:
+      raise ConfigError(
+        f"rl.reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
+      )
+    if self.num_generations < 2 and self.advantage != "dr_grpo":
+      raise ConfigError(
+        f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
+        f"got {self.num_generations}"
+      )
+    for name in ("iterations", "max_new_tokens", "num_generations"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+    if self.temperature <= 0:
+      raise ConfigError(
+        f"rl.temperature must be > 0 (the trainer's log-probs divide by it), got {self.temperature}"
+      )
+    if not 0 < self.top_p <= 1 or self.top_k < 0:
+      raise ConfigError(f"need 0 < rl.top_p <= 1 and rl.top_k >= 0, got {self.top_p}, {self.top_k}")
+    if not (0.0 <= self.epsilon_low < 1.0 and self.epsilon_high >= 0.0):
+      raise ConfigError("need 0 <= rl.epsilon_low < 1 and rl.epsilon_high >= 0")
+    if self.beta < 0 or self.logp_tolerance <= 0:
+      raise ConfigError("need rl.beta >= 0 and rl.logp_tolerance > 0")

@@ -31,6 +31,7 @@ from jaxstep.data.dataset import (
 from jaxstep.data.manifest import read_manifest
 from jaxstep.data.pair_dataset import PairDataset, load_pair_dataset
 from jaxstep.data.preparation import prepare
+from jaxstep.data.prompt_rows import PromptDataset, load_prompt_dataset
 from jaxstep.data.shards import Windows
 from jaxstep.data.single_corpus import Dataset
 from jaxstep.data.tokenizer import ByteTokenizer, train_bpe
@@ -46,6 +47,8 @@ __all__ = [
   "global_batch",
   "load_dataset",
   "load_pair_dataset",
+  "load_prompt_dataset",
+  "PromptDataset",
   "PairDataset",
   "load_tokenizer",
   "prepare",

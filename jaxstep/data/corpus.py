@@ -76,6 +76,15 @@ def pair_records(n: int = 600, seed: int = 2) -> list[dict]:
   return records
 
 
+def sum_prompt_records(n: int = 1000, seed: int = 4) -> list[dict]:
+  """The corpus's sums as RL prompts: ``"a + b = "`` and the ``answer`` a reward checks."""
+  r = random.Random(seed)
+  return [
+    {"prompt": f"{a} + {b} = ", "answer": f"{a + b}"}
+    for a, b in ((r.randrange(100), r.randrange(100)) for _ in range(n))
+  ]
+
+
 def chat_pair_records(n: int = 400, seed: int = 3) -> list[dict]:
   """The chat set's questions as conversational pairs, answered right (chosen) or nearly."""
   r = random.Random(seed)
@@ -99,6 +108,7 @@ def main() -> None:
   BUNDLED_PATHS["bundled:chat"].write_text(_jsonl(chat_records()))
   BUNDLED_PATHS["bundled:pairs"].write_text(_jsonl(pair_records()))
   BUNDLED_PATHS["bundled:chat-pairs"].write_text(_jsonl(chat_pair_records()))
+  BUNDLED_PATHS["bundled:sums"].write_text(_jsonl(sum_prompt_records()))
 
 
 if __name__ == "__main__":

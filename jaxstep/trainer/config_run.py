@@ -30,6 +30,8 @@ from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
 from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
+from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
+from jaxstep.trainer.rl.source import RolloutSource
 from jaxstep.trainer.saved_run.load import save_base_config, save_tokenizer
 from jaxstep.trainer.store import resume as resume_lib
 from jaxstep.trainer.store import run_dir as run_dir_lib
@@ -276,7 +278,12 @@ def run_loop(
     t.global_batch_size,
     t.grad_accum_steps,
   )
-  source = RunBatches(run, rs)
+  rl = bool(run.cfg.rl.rewards)
+  source = (
+    RolloutSource(run, rs, run_dir=run_dir, gap_fn=run.rl_gap_fn, writer=jax.process_index() == 0)
+    if rl
+    else RunBatches(run, rs)
+  )
   loop = assembly.assemble(
     state=state,
     step_fn=run.step_fn,
@@ -299,22 +306,46 @@ def run_loop(
       resumed=rs.step > 0,
     ),
     throughput=assembly.Throughput(
-      tokens_per_step=t.global_batch_size * t.seq_len * (2 if run.cfg.preference.loss else 1),
+      tokens_per_step=None
+      if rl  # a rollout's tokens vary: N (the step's unit) per second
+      else t.global_batch_size * t.seq_len * (2 if run.cfg.preference.loss else 1),
       flops_per_token=run.flops_per_token,
       peak_flops=peak_flops_per_device(t.peak_tflops),
-      host_fields=getattr(run.dataset.train, "source_tokens", None),  # a mixture's, per source
+      host_fields=(lambda b: b[ROLLOUT_METRICS])  # noqa: E731 - the rollout's, from the host
+      if rl
+      else getattr(run.dataset.train, "source_tokens", None),  # a mixture's, per source
     ),
     callbacks=callbacks,
     hooks=hooks,
     run_info={"trackers": rs.trackers},
   )
+  if rl:
+    source.params = lambda: loop.state.params  # each rollout samples with the params of its time
   out = loop.run()
   return _result(out, source.rs)
 
 
 def _device_part(batch: dict) -> dict:
-  """What the step reads: a mixture's ``source`` column stays on the host (its counts)."""
-  return {k: v for k, v in batch.items() if k != "source"}
+  """What the step reads: a mixture's ``source`` column and a rollout's metrics stay on the
+  host."""
+  return {k: v for k, v in batch.items() if k not in ("source", ROLLOUT_METRICS)}
+
+
+def rl_evaluation(run: Run):
+  """``(params, prompts) -> record``: an RL run's prompts decoded greedily and scored."""
+  from jaxstep.generation import Generator
+  from jaxstep.trainer.rl import evaluate as rl_evaluate
+  from jaxstep.trainer.rl import rewards as rl_rewards
+
+  r = run.cfg.rl
+  generator = Generator(run.cfg.model, None, run.dataset.tokenizer)
+  rewards = rl_rewards.load_rewards(r.rewards, r.reward_weights)
+
+  def score(params, prompts) -> dict:
+    seq_len = run.cfg.train.seq_len
+    return rl_evaluate.evaluate_prompts(generator, params, prompts, r, rewards, seq_len=seq_len)
+
+  return score
 
 
 def _evaluation(run: Run) -> assembly.Evaluation:
@@ -322,6 +353,14 @@ def _evaluation(run: Run) -> assembly.Evaluation:
   text samples of ``train.sample_prompts`` when ``train.sample_every`` is set."""
   t = run.cfg.train
   splits = eval_splits(run)
+
+  if run.cfg.rl.rewards:
+    scorer = rl_evaluation(run)
+
+    def evaluate_all(state) -> dict:
+      return {name: scorer(state.params, split) for name, split in splits.items()}
+
+    return assembly.Evaluation(evaluate_all if splits else None, next(iter(splits), None), None)
 
   def evaluate_all(state) -> dict:
     return {

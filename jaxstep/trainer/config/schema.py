@@ -19,6 +19,7 @@ from jaxstep.core import geometry
 from jaxstep.core.optim import OptimConfig
 from jaxstep.core.precision import PRECISIONS
 from jaxstep.core.preference import REFERENCE_FREE, PreferenceConfig
+from jaxstep.core.rl import RLConfig
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig, LlamaConfig
@@ -312,6 +313,7 @@ class Config:
   mesh: MeshConfig = MeshConfig()
   eval: EvalConfig = EvalConfig()
   preference: PreferenceConfig = PreferenceConfig()
+  rl: RLConfig = RLConfig()
   mlflow: MlflowConfig = MlflowConfig()
   wandb: WandbConfig = WandbConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
@@ -323,6 +325,8 @@ class Config:
       raise ConfigError("data.path is empty; name a prepared folder, file, directory or glob")
     if self.preference.loss:
       check_preference_run(self)
+    if self.rl.rewards:
+      check_rl_run(self)
     if self.data.sources and self.train.epochs:
       raise ConfigError(
         "train.epochs has no meaning for a mixture (data.sources): its sources cycle at their "
@@ -333,6 +337,34 @@ class Config:
         f"train.seq_len {self.train.seq_len} exceeds model.max_seq_len "
         f"{self.model.max_seq_len}; raise model.max_seq_len"
       )
+
+
+def check_rl_run(cfg: Config) -> None:
+  """What an RL run (``rl.rewards`` named) cannot combine with, and its batch arithmetic."""
+  r, t = cfg.rl, cfg.train
+  if cfg.preference.loss:
+    raise ConfigError("a run is either preference (preference.loss) or RL (rl.rewards); pick one")
+  if cfg.data.sources or cfg.eval.sets:
+    raise ConfigError(
+      "an RL run reads one prompts file (data.path): drop data.sources and eval.sets"
+    )
+  if t.global_batch_size % r.num_generations:
+    raise ConfigError(
+      f"train.global_batch_size {t.global_batch_size} counts completions, num_generations "
+      f"{r.num_generations} per prompt: make it a multiple of {r.num_generations}"
+    )
+  if r.reward_weights and len(r.reward_weights) != len(r.rewards):
+    raise ConfigError(
+      f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} rewards"
+    )
+  if r.reference == "adapters" and not cfg.model.lora.rank:
+    raise ConfigError(
+      "rl.reference=adapters is the LoRA base: set model.lora.rank > 0, or use live"
+    )
+  if t.seq_len <= r.max_new_tokens:
+    raise ConfigError(
+      f"train.seq_len {t.seq_len} must hold a prompt and rl.max_new_tokens {r.max_new_tokens}"
+    )
 
 
 def check_preference_run(cfg: Config) -> None:

@@ -77,6 +77,11 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
         return tuple(value)
       if isinstance(value, list | tuple) and typing.get_args(t)[0] is dict:
         return tuple(value)  # a list of mappings (data.sources): its owner checks them
+      numbers = isinstance(value, list | tuple) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value
+      )
+      if numbers and typing.get_args(t)[0] is float:
+        return tuple(float(v) for v in value)
     elif t is bool:
       if isinstance(value, bool):
         return value

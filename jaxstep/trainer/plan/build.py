@@ -18,7 +18,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.evaluation import eval_sets, text_samples
-from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps
+from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, rl_plan, steps
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState
 from jaxstep.trainer.tracking import trackers
@@ -42,6 +42,8 @@ class Run:
   eval_sets: dict = dataclasses.field(default_factory=dict)  # eval.sets: name -> windows
   # preference.reference=precompute: jitted (params, batch of pairs) -> their reference log-probs
   reference_fn: Callable | None = None
+  # an RL run: jitted (params, batch) -> max |trainer − sampler| log-prob gap
+  rl_gap_fn: Callable | None = None
 
 
 def config_digest(cfg: config_lib.Config) -> str:
@@ -68,7 +70,9 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
-  if cfg.preference.loss:
+  if cfg.rl.rewards:
+    sets = {}  # the held-out prompts only
+  elif cfg.preference.loss:
     sets = preference_plan.load_eval_sets(cfg, dataset)
   else:
     sets = eval_sets.load_eval_sets(cfg.eval.sets, cfg.data, t.seq_len, dataset, progress=False)
@@ -87,27 +91,33 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   freeze.check_patterns(params, cfg.optim.trainable)
   params = steps.frozen_cast(cfg, params)
   step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
-  reference = preference_plan.reference_state(cfg, params)  # a live reference: a copy, frozen
+  reference = steps.reference_state(cfg, params)  # a live reference: a copy, frozen
   state = step.init(
     params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=reference
   )
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
-  if cfg.preference.loss:
+  if cfg.rl.rewards:
+    eval_step = None  # the held-out prompts are decoded and scored (rl.evaluate)
+  elif cfg.preference.loss:
     eval_step = preference_plan.make_eval_step(cfg, apply_fn)
   else:
     eval_step = steps.make_eval_step(
       apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size
     )
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
-  reference_fn = None
+  reference_fn, rl_gap_fn = None, None
+  if cfg.rl.rewards:
+    rl_gap_fn = rl_plan.logp_gap_fn(apply_fn, cfg, rl_plan.sampler_allowed(cfg))
   if cfg.preference.loss and preference_plan.reference_kind(cfg) == "precompute":
     reference_fn = reference_logps.logps_fn(apply_fn, state_sh.params, mesh)
   run = Run(
     cfg=cfg,
     dataset=dataset,
     step_fn=steps.jit_step(step, state_sh, mesh),
-    eval_fn=jax.jit(eval_step, out_shardings=replicated)  # pairs: (params, batch, model_state)
+    eval_fn=None
+    if eval_step is None
+    else jax.jit(eval_step, out_shardings=replicated)  # pairs: (params, batch, model_state)
     if cfg.preference.loss
     else jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
     mesh=mesh,
@@ -119,6 +129,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     accum_table=plan.accum_table,
     eval_sets=sets,
     reference_fn=reference_fn,
+    rl_gap_fn=rl_gap_fn,
   )
   run_state = RunState(
     dataset_fingerprint=dataset.fingerprint,

@@ -109,6 +109,19 @@ def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
   return model_cfg
 
 
+def rl_steps_per_epoch(cfg: config_lib.Config, prompts: int) -> int:
+  """An RL run's updates per pass over its prompts: ``rl.iterations`` per rollout, one
+  rollout per ``global_batch_size / num_generations`` prompts (a last partial batch of
+  prompts is left for the next epoch's order)."""
+  per_rollout = cfg.train.global_batch_size // cfg.rl.num_generations
+  if prompts < per_rollout:
+    raise DataError(
+      f"{prompts} training prompts, but one rollout takes {per_rollout} "
+      f"(train.global_batch_size / rl.num_generations); give more prompts or lower it"
+    )
+  return prompts // per_rollout * cfg.rl.iterations
+
+
 def total_update_steps(train_cfg: TrainConfig, steps_per_epoch: int | None) -> int:
   """``min(max_steps, epochs × steps_per_epoch)``, where 0 means "no limit"."""
   limits = [train_cfg.max_steps] if train_cfg.max_steps else []
@@ -239,6 +252,13 @@ def load_data(cfg: config_lib.Config):
   """A run's data: the pairs of a preference run (``preference.loss``), else the corpus or
   mixture of ``cfg.data``."""
   t, p = cfg.train, cfg.preference
+  if cfg.rl.rewards:
+    return data.load_prompt_dataset(
+      cfg.data.path,
+      cfg.data.tokenizer,
+      max_prompt_len=t.seq_len + 1 - cfg.rl.max_new_tokens,
+      eval_fraction=cfg.data.eval_fraction,
+    )
   if p.loss:
     return data.load_pair_dataset(
       cfg.data.path,
@@ -267,6 +287,8 @@ def make_plan(
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
     refuse_what_cannot_fit(cfg, mesh, memory)
   spe = None if dataset is None else data.split_steps_per_epoch(dataset.train, t.global_batch_size)
+  if dataset is not None and cfg.rl.rewards:
+    spe = rl_steps_per_epoch(cfg, len(dataset.train))
   total = total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
   _warn_all_warmup(cfg.optim.warmup_steps, schedule_steps, cfg.optim.schedule)

@@ -19,7 +19,7 @@ from jaxstep.core.step import make_train_step
 from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import TrainConfig
-from jaxstep.trainer.plan import preference_plan
+from jaxstep.trainer.plan import preference_plan, rl_plan
 
 
 def loss_scaler(t: TrainConfig) -> DynamicLossScale | None:
@@ -47,8 +47,14 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
   """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps and an lr schedule
   spanning ``schedule_steps`` update steps."""
   t = cfg.train
-  pairs = bool(cfg.preference.loss)
-  loss_fn = preference_plan.loss_fn(cfg, apply_fn) if pairs else next_token_loss(apply_fn)
+  pairs, rl = bool(cfg.preference.loss), bool(cfg.rl.rewards)
+  if rl:
+    loss_fn = rl_plan.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg))
+    units = rl_plan.units_fn(cfg)
+  elif pairs:
+    loss_fn, units = preference_plan.loss_fn(cfg, apply_fn), preference.pair_units
+  else:
+    loss_fn, units = next_token_loss(apply_fn), None
   step = make_train_step(
     _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
     make_optimizer(cfg.optim, schedule_steps),
@@ -60,8 +66,10 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     spike_window=t.spike_window,
     scan_unroll=t.scan_unroll,
     trainable=trainable(cfg),
-    units_fn=preference.pair_units if pairs else None,
+    units_fn=units,
   )
+  if rl:
+    return rl_plan.with_token_means(step)
   return preference_plan.with_pair_means(step) if pairs else step
 
 
@@ -113,7 +121,9 @@ def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
   t = cfg.train
   sharding = parallel.batch_sharding(mesh)
   shape = (t.global_batch_size, t.seq_len)
-  if cfg.preference.loss:
+  if cfg.rl.rewards:
+    batch = rl_plan.abstract_batch(cfg, mesh)
+  elif cfg.preference.loss:
     batch = preference_plan.abstract_batch(cfg, mesh)
   else:
     batch = {
@@ -134,10 +144,18 @@ def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
   step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
 
   def init(params, rng):
-    return step.init(params, rng, model_state=preference_plan.reference_state(cfg, params))
+    return step.init(params, rng, model_state=reference_state(cfg, params))
 
   state = jax.eval_shape(init, params, jax.random.PRNGKey(0))
   return apply_fn, with_shardings(state, parallel.tree_shardings(state, mesh))
+
+
+def reference_state(cfg: config_lib.Config, params):
+  """The ``model_state`` a run starts with: a live reference's copy (preference or RL), or
+  None."""
+  if cfg.rl.rewards:
+    return rl_plan.reference_state(cfg, params)
+  return preference_plan.reference_state(cfg, params)
 
 
 def with_shardings(tree, shardings):

@@ -42,10 +42,10 @@ _NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 def format_check(prompts, completions, stop_reason, **_) -> list[float]:
-  """1.0 where the completion ended on its own (a stop id, not a length limit) and its
-  first line is a number and nothing else; else 0.0."""
+  """1.0 where the completion's first line is a number and nothing else, and that line
+  ended (a newline, or a stop id: not cut by the length limit); else 0.0."""
   return [
-    float(reason == "eos" and bool(_NUMBER.fullmatch(answer_text(c))))
+    float(("\n" in c or reason == "eos") and bool(_NUMBER.fullmatch(answer_text(c))))
     for c, reason in zip(completions, stop_reason, strict=True)
   ]
 

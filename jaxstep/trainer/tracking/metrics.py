@@ -127,7 +127,8 @@ class MetricsSink:
     shown = "  ".join(
       f"{key.removeprefix('eval_')} {value:.4g}"
       for key, value in record.items()
-      if key in ("eval_loss", "eval_ppl", "eval_bpb", "loss")
+      if key in ("eval_loss", "eval_ppl", "eval_bpb", "loss", "eval_reward")
+      or key.startswith("eval_rewards/")
     )
     self._say(f"eval {name} at step {record['step']}: {shown}")
 

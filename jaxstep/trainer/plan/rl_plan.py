@@ -1,0 +1,142 @@
+"""What an RL run (``rl.rewards`` named) builds in place of a supervised run's parts: its
+loss with the reference it names, its normalization count, its abstract batch, and the
+per-token means its metrics report.
+
+The reference of the KL term (``rl.beta`` > 0) is the model with its LoRA adapters switched
+off on a LoRA run (no second copy in memory), else a frozen fp32 copy of the starting
+weights carried in the state's ``model_state`` (``live``); with ``rl.beta`` 0 there is none.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxstep import parallel
+from jaxstep.core import rl
+from jaxstep.core.precision import cast_floating, compute_dtype
+from jaxstep.models import lora
+from jaxstep.trainer.config import loading as config_lib
+
+REFERENCE = "reference"  # the live reference's key in the state's model_state
+FLOAT_FIELDS = ("advantages", "old_logps")
+
+
+def reference_kind(cfg: config_lib.Config) -> str:
+  """``"none"`` (β = 0), ``"adapters"`` (the LoRA base) or ``"live"`` (a frozen copy)."""
+  r = cfg.rl
+  if not r.beta or r.reference == "none":
+    return "none"
+  if r.reference != "auto":
+    return r.reference
+  return "adapters" if cfg.model.lora.rank else "live"
+
+
+def reference_state(cfg: config_lib.Config, params):
+  """``{"reference": a copy of params}`` for a live reference; None otherwise."""
+  if not cfg.rl.rewards or reference_kind(cfg) != "live":
+    return None
+  return {REFERENCE: jax.tree.map(jnp.copy, params)}
+
+
+def sampler_allowed(cfg: config_lib.Config):
+  """The ids the sampler may draw (``generation.sampling.allowed_ids`` of the run's
+  tokenizer), for the trainer's log-probs to use the same distribution."""
+  return jnp.asarray(_allowed(cfg.model.vocab_size, cfg.data.tokenizer))
+
+
+@functools.lru_cache(maxsize=8)
+def _allowed(vocab_size: int, tokenizer: str):
+  from jaxstep.data.tokenizer_loading import load_tokenizer
+  from jaxstep.generation.sampling import allowed_ids
+
+  return allowed_ids(vocab_size, load_tokenizer(tokenizer))
+
+
+def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
+  """The step's ``loss_fn`` for ``cfg.rl`` (``rl.grpo_loss``), 4-argument with a live
+  reference (the copy rides in the state's ``model_state``)."""
+  r = cfg.rl
+  options = dict(
+    loss_norm=r.loss_norm,
+    epsilon_low=r.epsilon_low,
+    epsilon_high=r.epsilon_high,
+    beta=r.beta,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    allowed=allowed,
+    max_new_tokens=r.max_new_tokens,
+  )
+  kind = reference_kind(cfg)
+  if kind == "live":
+
+    def with_reference(params, batch, rng, model_state):
+      frozen = model_state[REFERENCE]
+      reference = lambda _, inputs: apply_fn(frozen, inputs, train=False)  # noqa: E731
+      loss = rl.grpo_loss(apply_fn, reference=reference, **options)
+      return (*loss(params, batch, rng), model_state)
+
+    return with_reference
+  reference = None
+  if kind == "adapters":
+
+    def reference(params, inputs):
+      return apply_fn(lora.adapters_off(params), inputs, train=False)
+
+  if not r.beta:
+    options["beta"] = 0.0
+  return rl.grpo_loss(apply_fn, reference=reference, **options)
+
+
+def units_fn(cfg: config_lib.Config) -> Callable:
+  return rl.units_fn(cfg.rl.loss_norm, cfg.rl.max_new_tokens)
+
+
+def with_token_means(step):
+  """``step`` whose metrics hold ``rl.METRIC_UNITS``' sums as means over the global batch's
+  completion tokens, as TRL logs them."""
+
+  def train_step(state, batch):
+    state, metrics = step(state, batch)
+    tokens = jnp.maximum(metrics["completion_tokens"], 1.0)
+    return state, {**metrics, **{k: metrics[k] / tokens for k in rl.METRIC_UNITS if k in metrics}}
+
+  train_step.init = step.init
+  return train_step
+
+
+def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
+  """A global batch of completions' shapes, dtypes and sharding."""
+  sharding = parallel.batch_sharding(mesh)
+  shape = (cfg.train.global_batch_size, cfg.train.seq_len)
+  batch = {
+    k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    for k in ("inputs", "targets", "completion_mask")
+  }
+  batch["old_logps"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+  batch["advantages"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
+  return batch
+
+
+def logp_gap_fn(apply_fn, cfg: config_lib.Config, allowed):
+  """Jitted ``(params, batch) -> max |trainer − sampler|`` over the completion tokens: the
+  log-probs of a training pass (the compute precision, dropout as training runs it, the
+  sampler's temperature and filters) against the ``old_logps`` the sampler saw. Dropout or
+  a bf16 forward shows up here as a gap the fp32 sampler did not have."""
+  r, dtype = cfg.rl, compute_dtype(cfg.train.precision)
+
+  def gap(params, batch):
+    inputs = batch["inputs"]
+    logits = apply_fn(cast_floating(params, dtype), inputs, rng=jax.random.PRNGKey(0), train=True)
+    logps, _ = rl.token_logps(
+      logits, batch["targets"], r.temperature, top_k=r.top_k, top_p=r.top_p, allowed=allowed
+    )
+    mask = batch["completion_mask"] > 0
+    return jnp.max(jnp.where(mask, jnp.abs(logps - batch["old_logps"]), 0.0))
+
+  return jax.jit(gap)

@@ -1,0 +1,102 @@
+"""One rollout: G completions of each of P prompts sampled with the current params, scored by
+the rewards, turned into group advantages and laid out as the RL step's rows
+(``jaxstep.core.rl``): prompt + completion as a shifted window, the completion's targets
+masked, the sampler's log-probs of them as ``old_logps``.
+
+A rollout is a pure function of the params, the prompts, the settings and its seed, so a
+resumed run samples the same completions again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxstep.core import rl
+from jaxstep.data.prompt_rows import PromptSet
+from jaxstep.trainer.rl import rewards as rewards_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  batch: dict  # the step's rows (numpy), P·G of them
+  metrics: dict  # host metrics of the sampling and the rewards
+  completions: list  # the texts, prompt-major (what the rewards scored)
+
+
+def rows(prompts: list[np.ndarray], completions: list[list[int]], logps, seq_len: int, pad: int):
+  """``inputs``/``targets`` int32[N, seq_len] (prompt + completion, padded), ``completion_mask``
+  on the completion's targets, ``old_logps`` there (float32)."""
+  n = len(prompts)
+  tokens = np.full((n, seq_len + 1), pad, np.int32)
+  mask = np.zeros((n, seq_len), np.int32)
+  old = np.zeros((n, seq_len), np.float32)
+  for r, (p, c, lp) in enumerate(zip(prompts, completions, logps, strict=True)):
+    end = len(p) + len(c)
+    if end > seq_len + 1:
+      raise ValueError(f"row {r}: {end} tokens do not fit train.seq_len {seq_len} + 1")
+    tokens[r, :end] = [*p, *c]
+    mask[r, len(p) - 1 : end - 1] = 1
+    old[r, len(p) - 1 : end - 1] = lp
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "completion_mask": mask,
+    "old_logps": old,
+  }
+
+
+def sample(
+  generator,
+  params,
+  prompts: PromptSet,
+  cfg: rl.RLConfig,
+  rewards: list,
+  *,
+  seq_len: int,
+  seed: int,
+  temperature: float | None = None,
+) -> Rollout:
+  """``cfg.num_generations`` completions of every prompt (``temperature`` None: the
+  config's; 0: greedy, for evaluation), scored and laid out."""
+  g = cfg.num_generations if temperature is None else 1
+  generator.params = params
+  begun = time.perf_counter()
+  prompt_rows = [ids for ids in prompts.ids for _ in range(g)]
+  ids, reasons, logps = generator.sample_ids(
+    prompt_rows,
+    max_new_tokens=cfg.max_new_tokens,
+    temperature=cfg.temperature if temperature is None else temperature,
+    top_k=cfg.top_k,
+    top_p=cfg.top_p,
+    seed=seed,
+  )
+  sampled = time.perf_counter() - begun
+  tok = generator.tokenizer
+  texts = [tok.decode(c[:-1] if r == "eos" else c) for c, r in zip(ids, reasons, strict=True)]
+  columns = {k: [v[i // g] for i in range(len(texts))] for k, v in prompts.columns.items()}
+  columns["stop_reason"] = reasons
+  prompt_texts = [prompts.texts[i // g] for i in range(len(texts))]
+  per_fn, total = rewards_lib.score(rewards, prompt_texts, texts, columns)
+  batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
+  lengths = np.array([len(c) for c in ids])
+  metrics = {
+    "reward": float(total.mean()),
+    "reward_std": float(total.std()),
+    **{f"rewards/{r.name}/mean": float(v.mean()) for r, v in zip(rewards, per_fn, strict=True)},
+    **{f"rewards/{r.name}/std": float(v.std()) for r, v in zip(rewards, per_fn, strict=True)},
+    "completions/mean_length": float(lengths.mean()),
+    "completions/max_length": int(lengths.max()),
+    "completions/clipped_ratio": float(np.mean([r != "eos" for r in reasons])),
+    "rollout_s": sampled,
+    "rollout_tokens_per_s": float(lengths.sum() / max(sampled, 1e-9)),
+  }
+  if temperature is None:
+    grouped = total.reshape(-1, g)
+    adv = np.asarray(rl.group_advantages(grouped, cfg.advantage)).reshape(-1)
+    batch["advantages"] = adv.astype(np.float32)
+    metrics["advantage_std"] = float(adv.std())
+    metrics["frac_reward_zero_std"] = float(np.mean(grouped.std(axis=1) == 0))
+  return Rollout(batch, metrics, texts)

@@ -1,0 +1,138 @@
+"""The RL run's ``BatchSource``: every ``rl.iterations`` updates it takes the next
+P = G / ``num_generations`` prompts of the epoch's order, samples a rollout with the params
+of that moment, checks the sampler's log-probs against the trainer's, and hands the rollout
+to the step ``rl.iterations`` times.
+
+Position: ``(epoch, step_in_epoch)`` counts rollouts (prompt batches) as a supervised run
+counts batches; the update step says which pass over the current rollout comes next. A
+rollout is a pure function of the params and its seed, so a run resumed at a rollout's start
+samples it again; with ``rl.iterations`` > 1 a checkpoint can fall between passes, so each
+rollout is also kept in ``RUN/rl_rollout.npz`` (written whole, then renamed) and read back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxstep import parallel
+from jaxstep.data.permutation import shuffled_index
+from jaxstep.errors import CheckpointError, ConfigError
+from jaxstep.generation import Generator
+from jaxstep.trainer.rl import rewards as rewards_lib
+from jaxstep.trainer.rl import rollout as rollout_lib
+
+log = logging.getLogger("jaxstep")
+
+HOST = "rl_metrics"  # the batch's host-only entry: the rollout's metrics for the record
+ROLLOUT_FILE = "rl_rollout.npz"
+
+
+def rollout_seed(seed: int, index: int) -> int:
+  return (seed * 1_000_003 + index) % 2**32
+
+
+class RolloutSource:
+  """Args: ``run`` (``plan.build.Run`` of an RL config), ``rs`` (the position to start
+  from: ``rs.step`` updates done), ``run_dir``, ``gap_fn`` (``rollout.logp_gap_fn``) and
+  ``writer`` (this process writes the rollout file). ``params`` must be set to a
+  ``() -> current params`` before the first ``next_batch``."""
+
+  def __init__(self, run, rs, *, run_dir: pathlib.Path, gap_fn: Callable, writer: bool = True):
+    cfg = run.cfg
+    self.run, self.rs, self.cfg, self.r = run, rs, cfg, cfg.rl
+    self.file, self.gap_fn, self.writer = pathlib.Path(run_dir) / ROLLOUT_FILE, gap_fn, writer
+    self.per_rollout = cfg.train.global_batch_size // self.r.num_generations
+    self.batches_per_epoch = len(run.dataset.train) // self.per_rollout
+    self.rewards = rewards_lib.load_rewards(self.r.rewards, self.r.reward_weights)
+    self.generator = Generator(cfg.model, None, run.dataset.tokenizer)
+    self.params: Callable | None = None
+    self.updates = rs.step  # updates done; the next one's pass is updates % iterations
+    self.current = None
+    if self.updates % self.r.iterations:
+      self.current = self._read_back(self.updates // self.r.iterations)
+
+  def next_batch(self) -> dict:
+    if self.updates % self.r.iterations == 0:
+      self.current = self._sample(self.updates // self.r.iterations)
+    self.updates += 1
+    return {**self.current.batch, HOST: self.current.metrics}
+
+  def _sample(self, index: int):
+    prompts = self._prompts()
+    params = self.params()
+    out = rollout_lib.sample(
+      self.generator,
+      params,
+      prompts,
+      self.r,
+      self.rewards,
+      seq_len=self.cfg.train.seq_len,
+      seed=rollout_seed(self.cfg.train.seed, index),
+    )
+    batch = parallel.put_batch(out.batch, self.run.batch_sharding)
+    gap = float(jax.device_get(self.gap_fn(params, batch)))
+    if not gap <= self.r.logp_tolerance:
+      raise ConfigError(
+        f"the sampler's and the trainer's log-probs of rollout {index} differ by up to "
+        f"{gap:.3g} nats (rl.logp_tolerance {self.r.logp_tolerance}): {self._gap_cause()}"
+      )
+    out.metrics["sampler_logp_gap_max"] = gap
+    if self.r.iterations > 1 and self.writer:
+      self._keep(index, out)
+    return out
+
+  def _gap_cause(self) -> str:
+    """Which setting makes the training pass see another distribution than the sampler."""
+    model, t = self.cfg.model, self.cfg.train
+    if getattr(model, "dropout", 0.0):
+      return f"model.dropout={model.dropout} drops units in training that the sampler kept; set 0"
+    if t.precision != "fp32":
+      return (
+        f"train.precision={t.precision} computes the training pass at lower precision than the "
+        f"fp32 sampler; use fp32, or raise rl.logp_tolerance to accept the gap"
+      )
+    return "the model's training forward differs from its decode; raise rl.logp_tolerance"
+
+  def _prompts(self):
+    """The next P prompts of the epoch's order; the position moves past them."""
+    rs, n = self.rs, len(self.run.dataset.train)
+    positions = rs.step_in_epoch * self.per_rollout + np.arange(self.per_rollout)
+    index = shuffled_index(self.cfg.train.seed, rs.epoch, n, positions)
+    self.rs = rs.advanced(steps_per_epoch=self.batches_per_epoch)
+    return self.run.dataset.train.take(index)
+
+  def _keep(self, index: int, out) -> None:
+    tmp = self.file.with_name(f".{self.file.name}.tmp")
+    with open(tmp, "wb") as f:
+      np.savez(f, index=index, metrics=json.dumps(out.metrics), **out.batch)
+    tmp.replace(self.file)
+
+  def _read_back(self, index: int):
+    """The rollout a checkpoint between passes continued with (``_keep``)."""
+    try:
+      with np.load(self.file) as f:
+        if int(f["index"]) != index:
+          raise CheckpointError(f"{self.file} holds rollout {int(f['index'])}, not {index}")
+        batch = {k: f[k] for k in f.files if k not in ("index", "metrics")}
+        metrics = json.loads(str(f["metrics"]))
+    except OSError as e:
+      raise CheckpointError(
+        f"the checkpoint stopped between passes over rollout {index}, but {self.file} cannot "
+        f"be read ({e}); resume from an earlier checkpoint (--resume-from) of a rollout's start"
+      ) from e
+    return rollout_lib.Rollout(batch, metrics, [])
+
+  def where(self) -> dict:
+    return {"epoch": self.rs.epoch, "step_in_epoch": self.rs.step_in_epoch}
+
+  def mark(self):
+    return self.rs
+
+  def position(self, mark) -> dict:
+    return mark.to_json()

@@ -1,0 +1,158 @@
+"""RL runs through ``jaxstep train`` (``rl.rewards`` set): rollouts sampled with the current
+params, scored, trained on with the exact normalization (K micro-batches = one batch), TRL's
+metric names, the sampler/trainer log-prob check, held-out prompts scored greedily, a failing
+reward or a gap named in one line, and a resume between passes over a rollout."""
+
+import pathlib
+
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL, read_lines
+
+from jaxstep.cli import train as train_cli
+from jaxstep.trainer import config_run
+from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.rl import rollout
+
+BASE = [
+  *SMALL_MODEL,
+  "data.path=bundled:sums",
+  "data.eval_fraction=0.02",
+  "train.global_batch_size=16",
+  "train.grad_accum_steps=2",
+  "train.max_steps=3",
+  "train.log_every=1",
+  "train.eval_every=3",
+  "train.sample_every=0",
+  "model.dropout=0",
+  "optim.lr=3e-3",
+  "optim.warmup_steps=0",
+  "rl.num_generations=4",
+  "rl.max_new_tokens=5",
+  "rl.temperature=0.9",
+  f"rl.rewards=[{__name__}:digit_share]",
+]
+
+
+def digit_share(prompts, completions, **_):
+  """A reward a random model's completions vary in: the share of their characters that are
+  digits."""
+  return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def broken(prompts, completions, answer, **_):
+  return [1.0 / (int(a) % 2) for a in answer]  # an even answer divides by zero
+
+
+def cfg_for(tmp_path, *overrides, name="run"):
+  return config_lib.load(None, [*BASE, f"run_dir={tmp_path / name}", *overrides])
+
+
+def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
+  config_run.train(cfg_for(tmp_path))
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert [r["step"] for r in lines] == [1, 2, 3]
+  first = lines[0]
+  for key in (
+    "reward",
+    "reward_std",
+    f"rewards/{__name__}:digit_share/mean",
+    "advantage_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+    "clip_ratio/region_mean",
+    "rollout_tokens_per_s",
+  ):
+    assert key in first, key
+  assert first["advantage_std"] > 0 and first["grad_norm"] > 0
+  assert all(r["sampler_logp_gap_max"] < 1e-4 for r in lines)  # the same distribution
+  assert first["clip_ratio/region_mean"] == 0.0  # the first pass: the policy is θ_old
+  (record,) = read_lines(tmp_path / "run" / "eval.jsonl")
+  assert record["eval_prompts"] == 27 and 0 <= record["eval_reward"] <= 1  # 2 % of 1,000, by hash
+
+
+@pytest.mark.parametrize("norm", ["tokens", "sequences", "constant"])
+def test_k_micro_batches_give_one_batchs_updates(tmp_path, norm):
+  """K = 1 and K = 4 from the same start: the same rewards (the same rollouts), losses and
+  gradient norms at every update — each rollout after the first samples with the updated
+  params, so the runs agree only if the updates did."""
+  runs = {}
+  for k in (1, 4):
+    config_run.train(
+      cfg_for(tmp_path, f"train.grad_accum_steps={k}", f"rl.loss_norm={norm}", name=f"k{k}")
+    )
+    runs[k] = read_lines(tmp_path / f"k{k}" / "metrics.jsonl")
+  for a, b in zip(runs[1], runs[4], strict=True):
+    assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+    for key in ("loss", "grad_norm", "entropy"):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
+
+
+def test_the_rows_hold_prompt_and_completion_with_the_sampler_log_probs():
+  prompts = [np.array([1, 5, 6]), np.array([1, 7])]
+  completions, logps = [[9, 2], [3]], [np.array([-0.5, -1.5]), np.array([-2.0])]
+  got = rollout.rows(prompts, completions, logps, seq_len=5, pad=0)
+  np.testing.assert_array_equal(got["inputs"], [[1, 5, 6, 9, 2], [1, 7, 3, 0, 0]])
+  np.testing.assert_array_equal(got["targets"], [[5, 6, 9, 2, 0], [7, 3, 0, 0, 0]])
+  np.testing.assert_array_equal(got["completion_mask"], [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(got["old_logps"][0], [0, 0, -0.5, -1.5, 0])
+
+
+@pytest.mark.parametrize(
+  "overrides, code, words",
+  [
+    (["model.dropout=0.1"], 2, "model.dropout=0.1 drops units"),
+    ([f"rl.rewards=[{__name__}:broken]"], 1, "raised ZeroDivisionError on completion"),
+    (["rl.num_generations=3"], 2, "multiple of 3"),
+    (["rl.advantage=ppo"], 2, "rl.advantage"),
+  ],
+)
+def test_what_cannot_run_is_one_line(tmp_path, capsys, overrides, code, words):
+  assert train_cli.main([*BASE, f"run_dir={tmp_path / 'run'}", *overrides]) == code
+  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+  assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_passes_over_a_rollout_resumes_bitwise(tmp_path, monkeypatch):
+  """rl.iterations=2 and a checkpoint at every update: the kill lands after update 3, the
+  first pass over the second rollout; the resumed run reads that rollout back and ends
+  bitwise equal to the uninterrupted run."""
+  import jax
+  from conftest import restore_state_arrays, straight_and_killed
+
+  monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))  # they import this reward
+  args = [*BASE, "rl.iterations=2", "train.max_steps=6", "checkpoint.every=1", "mesh.cpu_devices=1"]
+  straight, killed = straight_and_killed(tmp_path, args, kill_at=3)
+  (step_a, a), (step_b, b) = restore_state_arrays(straight), restore_state_arrays(killed)
+  assert step_a == step_b == 6
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+  rewards = [
+    {r["step"]: r["reward"] for r in read_lines(d / "metrics.jsonl")} for d in (straight, killed)
+  ]
+  assert rewards[0] == rewards[1]
+
+
+def test_a_run_stopped_between_passes_continues_with_the_same_rollout(tmp_path):
+  """rl.iterations=2: a run stopped after update 3 (the first pass over rollout 2) and
+  continued to 6 reads that rollout back from the run dir and equals a run of 6."""
+  import jax
+
+  six = ["rl.iterations=2", "train.schedule_steps=6"]
+  straight = config_run.train(cfg_for(tmp_path, *six, "train.max_steps=6", name="straight"))
+  config_run.train(cfg_for(tmp_path, *six, "train.max_steps=3", name="stopped"))
+  assert (tmp_path / "stopped" / "rl_rollout.npz").is_file()
+  resumed = config_run.train(cfg_for(tmp_path, *six, "train.max_steps=6", name="stopped"))
+  pairs = zip(
+    jax.tree.leaves(straight.state.params), jax.tree.leaves(resumed.state.params), strict=True
+  )
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+  rewards = [
+    {r["step"]: r["reward"] for r in read_lines(tmp_path / n / "metrics.jsonl")}
+    for n in ("straight", "stopped")
+  ]
+  assert rewards[0] == rewards[1]
