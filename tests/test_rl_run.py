@@ -156,3 +156,40 @@ def test_a_run_stopped_between_passes_continues_with_the_same_rollout(tmp_path):
     for n in ("straight", "stopped")
   ]
   assert rewards[0] == rewards[1]
+
+
+@pytest.mark.parametrize("reference", ["adapters", "live"])
+def test_the_kl_reference_is_the_start_and_the_kl_grows_from_zero(tmp_path, reference):
+  """With the LoRA base (adapters off) or a frozen copy as the reference, the policy is its
+  reference at the first update (KL exactly 0) and moves away after; only the live
+  reference is a copy in the state."""
+  extra = ["model.lora.rank=4", "model.lora.alpha=8"] if reference == "adapters" else []
+  result = config_run.train(cfg_for(tmp_path, *extra, "rl.beta=0.1", f"rl.reference={reference}"))
+  kl = [r["kl"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")]
+  assert kl[0] == 0.0 and kl[-1] > 0.0
+  assert (result.state.model_state is not None) == (reference == "live")
+
+
+@pytest.mark.slow
+def test_an_rl_run_on_four_devices_equals_one_device(tmp_path, monkeypatch):
+  """Completions over 4 devices (data) and the params over 4 (fsdp): the same rollouts,
+  losses and gradient norms as one device."""
+  import subprocess
+  import sys
+
+  monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
+  runs = {}
+  for name, mesh in {
+    "one": ["mesh.cpu_devices=1"],
+    "data": ["mesh.cpu_devices=4", "mesh.data=4"],
+    "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4", "mesh.data=1"],
+  }.items():
+    args = [*BASE, f"run_dir={tmp_path / name}", *mesh]
+    done = subprocess.run([sys.executable, "-m", "jaxstep.train", *args], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    runs[name] = read_lines(tmp_path / name / "metrics.jsonl")
+  for name in ("data", "fsdp"):
+    for a, b in zip(runs["one"], runs[name], strict=True):
+      assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+      for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{name} {key}")

@@ -30,6 +30,7 @@ from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
 from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
+from jaxstep.trainer.rl.rewards import load_rewards
 from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
 from jaxstep.trainer.rl.source import RolloutSource
 from jaxstep.trainer.saved_run.load import save_base_config, save_tokenizer
@@ -156,6 +157,8 @@ def train(
   """
   run, state, rs = build(cfg)
   cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
+  if cfg.rl.rewards:  # a reward that does not import: before anything is written
+    load_rewards(cfg.rl.rewards, cfg.rl.reward_weights)
   reference = _stored_reference(run, state.params)  # refuses another run's file: nothing written
   with run_dir_lib.locked(cfg.run_dir) as run_dir:
     begun = resume_lib.start(
