@@ -193,3 +193,11 @@ def test_an_rl_run_on_four_devices_equals_one_device(tmp_path, monkeypatch):
       assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
       for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{name} {key}")
+
+
+def test_check_compares_k_micro_batches_on_the_first_rollout(tmp_path, capsys):
+  from jaxstep.cli import check as check_cli
+
+  assert check_cli.main([*BASE, f"run_dir={tmp_path / 'run'}", "train.grad_accum_steps=4"]) == 0
+  out = capsys.readouterr().out
+  assert "K=4 micro-steps vs K=1" in out and "PASS: accumulation is exact" in out

@@ -24,6 +24,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstep.cli._common import Parser, add_config_args, report
 from jaxstep.core.check import CheckReport, check_accumulation
@@ -53,6 +54,8 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
   apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
   optimizer = _frozen_left_alone(make_optimizer(cfg.optim, plan.schedule_steps), cfg, params)
+  if cfg.rl.rewards:  # an RL run: its first rollout, sampled from the starting weights
+    return _check_rl(cfg, dataset, apply_fn, params, optimizer)
   batch = data.global_batch(dataset.train, t.seed, 0, 0, t.global_batch_size, dataset.pad_id)
   pairs = bool(cfg.preference.loss)  # a preference run: its loss over pairs, N = the pairs
   batch = jax.tree.map(jnp.asarray, batch)
@@ -70,6 +73,36 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     units_fn=preference.pair_units if pairs else None,
     precision=t.precision,
     model_state=preference_plan.reference_state(cfg, params) if pairs else None,
+  )
+
+
+def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
+  """K micro-batches against one on the RL run's first rollout (its first prompts, its
+  rewards and advantages), with its loss and normalization count."""
+  from jaxstep.data.permutation import shuffled_index
+  from jaxstep.generation import Generator
+  from jaxstep.trainer.plan import rl_plan
+  from jaxstep.trainer.rl import rewards, rollout
+  from jaxstep.trainer.rl.source import rollout_seed
+
+  t, r = cfg.train, cfg.rl
+  per_rollout = t.global_batch_size // r.num_generations
+  index = shuffled_index(t.seed, 0, len(dataset.train), np.arange(per_rollout))
+  generator = Generator(cfg.model, None, dataset.tokenizer)
+  loaded = rewards.load_rewards(r.rewards, r.reward_weights)
+  first = rollout.sample(
+    generator, params, dataset.train.take(index), r, loaded, seq_len=t.seq_len,
+    seed=rollout_seed(t.seed, 0),
+  )  # fmt: skip
+  return check_accumulation(
+    rl_plan.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg)),
+    params,
+    jax.tree.map(jnp.asarray, first.batch),
+    optimizer,
+    _compared_k(t.grad_accum_steps, t.global_batch_size),
+    units_fn=rl_plan.units_fn(cfg),
+    precision=t.precision,
+    model_state=rl_plan.reference_state(cfg, params),
   )
 
 
