@@ -201,3 +201,16 @@ def test_check_compares_k_micro_batches_on_the_first_rollout(tmp_path, capsys):
   assert check_cli.main([*BASE, f"run_dir={tmp_path / 'run'}", "train.grad_accum_steps=4"]) == 0
   out = capsys.readouterr().out
   assert "K=4 micro-steps vs K=1" in out and "PASS: accumulation is exact" in out
+
+
+def test_an_rl_run_exports_and_generates_as_a_supervised_run_does(tmp_path):
+  from jaxstep.cli import export as export_cli
+  from jaxstep.cli import generate as generate_cli
+
+  config_run.train(cfg_for(tmp_path, "train.max_steps=1"))
+  out = tmp_path / "hf"
+  assert export_cli.main([str(tmp_path / "run"), "--out", str(out)]) == 0
+  assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+  assert (
+    generate_cli.main([str(tmp_path / "run"), "--prompt", "1 + 2 = ", "--max-new-tokens", "3"]) == 0
+  )
