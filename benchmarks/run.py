@@ -25,6 +25,7 @@ from benchmarks.loop_suites import (
   suite_host_overhead,
 )
 from benchmarks.lora_bench import suite_lora
+from benchmarks.preference_suite import suite_preference
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
 
 SUITES = {
@@ -39,6 +40,7 @@ SUITES = {
   "generate": suite_generate,
   "hf": suite_hf,
   "lora": suite_lora,
+  "preference": suite_preference,
 }
 
 
@@ -75,6 +77,7 @@ QUICK_ORDER = (
   "depth",
   "host_overhead",
   "hf",
+  "preference",
   "checkpoint",
   "doc_mask",
   "lora",

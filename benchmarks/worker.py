@@ -21,6 +21,7 @@ MODULES = (
   "hf_bench",
   "step_bench",
   "torch_bench",
+  "preference_bench",
   "memory_bench",
   "loop_bench",
 )
