@@ -8,6 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL, read_lines
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
 
 from jaxstep.cli import train as train_cli
 from jaxstep.trainer import config_run
@@ -214,3 +216,29 @@ def test_an_rl_run_exports_and_generates_as_a_supervised_run_does(tmp_path):
   assert (
     generate_cli.main([str(tmp_path / "run"), "--prompt", "1 + 2 = ", "--max-new-tokens", "3"]) == 0
   )
+
+
+@pytest.mark.slow
+def test_the_grpo_hf_config_tunes_a_model_folder_on_chat_prompts_and_exports(
+  folder,  # noqa: F811
+  tmp_path,
+  monkeypatch,
+  capsys,
+):
+  """``configs/grpo-hf.yaml`` on a Qwen3 folder with a chat template: the bundled chat
+  questions rendered by the folder's template and sampled by its own stop id, LoRA with the
+  folder's model as the KL's reference (KL 0 at the first update), then a merged export."""
+  from jaxstep.cli import run as run_command
+
+  path, _ = folder
+  monkeypatch.setenv("HF_MODEL", str(path))
+  run_dir = tmp_path / "grpo"
+  args = ["--config", "grpo-hf", f"run_dir={run_dir}", "train.max_steps=2", "train.eval_every=2"]
+  args += ["train.seq_len=48", "rl.max_new_tokens=6", "rl.num_generations=4"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "mesh.cpu_devices=1"]
+  assert run_command("train", args) == 0, capsys.readouterr().err
+  lines = read_lines(run_dir / "metrics.jsonl")
+  assert lines[0]["kl"] == 0.0 and lines[0]["sampler_logp_gap_max"] < 1e-4
+  assert "eval_rewards/exact_answer" in read_lines(run_dir / "eval.jsonl")[-1]
+  assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+  assert (tmp_path / "hf" / "chat_template.jinja").is_file()

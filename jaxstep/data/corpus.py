@@ -85,6 +85,17 @@ def sum_prompt_records(n: int = 1000, seed: int = 4) -> list[dict]:
   ]
 
 
+def chat_sum_prompt_records(n: int = 400, seed: int = 5) -> list[dict]:
+  """Sums asked in a chat, answered with the number alone: RL prompts for a chat model."""
+  r = random.Random(seed)
+  records = []
+  for _ in range(n):
+    a, b = r.randrange(50), r.randrange(50)
+    question = f"What is {a} + {b}? Answer with the number only."
+    records.append({"prompt": [{"role": "user", "content": question}], "answer": f"{a + b}"})
+  return records
+
+
 def chat_pair_records(n: int = 400, seed: int = 3) -> list[dict]:
   """The chat set's questions as conversational pairs, answered right (chosen) or nearly."""
   r = random.Random(seed)
@@ -109,6 +120,7 @@ def main() -> None:
   BUNDLED_PATHS["bundled:pairs"].write_text(_jsonl(pair_records()))
   BUNDLED_PATHS["bundled:chat-pairs"].write_text(_jsonl(chat_pair_records()))
   BUNDLED_PATHS["bundled:sums"].write_text(_jsonl(sum_prompt_records()))
+  BUNDLED_PATHS["bundled:chat-sums"].write_text(_jsonl(chat_sum_prompt_records()))
 
 
 if __name__ == "__main__":

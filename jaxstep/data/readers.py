@@ -31,6 +31,7 @@ BUNDLED_PATHS = {
   "bundled:pairs": BUNDLED / "pairs.jsonl",  # preference pairs (jaxstep.data.preference_pairs)
   "bundled:chat-pairs": BUNDLED / "chat_pairs.jsonl",
   "bundled:sums": BUNDLED / "sums.jsonl",  # RL prompts with answers (jaxstep.data.prompt_rows)
+  "bundled:chat-sums": BUNDLED / "chat_sums.jsonl",  # the same, as chat prompts
 }
 ROLES = ("system", "user", "assistant")
 # txt: documents split at blank lines; file: each file one document; auto: by extension
