@@ -25,16 +25,13 @@ from jax.sharding import Mesh
 from jaxstep import parallel
 from jaxstep.core import preference
 from jaxstep.data.pair_dataset import PairDataset, PairSplit, load_pair_eval_set
-from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import check_eval_sets
 from jaxstep.trainer.plan import reference_logps
+from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
 
 # the metrics a step reports as sums over pairs and a record shows as means over them
 MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
-
-
-REFERENCE = "reference"  # the live reference's key in the state's model_state
 
 
 def reference_kind(cfg: config_lib.Config) -> str:
@@ -72,23 +69,8 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -
   options = dict(
     loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, **options.get(p.loss, {})
   )
-  kind = reference_kind(cfg)
-  if kind == "live":  # the copy rides in the state's model_state: the 4-argument loss
-
-    def with_reference(params, batch, rng, model_state):
-      frozen = model_state[REFERENCE]
-      reference = lambda _, inputs: apply_fn(frozen, inputs, train=False)  # noqa: E731
-      pair_loss = preference.preference_loss(apply_fn, reference=reference, **options)
-      return (*pair_loss(params, batch, rng), model_state)
-
-    return with_reference
-  reference = None
-  if kind == "adapters":
-
-    def reference(params, inputs):
-      return apply_fn(lora.adapters_off(params), inputs, train=False)
-
-  return preference.preference_loss(apply_fn, reference=reference, **options)
+  build = lambda reference: preference.preference_loss(apply_fn, reference=reference, **options)  # noqa: E731
+  return loss_with_reference(reference_kind(cfg), apply_fn, build)
 
 
 def with_pair_means(step):

@@ -19,10 +19,9 @@ from jax.sharding import Mesh
 from jaxstep import parallel
 from jaxstep.core import rl
 from jaxstep.core.precision import cast_floating, compute_dtype
-from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
 
-REFERENCE = "reference"  # the live reference's key in the state's model_state
 FLOAT_FIELDS = ("advantages", "old_logps")
 
 
@@ -72,25 +71,8 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
     allowed=allowed,
     max_new_tokens=r.max_new_tokens,
   )
-  kind = reference_kind(cfg)
-  if kind == "live":
-
-    def with_reference(params, batch, rng, model_state):
-      frozen = model_state[REFERENCE]
-      reference = lambda _, inputs: apply_fn(frozen, inputs, train=False)  # noqa: E731
-      loss = rl.grpo_loss(apply_fn, reference=reference, **options)
-      return (*loss(params, batch, rng), model_state)
-
-    return with_reference
-  reference = None
-  if kind == "adapters":
-
-    def reference(params, inputs):
-      return apply_fn(lora.adapters_off(params), inputs, train=False)
-
-  if not r.beta:
-    options["beta"] = 0.0
-  return rl.grpo_loss(apply_fn, reference=reference, **options)
+  build = lambda reference: rl.grpo_loss(apply_fn, reference=reference, **options)  # noqa: E731
+  return loss_with_reference(reference_kind(cfg), apply_fn, build)
 
 
 def units_fn(cfg: config_lib.Config) -> Callable:
