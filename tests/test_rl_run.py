@@ -242,3 +242,13 @@ def test_the_grpo_hf_config_tunes_a_model_folder_on_chat_prompts_and_exports(
   assert "eval_rewards/exact_answer" in read_lines(run_dir / "eval.jsonl")[-1]
   assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
   assert (tmp_path / "hf" / "chat_template.jinja").is_file()
+
+
+def test_the_memory_ledger_names_an_rl_runs_reference(tmp_path, capsys):
+  from jaxstep.cli import memory as memory_cli
+
+  args = [*BASE, f"run_dir={tmp_path / 'run'}", "rl.beta=0.1"]
+  assert memory_cli.main(args) == 0
+  assert "frozen fp32 copy of the starting weights" in capsys.readouterr().out
+  assert memory_cli.main([*args, "model.lora.rank=4"]) == 0
+  assert "LoRA base (adapters off)" in capsys.readouterr().out

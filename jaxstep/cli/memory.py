@@ -60,6 +60,8 @@ def report(cfg) -> str:
   ]
   if cfg.preference.loss:
     lines += ["", preference_line(c["cfg"])]
+  if cfg.rl.rewards:
+    lines += ["", rl_line(c["cfg"])]
   if c["auto_table"]:
     budget = c["budget_bytes"]
     lines += ["", f"grad_accum_steps=auto, budget {gib(budget).strip()} per device:"]
@@ -89,6 +91,23 @@ def preference_line(cfg) -> str:
   return (
     f"preference.loss={p.loss}: the reference is the LoRA base (adapters off), the same "
     f"weights: no second copy of the model; its forward keeps no activations"
+  )
+
+
+def rl_line(cfg) -> str:
+  """What an RL run holds besides a supervised one, in the ledger's words."""
+  from jaxstep.trainer.plan.rl_plan import reference_kind
+
+  r, kind = cfg.rl, reference_kind(cfg)
+  held = {
+    "none": "no reference (rl.beta 0)",
+    "adapters": "the KL's reference is the LoRA base (adapters off): no second copy",
+    "live": "the KL's reference is a frozen fp32 copy of the starting weights, in the state above",
+  }[kind]
+  return (
+    f"RL: a batch is {cfg.train.global_batch_size} completions ({r.num_generations} per "
+    f"prompt) of up to {r.max_new_tokens} new tokens; {held}; sampling adds the KV cache of "
+    f"the rollout, not counted here"
   )
 
 

@@ -193,6 +193,10 @@ def predicted_bytes(
 
   live = cfg.preference.loss and reference_kind(cfg) == "live"  # a frozen copy in the state
   copy = num_params * (2 if cfg.preference.reference_dtype == "bf16" else 4) // fsdp if live else 0
+  if cfg.rl.rewards:
+    from jaxstep.trainer.plan import rl_plan
+
+    copy = num_params * 4 // fsdp if rl_plan.reference_kind(cfg) == "live" else 0
   out = {
     "state": sum(b for n, b in layout.items() if "during" not in n) + copy,
     "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,
