@@ -81,3 +81,24 @@ def test_greedy_samples_report_the_argmax_log_prob_at_temperature_one():
   np.testing.assert_allclose(trainer_logps(params, batch)[m], batch["old"][m], atol=2e-4)
   plain, _ = gen.generate_ids(prompts, max_new_tokens=6, temperature=0.0)
   assert plain == ids  # the same continuations as before the log-probs were kept
+
+
+def test_a_longer_prefill_samples_the_same_and_compiles_once_for_any_prompt_lengths(
+  monkeypatch,
+):
+  traces = []
+  loop = Generator._loop
+  monkeypatch.setattr(
+    Generator, "_loop", lambda self, *a, **k: traces.append(1) or loop(self, *a, **k)
+  )
+  params = models.build(CFG, 0)[1]
+  gen = Generator(CFG, params, TOK)
+  prompts = [gen.encode_prompt(p) for p in PROMPTS]
+  settings = dict(max_new_tokens=6, temperature=0.8, seed=5)
+  ids, reasons, logps = gen.sample_ids(prompts, **settings)
+  padded = gen.sample_ids(prompts, prefill_to=30, **settings)
+  assert padded[0] == ids and padded[1] == reasons
+  np.testing.assert_allclose(np.concatenate(padded[2]), np.concatenate(logps), atol=1e-5)
+  others = [gen.encode_prompt(p) for p in ["1", "22", "a third one", "four 4"]]
+  gen.sample_ids(others, prefill_to=30, **settings)  # other lengths: the same program
+  assert len(traces) == 2  # the unpadded call, and every padded one

@@ -238,12 +238,16 @@ class Generator:
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    prefill_to: int = 0,
   ) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
     """``generate_ids`` with each new token's log-prob under the distribution it was drawn
     from (``jaxstep.core.sampling``: the allowed ids, the temperature, top-k and top-p;
-    at temperature 0 the argmax's log-prob at temperature 1), float32 per row."""
+    at temperature 0 the argmax's log-prob at temperature 1), float32 per row.
+    ``prefill_to``: prefill at least this many positions, so that batches of prompts of
+    other lengths reuse one compiled loop (a row never sees the positions past its prompt)."""
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = min(self.max_seq_len, int(lengths.max()) + max_new_tokens)  # the token buffer
+    longest = max(int(lengths.max()), min(prefill_to, self.max_seq_len - 1))
+    width = min(self.max_seq_len, longest + max_new_tokens)  # the token buffer
     buffer = np.full((len(prompts), width), self.tokenizer.PAD, np.int32)
     for row, p in enumerate(prompts):
       buffer[row, : len(p)] = p
@@ -259,7 +263,7 @@ class Generator:
         jnp.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
         jnp.float32(top_p),
         max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
-        prefill=int(lengths.max()),
+        prefill=longest,
         stops=stop_ids(self.tokenizer),
       )
     )

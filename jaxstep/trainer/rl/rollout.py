@@ -72,6 +72,7 @@ def sample(
     top_k=cfg.top_k,
     top_p=cfg.top_p,
     seed=seed,
+    prefill_to=seq_len + 1 - cfg.max_new_tokens,  # the longest prompt: one compile for all
   )
   sampled = time.perf_counter() - begun
   tok = generator.tokenizer
