@@ -26,6 +26,7 @@ from benchmarks.loop_suites import (
 )
 from benchmarks.lora_bench import suite_lora
 from benchmarks.preference_suite import suite_preference
+from benchmarks.rl_bench import suite_rl
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
 
 SUITES = {
@@ -41,6 +42,7 @@ SUITES = {
   "hf": suite_hf,
   "lora": suite_lora,
   "preference": suite_preference,
+  "rl": suite_rl,
 }
 
 
@@ -81,6 +83,7 @@ QUICK_ORDER = (
   "checkpoint",
   "doc_mask",
   "lora",
+  "rl",
   "fsdp_memory",
   "compile",
   "generate",

@@ -22,6 +22,7 @@ MODULES = (
   "step_bench",
   "torch_bench",
   "preference_bench",
+  "rl_bench",
   "memory_bench",
   "loop_bench",
 )
