@@ -1,6 +1,6 @@
 """RL (GRPO): the rollout sampler against transformers, and what a whole update costs besides
 its sampling and its train step. Headline keys (goals in the rows): ``rl_rollout_tokens_vs_hf``
-(≥ 1.5), ``rl_update_overhead`` (≤ 0.05) and ``rl_logp_check_share`` (the check's part of it).
+(≥ 1.5) and ``rl_update_overhead`` (≤ 0.05).
 
 - Sampling (``rl_sample_jax`` / ``rl_sample_hf``): ``ROLLOUT_MODEL`` (``hf_bench.TRAIN_MODEL``,
   a d 256, 4-layer Llama with a vocabulary of 8,192, 256 positions), random weights, fp32;
@@ -17,10 +17,11 @@ its sampling and its train step. Headline keys (goals in the rows): ``rl_rollout
   tokens, K=2) on the ``tiny`` config's GPT with random weights. A ``Hook`` stamps each
   update's start (``before_step``, just before the batch's transfer and the dispatch), blocks
   on the new state in ``after_step`` (the step: transfer, dispatch and device run) and wraps
-  the rollout's ``sample_ids`` and log-prob check (``gap_fn``). Update i's wall time is
-  ``before_step(i)`` → ``before_step(i+1)``: the step of update i and the rollout of update
-  i+1; ``overhead = (wall − sampling − step) ÷ wall``: rewards, advantages, the row layout
-  and its transfer, the log-prob check, records, hooks and the loop's checks. Blocking in
+  the rollout's ``sample_ids``. Update i's wall time is ``before_step(i)`` →
+  ``before_step(i+1)``: the step of update i and the rollout of update i+1; ``overhead =
+  (wall − sampling − step) ÷ wall``: rewards, advantages, the row layout and its transfer,
+  records, hooks and the loop's checks (the sampler/trainer log-prob check is a count the
+  loss reports: it is in the step). Blocking in
   ``after_step`` keeps the loop's host work after a dispatch from overlapping the step, so
   the overhead is an upper bound. Updates before ``SKIP`` (compiles) are left out.
 """
@@ -155,13 +156,12 @@ def update_timer():
   class Timer(Hook):
     def __init__(self):
       self.before, self.done = [], []
-      self.sample, self.gap, self.rollout = [], [], []
+      self.sample, self.rollout = [], []
 
     def on_start(self, loop):
       src = loop.source
       assert src.r.iterations == 1, "one rollout per update"
       src.generator.sample_ids = self._timed(src.generator.sample_ids, self.sample)
-      src.gap_fn = self._timed(src.gap_fn, self.gap, block=True)
       src.next_batch = self._timed(src.next_batch, self.rollout)
 
     @staticmethod
@@ -189,20 +189,17 @@ def update_timer():
 def per_update(t) -> dict:
   """Seconds of each update i ≥ ``SKIP`` (1-based) that has a next one: ``wall`` (start
   of i → start of i+1), ``step`` (start → new state ready), ``sampling`` (the next
-  rollout's ``sample_ids``), ``logp_check`` (its ``gap_fn``), ``rollout`` (its whole
-  ``next_batch``), and the shares of the wall time."""
+  rollout's ``sample_ids``), ``rollout`` (its whole ``next_batch``), and the shares of the
+  wall time. The sampler/trainer log-prob check is part of the step (a count the loss
+  reports), so it has no time of its own."""
   n = len(t.before) - 1
   keep = range(SKIP - 1, n)
   wall = np.array([t.before[i + 1] - t.before[i] for i in keep])
   step = np.array([t.done[i] - t.before[i] for i in keep])
-  sampling, gap, rollout = (
-    np.array([xs[i + 1] for i in keep]) for xs in (t.sample, t.gap, t.rollout)
-  )
-  out = {"wall": wall, "step": step, "sampling": sampling, "logp_check": gap, "rollout": rollout}
+  sampling, rollout = (np.array([xs[i + 1] for i in keep]) for xs in (t.sample, t.rollout))
+  out = {"wall": wall, "step": step, "sampling": sampling, "rollout": rollout}
   out["overhead"] = (wall - sampling - step) / wall
-  out["logp_check_share"] = gap / wall
-  out["overhead_without_logp_check"] = out["overhead"] - out["logp_check_share"]
-  out["rewards_rows_share"] = (rollout - sampling - gap) / wall  # rewards, advantages, rows
+  out["rewards_rows_share"] = (rollout - sampling) / wall  # rewards, advantages, rows
   out["loop_share"] = (wall - step - rollout) / wall  # records, hooks, the loop's checks
   return {k: v.tolist() for k, v in out.items()}
 
@@ -292,30 +289,19 @@ def _overhead_rows(quick: bool) -> tuple[dict, list, dict]:
   ms = lambda k: f"{stats[k]['median'] * 1000:.1f} ms"  # noqa: E731
   summary = {
     "rl_update_overhead": stats["overhead"]["median"],
-    "rl_logp_check_share": stats["logp_check_share"]["median"],
   }
   rows = [
     (
       "RL update overhead: (update wall − sampling − train step) ÷ update wall, `jaxstep "
       "train` of grpo-arith's settings (8 prompts × 8, 5 new tokens, K=2) on the tiny GPT, "
       f"median over updates {SKIP}…{updates - 1} of each run ({ms('wall')} per update: step "
-      f"{ms('step')}, sampling {ms('sampling')}, log-prob check {ms('logp_check')})",
+      f"{ms('step')}, sampling {ms('sampling')})",
       fmt(stats["overhead"]),
       "≤ 0.05",
     ),
     (
-      "its parts ÷ update wall: log-prob check (an extra forward per rollout) · rewards, "
-      "advantages and rows · loop (records, hooks, its checks) · the overhead "
-      "without the log-prob check",
-      " · ".join(
-        f"{stats[k]['median']:.3f}"
-        for k in (
-          "logp_check_share",
-          "rewards_rows_share",
-          "loop_share",
-          "overhead_without_logp_check",
-        )
-      ),
+      "its parts ÷ update wall: rewards, advantages and rows · loop (records, hooks, its checks)",
+      " · ".join(f"{stats[k]['median']:.3f}" for k in ("rewards_rows_share", "loop_share")),
       "",
     ),
   ]

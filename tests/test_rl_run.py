@@ -70,7 +70,10 @@ def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
   ):
     assert key in first, key
   assert first["advantage_std"] > 0 and first["grad_norm"] > 0
-  assert all(r["sampler_logp_gap_max"] < 1e-4 for r in lines)  # the same distribution
+  # the first pass over each rollout: the trainer's log-probs are the sampler's
+  assert all(
+    r["rl_pass"] == 0 and r["logp_gap_excess"] == 0 and r["logp_gap"] < 1e-5 for r in lines
+  )
   assert first["clip_ratio/region_mean"] == 0.0  # the first pass: the policy is θ_old
   (record,) = read_lines(tmp_path / "run" / "eval.jsonl")
   assert record["eval_prompts"] == 27 and 0 <= record["eval_reward"] <= 1  # 2 % of 1,000, by hash
@@ -238,7 +241,7 @@ def test_the_grpo_hf_config_tunes_a_model_folder_on_chat_prompts_and_exports(
   args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "mesh.cpu_devices=1"]
   assert run_command("train", args) == 0, capsys.readouterr().err
   lines = read_lines(run_dir / "metrics.jsonl")
-  assert lines[0]["kl"] == 0.0 and lines[0]["sampler_logp_gap_max"] < 1e-4
+  assert lines[0]["kl"] == 0.0 and lines[0]["logp_gap_excess"] == 0
   assert "eval_rewards/exact_answer" in read_lines(run_dir / "eval.jsonl")[-1]
   assert run_command("export", [str(run_dir), "--out", str(tmp_path / "hf")]) == 0
   assert (tmp_path / "hf" / "chat_template.jinja").is_file()

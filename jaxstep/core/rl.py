@@ -59,6 +59,8 @@ METRIC_UNITS = {
   "clip_ratio/region_mean": "completion_tokens",
   "logp_gap": "completion_tokens",  # |log π − log π_old|; first pass: sampler vs trainer
 }
+# with ``gap_tolerance``: Σ mask·[|log π − log π_old| > tolerance], a count (not a mean)
+GAP_EXCESS = "logp_gap_excess"
 
 
 def group_advantages(rewards, kind: str = "grpo") -> np.ndarray:
@@ -184,6 +186,7 @@ def grpo_loss(
   allowed=None,
   max_new_tokens: int | None = None,
   reference: Callable | None = None,
+  gap_tolerance: float | None = None,
 ) -> Callable:
   """A step ``loss_fn(params, micro_batch, rng) -> (loss_sum, aux)`` for GRPO-family
   objectives; use it with ``make_train_step(..., units_fn=units_fn(loss_norm, …))``.
@@ -205,6 +208,10 @@ def grpo_loss(
     max_new_tokens: the sampler's limit; ``constant`` divides by it.
     reference: ``(params, inputs) -> logits`` of the reference (β > 0), called under
       ``stop_gradient`` when the batch holds no ``ref_logps``.
+    gap_tolerance: also count (``aux["logp_gap_excess"]``) the completion tokens whose
+      ``|log π − log π_old|`` exceeds it: on a rollout's first pass, where π is the policy
+      that sampled, any such token means the training pass sees another distribution than
+      the sampler did (a sum, so exact over micro-batches and devices, unlike a max).
   """
   _check_norm(loss_norm, max_new_tokens)
   if not (0.0 <= epsilon_low < 1.0 and epsilon_high >= 0.0):
@@ -250,6 +257,8 @@ def grpo_loss(
       "clip_ratio/region_mean": masked(low | high),
       "logp_gap": masked(jnp.abs(jax.lax.stop_gradient(logps) - old)),
     }
+    if gap_tolerance is not None:
+      aux[GAP_EXCESS] = masked(jnp.abs(jax.lax.stop_gradient(logps) - old) > gap_tolerance)
     return total, aux
 
   return loss_fn

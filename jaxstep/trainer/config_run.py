@@ -30,6 +30,7 @@ from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
 from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
+from jaxstep.trainer.rl.logp_check import LogpCheck
 from jaxstep.trainer.rl.rewards import load_rewards
 from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
 from jaxstep.trainer.rl.source import RolloutSource
@@ -283,7 +284,7 @@ def run_loop(
   )
   rl = bool(run.cfg.rl.rewards)
   source = (
-    RolloutSource(run, rs, run_dir=run_dir, gap_fn=run.rl_gap_fn, writer=jax.process_index() == 0)
+    RolloutSource(run, rs, run_dir=run_dir, writer=jax.process_index() == 0)
     if rl
     else RunBatches(run, rs)
   )
@@ -319,7 +320,7 @@ def run_loop(
       else getattr(run.dataset.train, "source_tokens", None),  # a mixture's, per source
     ),
     callbacks=callbacks,
-    hooks=hooks,
+    hooks=(LogpCheck(run.cfg), *hooks) if rl else hooks,
     run_info={"trackers": rs.trackers},
   )
   if rl:

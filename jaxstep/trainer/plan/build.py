@@ -18,7 +18,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.evaluation import eval_sets, text_samples
-from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, rl_plan, steps
+from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState
 from jaxstep.trainer.tracking import trackers
@@ -42,8 +42,6 @@ class Run:
   eval_sets: dict = dataclasses.field(default_factory=dict)  # eval.sets: name -> windows
   # preference.reference=precompute: jitted (params, batch of pairs) -> their reference log-probs
   reference_fn: Callable | None = None
-  # an RL run: jitted (params, batch) -> max |trainer − sampler| log-prob gap
-  rl_gap_fn: Callable | None = None
 
 
 def config_digest(cfg: config_lib.Config) -> str:
@@ -106,9 +104,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
       apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size
     )
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
-  reference_fn, rl_gap_fn = None, None
-  if cfg.rl.rewards:
-    rl_gap_fn = rl_plan.logp_gap_fn(apply_fn, cfg, rl_plan.sampler_allowed(cfg))
+  reference_fn = None
   if cfg.preference.loss and preference_plan.reference_kind(cfg) == "precompute":
     reference_fn = reference_logps.logps_fn(apply_fn, state_sh.params, mesh)
   run = Run(
@@ -129,7 +125,6 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     accum_table=plan.accum_table,
     eval_sets=sets,
     reference_fn=reference_fn,
-    rl_gap_fn=rl_gap_fn,
   )
   run_state = RunState(
     dataset_fingerprint=dataset.fingerprint,

@@ -18,7 +18,6 @@ from jax.sharding import Mesh
 
 from jaxstep import parallel
 from jaxstep.core import rl
-from jaxstep.core.precision import cast_floating, compute_dtype
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
 
@@ -70,6 +69,7 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
     top_p=r.top_p,
     allowed=allowed,
     max_new_tokens=r.max_new_tokens,
+    gap_tolerance=r.logp_tolerance,
   )
   build = lambda reference: rl.grpo_loss(apply_fn, reference=reference, **options)  # noqa: E731
   return loss_with_reference(reference_kind(cfg), apply_fn, build)
@@ -103,22 +103,3 @@ def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
   batch["old_logps"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
   batch["advantages"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
   return batch
-
-
-def logp_gap_fn(apply_fn, cfg: config_lib.Config, allowed):
-  """Jitted ``(params, batch) -> max |trainer − sampler|`` over the completion tokens: the
-  log-probs of a training pass (the compute precision, dropout as training runs it, the
-  sampler's temperature and filters) against the ``old_logps`` the sampler saw. Dropout or
-  a bf16 forward shows up here as a gap the fp32 sampler did not have."""
-  r, dtype = cfg.rl, compute_dtype(cfg.train.precision)
-
-  def gap(params, batch):
-    inputs = batch["inputs"]
-    logits = apply_fn(cast_floating(params, dtype), inputs, rng=jax.random.PRNGKey(0), train=True)
-    logps, _ = rl.token_logps(
-      logits, batch["targets"], r.temperature, top_k=r.top_k, top_p=r.top_p, allowed=allowed
-    )
-    mask = batch["completion_mask"] > 0
-    return jnp.max(jnp.where(mask, jnp.abs(logps - batch["old_logps"]), 0.0))
-
-  return jax.jit(gap)

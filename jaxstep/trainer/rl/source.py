@@ -1,7 +1,7 @@
 """The RL run's ``BatchSource``: every ``rl.iterations`` updates it takes the next
 P = G / ``num_generations`` prompts of the epoch's order, samples a rollout with the params
-of that moment, checks the sampler's log-probs against the trainer's, and hands the rollout
-to the step ``rl.iterations`` times.
+of that moment, and hands the rollout to the step ``rl.iterations`` times (each batch says
+which pass it is, ``rl_pass``, for ``LogpCheck``).
 
 Position: ``(epoch, step_in_epoch)`` counts rollouts (prompt batches) as a supervised run
 counts batches; the update step says which pass over the current rollout comes next. A
@@ -17,12 +17,10 @@ import logging
 import pathlib
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
-from jaxstep import parallel
 from jaxstep.data.permutation import shuffled_index
-from jaxstep.errors import CheckpointError, ConfigError
+from jaxstep.errors import CheckpointError
 from jaxstep.generation import Generator
 from jaxstep.trainer.rl import rewards as rewards_lib
 from jaxstep.trainer.rl import rollout as rollout_lib
@@ -39,14 +37,14 @@ def rollout_seed(seed: int, index: int) -> int:
 
 class RolloutSource:
   """Args: ``run`` (``plan.build.Run`` of an RL config), ``rs`` (the position to start
-  from: ``rs.step`` updates done), ``run_dir``, ``gap_fn`` (``rollout.logp_gap_fn``) and
-  ``writer`` (this process writes the rollout file). ``params`` must be set to a
-  ``() -> current params`` before the first ``next_batch``."""
+  from: ``rs.step`` updates done), ``run_dir`` and ``writer`` (this process writes the
+  rollout file). ``params`` must be set to a ``() -> current params`` before the first
+  ``next_batch``."""
 
-  def __init__(self, run, rs, *, run_dir: pathlib.Path, gap_fn: Callable, writer: bool = True):
+  def __init__(self, run, rs, *, run_dir: pathlib.Path, writer: bool = True):
     cfg = run.cfg
     self.run, self.rs, self.cfg, self.r = run, rs, cfg, cfg.rl
-    self.file, self.gap_fn, self.writer = pathlib.Path(run_dir) / ROLLOUT_FILE, gap_fn, writer
+    self.file, self.writer = pathlib.Path(run_dir) / ROLLOUT_FILE, writer
     self.per_rollout = cfg.train.global_batch_size // self.r.num_generations
     self.batches_per_epoch = len(run.dataset.train) // self.per_rollout
     self.rewards = rewards_lib.load_rewards(self.r.rewards, self.r.reward_weights)
@@ -58,46 +56,26 @@ class RolloutSource:
       self.current = self._read_back(self.updates // self.r.iterations)
 
   def next_batch(self) -> dict:
-    if self.updates % self.r.iterations == 0:
+    passed = self.updates % self.r.iterations
+    if passed == 0:
       self.current = self._sample(self.updates // self.r.iterations)
     self.updates += 1
-    return {**self.current.batch, HOST: self.current.metrics}
+    return {**self.current.batch, HOST: {**self.current.metrics, "rl_pass": passed}}
 
   def _sample(self, index: int):
     prompts = self._prompts()
-    params = self.params()
     out = rollout_lib.sample(
       self.generator,
-      params,
+      self.params(),
       prompts,
       self.r,
       self.rewards,
       seq_len=self.cfg.train.seq_len,
       seed=rollout_seed(self.cfg.train.seed, index),
     )
-    batch = parallel.put_batch(out.batch, self.run.batch_sharding)
-    gap = float(jax.device_get(self.gap_fn(params, batch)))
-    if not gap <= self.r.logp_tolerance:
-      raise ConfigError(
-        f"the sampler's and the trainer's log-probs of rollout {index} differ by up to "
-        f"{gap:.3g} nats (rl.logp_tolerance {self.r.logp_tolerance}): {self._gap_cause()}"
-      )
-    out.metrics["sampler_logp_gap_max"] = gap
     if self.r.iterations > 1 and self.writer:
       self._keep(index, out)
     return out
-
-  def _gap_cause(self) -> str:
-    """Which setting makes the training pass see another distribution than the sampler."""
-    model, t = self.cfg.model, self.cfg.train
-    if getattr(model, "dropout", 0.0):
-      return f"model.dropout={model.dropout} drops units in training that the sampler kept; set 0"
-    if t.precision != "fp32":
-      return (
-        f"train.precision={t.precision} computes the training pass at lower precision than the "
-        f"fp32 sampler; use fp32, or raise rl.logp_tolerance to accept the gap"
-      )
-    return "the model's training forward differs from its decode; raise rl.logp_tolerance"
 
   def _prompts(self):
     """The next P prompts of the epoch's order; the position moves past them."""
