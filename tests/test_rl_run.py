@@ -51,7 +51,7 @@ def cfg_for(tmp_path, *overrides, name="run"):
 
 
 def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
-  config_run.train(cfg_for(tmp_path))
+  config_run.train(cfg_for(tmp_path, "train.eval_at_start=true"))
   lines = read_lines(tmp_path / "run" / "metrics.jsonl")
   assert [r["step"] for r in lines] == [1, 2, 3]
   first = lines[0]
@@ -75,7 +75,8 @@ def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
     r["rl_pass"] == 0 and r["logp_gap_excess"] == 0 and r["logp_gap"] < 1e-5 for r in lines
   )
   assert first["clip_ratio/region_mean"] == 0.0  # the first pass: the policy is θ_old
-  (record,) = read_lines(tmp_path / "run" / "eval.jsonl")
+  before, record = read_lines(tmp_path / "run" / "eval.jsonl")  # at the start, at the end
+  assert before["step"] == 0 and record["step"] == 3 and before["eval_prompts"] == 27
   assert record["eval_prompts"] == 27 and 0 <= record["eval_reward"] <= 1  # 2 % of 1,000, by hash
 
 

@@ -225,6 +225,7 @@ class TrainConfig:
   scan_unroll: int = 1  # unroll factor of the micro-step scan (speed only)
   log_every: int = 10  # write a metrics line every this many update steps
   eval_every: int = 100  # evaluate every this many update steps (0 = only at the end)
+  eval_at_start: bool = False  # also evaluate before the first update of a fresh run (step 0)
   eval_batches: int = 0  # eval global batches per evaluation (0 = the whole eval split)
   early_stopping_patience: int = 0  # stop after this many evals without improvement (0 = off)
   peak_tflops: float = 0.0  # per-device peak for MFU (0 = known GPU table / measured on CPU)

@@ -88,13 +88,26 @@ class EvalHook(Hook):
     evaluate: ``what → {set name: record}`` (records without ``step``/``set``).
     every: update steps between evaluations (0: at the end only).
     params_of: what of the loop's state ``evaluate`` takes (its params by default).
+    at_start: also evaluate before the first update of a fresh run (step 0: the "before"
+      of a fine-tuning run).
   """
 
   wants_metrics = True
 
-  def __init__(self, evaluate: Callable, every: int, params_of: Callable = lambda s: s.params):
+  def __init__(
+    self,
+    evaluate: Callable,
+    every: int,
+    params_of: Callable = lambda s: s.params,
+    at_start: bool = False,
+  ):
     self.evaluate, self.every, self.params_of = evaluate, every, params_of
+    self.at_start = at_start
     self.last_step: int | None = None
+
+  def on_start(self, loop):
+    if self.at_start and loop.step == 0:
+      self.on_step(loop)
 
   def on_step(self, loop):
     self.last_step = loop.step
@@ -253,7 +266,9 @@ def standard_hooks(
   if checkpoint_every:
     hooks.append(CheckpointHook(checkpoint_every))
   if evaluate is not None:
-    hooks.append(EvalHook(evaluate, t.eval_every, params_of=lambda state: state))
+    hooks.append(
+      EvalHook(evaluate, t.eval_every, params_of=lambda state: state, at_start=t.eval_at_start)
+    )
   if samples is not None:
     hooks.append(SamplesHook(samples, t.sample_every))
   return hooks
