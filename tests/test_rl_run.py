@@ -256,3 +256,16 @@ def test_the_memory_ledger_names_an_rl_runs_reference(tmp_path, capsys):
   assert "frozen fp32 copy of the starting weights" in capsys.readouterr().out
   assert memory_cli.main([*args, "model.lora.rank=4"]) == 0
   assert "LoRA base (adapters off)" in capsys.readouterr().out
+  assert memory_cli.main([*args, "rl.reference_dtype=bf16"]) == 0
+  assert "frozen bf16 copy" in capsys.readouterr().out
+
+
+def test_a_bf16_reference_copy_halves_its_bytes_and_its_kl_starts_near_zero(tmp_path):
+  import jax
+  import jax.numpy as jnp
+
+  result = config_run.train(cfg_for(tmp_path, "rl.beta=0.1", "rl.reference_dtype=bf16"))
+  leaves = jax.tree.leaves(result.state.model_state["reference"])
+  assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  kl = read_lines(tmp_path / "run" / "metrics.jsonl")[0]["kl"]
+  assert 0.0 <= kl < 1e-3  # the copy's rounding only

@@ -102,7 +102,8 @@ def rl_line(cfg) -> str:
   held = {
     "none": "no reference (rl.beta 0)",
     "adapters": "the KL's reference is the LoRA base (adapters off): no second copy",
-    "live": "the KL's reference is a frozen fp32 copy of the starting weights, in the state above",
+    "live": f"the KL's reference is a frozen {r.reference_dtype} copy of the starting weights, "
+    f"in the state above",
   }[kind]
   return (
     f"RL: a batch is {cfg.train.global_batch_size} completions ({r.num_generations} per "

@@ -287,6 +287,7 @@ class RLConfig:
   epsilon_high: float = 0.2
   beta: float = 0.0  # weight of the k3 KL to the reference (0: no reference)
   reference: str = "auto"  # auto (adapters on a LoRA run, else live) | adapters | live | none
+  reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
   logp_tolerance: float = 0.02  # max |sampler − trainer| log-prob gap (nats) before a stop
 
   def __post_init__(self):
@@ -304,6 +305,8 @@ class RLConfig:
       raise ConfigError(
         f"rl.reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
       )
+    if self.reference_dtype not in ("fp32", "bf16"):
+      raise ConfigError(f"rl.reference_dtype must be fp32 or bf16, got {self.reference_dtype!r}")
     if self.num_generations < 2 and self.advantage != "dr_grpo":
       raise ConfigError(
         f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "

@@ -196,7 +196,8 @@ def predicted_bytes(
   if cfg.rl.rewards:
     from jaxstep.trainer.plan import rl_plan
 
-    copy = num_params * 4 // fsdp if rl_plan.reference_kind(cfg) == "live" else 0
+    size = 2 if cfg.rl.reference_dtype == "bf16" else 4
+    copy = num_params * size // fsdp if rl_plan.reference_kind(cfg) == "live" else 0
   out = {
     "state": sum(b for n, b in layout.items() if "during" not in n) + copy,
     "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,

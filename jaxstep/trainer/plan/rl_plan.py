@@ -35,10 +35,16 @@ def reference_kind(cfg: config_lib.Config) -> str:
 
 
 def reference_state(cfg: config_lib.Config, params):
-  """``{"reference": a copy of params}`` for a live reference; None otherwise."""
+  """``{"reference": a copy of params}`` in ``rl.reference_dtype`` (floating leaves) for a
+  live reference; None otherwise."""
   if not cfg.rl.rewards or reference_kind(cfg) != "live":
     return None
-  return {REFERENCE: jax.tree.map(jnp.copy, params)}
+  dtype = jnp.bfloat16 if cfg.rl.reference_dtype == "bf16" else None
+
+  def copy(x):
+    return x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
+
+  return {REFERENCE: jax.tree.map(copy, params)}
 
 
 def sampler_allowed(cfg: config_lib.Config):
