@@ -239,12 +239,15 @@ class Generator:
     top_p: float = 1.0,
     seed: int = 0,
     prefill_to: int = 0,
+    sharding=None,
   ) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
     """``generate_ids`` with each new token's log-prob under the distribution it was drawn
     from (``jaxstep.core.sampling``: the allowed ids, the temperature, top-k and top-p;
     at temperature 0 the argmax's log-prob at temperature 1), float32 per row.
     ``prefill_to``: prefill at least this many positions, so that batches of prompts of
-    other lengths reuse one compiled loop (a row never sees the positions past its prompt)."""
+    other lengths reuse one compiled loop (a row never sees the positions past its prompt).
+    ``sharding``: where the rows go (e.g. a train step's batch sharding: each device decodes
+    its own rows); None: the default device."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     longest = max(int(lengths.max()), min(prefill_to, self.max_seq_len - 1))
     width = min(self.max_seq_len, longest + max_new_tokens)  # the token buffer
@@ -255,8 +258,8 @@ class Generator:
     tokens, ends, reasons, logps = jax.device_get(
       self._compiled(
         self.params,
-        buffer,
-        lengths,
+        buffer if sharding is None else jax.device_put(buffer, sharding),
+        lengths if sharding is None else jax.device_put(lengths, sharding),
         allowed_ids(vocab, self.tokenizer),
         np.uint32(seed % 2**32),  # any Python int is a seed
         jnp.float32(temperature),

@@ -58,9 +58,11 @@ def sample(
   seq_len: int,
   seed: int,
   temperature: float | None = None,
+  sharding=None,
 ) -> Rollout:
   """``cfg.num_generations`` completions of every prompt (``temperature`` None: the
-  config's; 0: greedy, for evaluation), scored and laid out."""
+  config's; 0: greedy, for evaluation), scored and laid out; ``sharding``: where the rows
+  are decoded (the step's batch sharding: each device samples its own rows)."""
   g = cfg.num_generations if temperature is None else 1
   generator.params = params
   begun = time.perf_counter()
@@ -73,6 +75,7 @@ def sample(
     top_p=cfg.top_p,
     seed=seed,
     prefill_to=seq_len + 1 - cfg.max_new_tokens,  # the longest prompt: one compile for all
+    sharding=sharding,
   )
   sampled = time.perf_counter() - begun
   tok = generator.tokenizer

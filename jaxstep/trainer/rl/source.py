@@ -50,6 +50,9 @@ class RolloutSource:
     self.rewards = rewards_lib.load_rewards(self.r.rewards, self.r.reward_weights)
     self.generator = Generator(cfg.model, None, run.dataset.tokenizer)
     self.params: Callable | None = None
+    # every device samples the rows it will train on (one host: the rows all start here)
+    sharding = run.batch_sharding
+    self.sharding = sharding if sharding.is_fully_addressable else None
     self.updates = rs.step  # updates done; the next one's pass is updates % iterations
     self.current = None
     if self.updates % self.r.iterations:
@@ -72,6 +75,7 @@ class RolloutSource:
       self.rewards,
       seq_len=self.cfg.train.seq_len,
       seed=rollout_seed(self.cfg.train.seed, index),
+      sharding=self.sharding,
     )
     if self.r.iterations > 1 and self.writer:
       self._keep(index, out)
