@@ -269,3 +269,15 @@ def test_a_bf16_reference_copy_halves_its_bytes_and_its_kl_starts_near_zero(tmp_
   assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
   kl = read_lines(tmp_path / "run" / "metrics.jsonl")[0]["kl"]
   assert 0.0 <= kl < 1e-3  # the copy's rounding only
+
+
+def test_a_resume_between_passes_without_its_rollout_file_is_one_line(tmp_path, capsys):
+  """The checkpoint says the next update is the second pass over a rollout; without the
+  kept rollout the run cannot continue it and says what to do instead."""
+  six = ["rl.iterations=2", "train.schedule_steps=6"]
+  config_run.train(cfg_for(tmp_path, *six, "train.max_steps=3"))
+  (tmp_path / "run" / "rl_rollout.npz").unlink()
+  args = [*BASE, f"run_dir={tmp_path / 'run'}", *six, "train.max_steps=6"]
+  assert train_cli.main(args) == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+  assert len(err) == 1 and "between passes over rollout 1" in err[0] and "--resume-from" in err[0]
