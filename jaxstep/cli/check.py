@@ -24,7 +24,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxstep.cli._common import Parser, add_config_args, report
 from jaxstep.core.check import CheckReport, check_accumulation
@@ -79,19 +78,19 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
 def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   """K micro-batches against one on the RL run's first rollout (its first prompts, its
   rewards and advantages), with its loss and normalization count."""
-  from jaxstep.data.permutation import shuffled_index
   from jaxstep.generation import Generator
   from jaxstep.trainer.plan import rl_plan
   from jaxstep.trainer.rl import rewards, rollout
   from jaxstep.trainer.rl.source import rollout_seed
 
   t, r = cfg.train, cfg.rl
-  per_rollout = t.global_batch_size // r.num_generations
-  index = shuffled_index(t.seed, 0, len(dataset.train), np.arange(per_rollout))
+  prompts = rollout.prompt_batch(
+    dataset.train, t.seed, 0, 0, t.global_batch_size // r.num_generations
+  )
   generator = Generator(cfg.model, None, dataset.tokenizer)
   loaded = rewards.load_rewards(r.rewards, r.reward_weights)
   first = rollout.sample(
-    generator, params, dataset.train.take(index), r, loaded, seq_len=t.seq_len,
+    generator, params, prompts, r, loaded, seq_len=t.seq_len,
     seed=rollout_seed(t.seed, 0),
   )  # fmt: skip
   return check_accumulation(
@@ -111,9 +110,8 @@ def _reference_columns(cfg, apply_fn, params, batch) -> dict:
   from jaxstep.core import preference
   from jaxstep.trainer.plan import reference_logps
 
-  model = lambda p, inputs: apply_fn(p, inputs, train=False)  # noqa: E731
   weights = reference_logps.reference_params(cfg, params)
-  logps = preference.reference_logps(model, weights, preference.concatenated(batch))
+  logps = reference_logps.pair_logps(apply_fn, weights, batch)
   return dict(zip(preference.REF_FIELDS, logps, strict=True))
 
 

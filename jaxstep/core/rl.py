@@ -247,6 +247,7 @@ def grpo_loss(
     else:
       total = jnp.sum(loss * mask)
     masked = lambda x: jnp.sum(x.astype(jnp.float32) * mask)  # noqa: E731
+    gap = jnp.abs(jax.lax.stop_gradient(logps) - old)
     aux = {
       "completion_tokens": jnp.sum(mask),
       "completions": jnp.sum(lengths > 0).astype(jnp.float32),
@@ -255,10 +256,10 @@ def grpo_loss(
       "clip_ratio/low_mean": masked(low),
       "clip_ratio/high_mean": masked(high),
       "clip_ratio/region_mean": masked(low | high),
-      "logp_gap": masked(jnp.abs(jax.lax.stop_gradient(logps) - old)),
+      "logp_gap": masked(gap),
     }
     if gap_tolerance is not None:
-      aux[GAP_EXCESS] = masked(jnp.abs(jax.lax.stop_gradient(logps) - old) > gap_tolerance)
+      aux[GAP_EXCESS] = masked(gap > gap_tolerance)
     return total, aux
 
   return loss_fn

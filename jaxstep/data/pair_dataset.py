@@ -11,16 +11,13 @@ last batch of an epoch is padded with rows of ``pair_mask`` 0, which the step's 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import pathlib
 
 import numpy as np
 
-from jaxstep.data import hf_folder, preference_pairs, readers
+from jaxstep.data import preference_pairs, row_files
 from jaxstep.data.preference_pairs import PairCounts, PairSet
-from jaxstep.data.preparation import eval_mask
 from jaxstep.data.tokenizer_loading import load_tokenizer
 from jaxstep.errors import DataError
 
@@ -73,11 +70,8 @@ class PairDataset:
     return dataclasses.replace(self, train=split(self.train), eval=split(self.eval))
 
   def tokenizer_files(self) -> list[pathlib.Path]:
-    """The files that carry the tokenizer (none for bytes): what a run dir keeps a copy of."""
-    if self.tokenizer_spec == "byte":
-      return []
-    path = pathlib.Path(self.tokenizer_spec)
-    return hf_folder.tokenizer_files(path) if path.is_dir() else [path]
+    """The files that carry the tokenizer: what a run dir keeps a copy of."""
+    return row_files.tokenizer_files(self.tokenizer_spec)
 
 
 def load_pair_dataset(
@@ -98,9 +92,7 @@ def load_pair_dataset(
   tok = load_tokenizer(tokenizer)
   rows = preference_pairs.read_pairs(path)
   pairs = preference_pairs.pair_set(rows, tok, seq_len=seq_len, max_prompt_len=max_prompt_len)
-  held = eval_mask(0, len(pairs), eval_fraction)
-  if held.all():  # a tiny file: keep one pair to train on
-    held[0] = False
+  held = row_files.held_out(len(pairs), eval_fraction)
   c = pairs.counts
   log.info(
     "preference pairs: %d rows read, %d kept (%d held out); %d prompts and %d completions "
@@ -112,7 +104,8 @@ def load_pair_dataset(
     c.completion_truncated,
     c.dropped,
   )
-  digest = _fingerprint(path, tokenizer, tok, seq_len, max_prompt_len, eval_fraction)
+  settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
+  digest = row_files.fingerprint(path, tokenizer, {**settings, "eval_fraction": eval_fraction})
   return PairDataset(
     train=PairSplit(pairs, np.flatnonzero(~held)),
     eval=PairSplit(pairs, np.flatnonzero(held)) if held.any() else None,
@@ -150,18 +143,3 @@ def load_pair_eval_set(
     c.dropped,
   )
   return PairSplit(pairs, np.arange(len(pairs)))
-
-
-def _fingerprint(path, spec, tok, seq_len, max_prompt_len, eval_fraction) -> str:
-  """sha256 of what decides the pairs' arrays: the files' names and bytes, the tokenizer
-  (its description and files) and the settings. A resume checks it as it checks a corpus's."""
-  h = hashlib.sha256()
-  for file in readers.list_files(path, "jsonl"):
-    h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
-  if spec != "byte":
-    p = pathlib.Path(spec)
-    h.update(hf_folder.folder_digest(p).encode() if p.is_dir() else p.read_bytes())
-  settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
-  settings["eval_fraction"] = eval_fraction
-  h.update(json.dumps(settings, sort_keys=True, default=str).encode())
-  return h.hexdigest()[:16]

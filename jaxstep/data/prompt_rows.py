@@ -11,15 +11,13 @@ fixed hash of each row's place, as for pairs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import pathlib
 
 import numpy as np
 
-from jaxstep.data import chat_template, hf_folder, readers
-from jaxstep.data.preparation import eval_mask
+from jaxstep.data import chat_template, readers, row_files
 from jaxstep.data.tokenizer_loading import load_tokenizer
 from jaxstep.errors import DataError
 
@@ -60,11 +58,8 @@ class PromptDataset:
   source_evals: dict = dataclasses.field(default_factory=dict)
 
   def tokenizer_files(self) -> list[pathlib.Path]:
-    """The files that carry the tokenizer (none for bytes): what a run dir keeps a copy of."""
-    if self.tokenizer_spec == "byte":
-      return []
-    path = pathlib.Path(self.tokenizer_spec)
-    return hf_folder.tokenizer_files(path) if path.is_dir() else [path]
+    """The files that carry the tokenizer: what a run dir keeps a copy of."""
+    return row_files.tokenizer_files(self.tokenizer_spec)
 
 
 def read_prompts(path: str, tok, *, max_prompt_len: int) -> PromptSet:
@@ -131,9 +126,7 @@ def load_prompt_dataset(
   """The prompts of ``path`` encoded with ``tokenizer``, ``eval_fraction`` held out."""
   tok = load_tokenizer(tokenizer)
   prompts = read_prompts(path, tok, max_prompt_len=max_prompt_len)
-  held = eval_mask(0, len(prompts), eval_fraction)
-  if held.all():
-    held[0] = False
+  held = row_files.held_out(len(prompts), eval_fraction)
   log.info(
     "RL prompts: %d read, %d held out, %d truncated to their last %d tokens",
     len(prompts),
@@ -141,14 +134,12 @@ def load_prompt_dataset(
     prompts.truncated,
     max_prompt_len,
   )
-  h = hashlib.sha256()
-  for file in readers.list_files(path, "jsonl"):
-    h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
-  h.update(json.dumps([tok.describe(), max_prompt_len, eval_fraction], default=str).encode())
+  settings = {"tokenizer": tok.describe(), "max_prompt_len": max_prompt_len}
+  digest = row_files.fingerprint(path, tokenizer, {**settings, "eval_fraction": eval_fraction})
   return PromptDataset(
     train=prompts.take(np.flatnonzero(~held)),
     eval=prompts.take(np.flatnonzero(held)) if held.any() else None,
-    fingerprint=h.hexdigest()[:16],
+    fingerprint=digest,
     pad_id=tok.PAD,
     vocab_size=tok.vocab_size,
     tokenizer_spec=tokenizer,

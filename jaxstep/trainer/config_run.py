@@ -30,6 +30,7 @@ from jaxstep.trainer.loop.hooks import Hook
 from jaxstep.trainer.loop.loop import LoopResult
 from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
+from jaxstep.trainer.rl import evaluate as rl_evaluate
 from jaxstep.trainer.rl.logp_check import LogpCheck
 from jaxstep.trainer.rl.rewards import load_rewards
 from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
@@ -335,23 +336,6 @@ def _device_part(batch: dict) -> dict:
   return {k: v for k, v in batch.items() if k not in ("source", ROLLOUT_METRICS)}
 
 
-def rl_evaluation(run: Run):
-  """``(params, prompts) -> record``: an RL run's prompts decoded greedily and scored."""
-  from jaxstep.generation import Generator
-  from jaxstep.trainer.rl import evaluate as rl_evaluate
-  from jaxstep.trainer.rl import rewards as rl_rewards
-
-  r = run.cfg.rl
-  generator = Generator(run.cfg.model, None, run.dataset.tokenizer)
-  rewards = rl_rewards.load_rewards(r.rewards, r.reward_weights)
-
-  def score(params, prompts) -> dict:
-    seq_len = run.cfg.train.seq_len
-    return rl_evaluate.evaluate_prompts(generator, params, prompts, r, rewards, seq_len=seq_len)
-
-  return score
-
-
 def _evaluation(run: Run) -> assembly.Evaluation:
   """The CLI run's evaluation: every set of ``eval_splits`` with the jitted eval step, and
   text samples of ``train.sample_prompts`` when ``train.sample_every`` is set."""
@@ -359,7 +343,7 @@ def _evaluation(run: Run) -> assembly.Evaluation:
   splits = eval_splits(run)
 
   if run.cfg.rl.rewards:
-    scorer = rl_evaluation(run)
+    scorer = rl_evaluate.scorer(run)
 
     def evaluate_all(state) -> dict:
       return {name: scorer(state.params, split) for name, split in splits.items()}

@@ -104,6 +104,12 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
       apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size
     )
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
+  if eval_step is None:
+    eval_fn = None
+  elif cfg.preference.loss:  # pairs: (params, batch, model_state)
+    eval_fn = jax.jit(eval_step, out_shardings=replicated)
+  else:
+    eval_fn = jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated)
   reference_fn = None
   if cfg.preference.loss and preference_plan.reference_kind(cfg) == "precompute":
     reference_fn = reference_logps.logps_fn(apply_fn, state_sh.params, mesh)
@@ -111,11 +117,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     cfg=cfg,
     dataset=dataset,
     step_fn=steps.jit_step(step, state_sh, mesh),
-    eval_fn=None
-    if eval_step is None
-    else jax.jit(eval_step, out_shardings=replicated)  # pairs: (params, batch, model_state)
-    if cfg.preference.loss
-    else jax.jit(eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated),
+    eval_fn=eval_fn,
     mesh=mesh,
     batch_sharding=batch_sh,
     total_steps=plan.total_steps,

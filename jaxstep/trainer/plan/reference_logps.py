@@ -22,6 +22,7 @@ bit.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import pathlib
@@ -40,6 +41,7 @@ from jaxstep.data.preference_pairs import PairSet, pair_batch
 from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
+from jaxstep.trainer.store import records
 
 log = logging.getLogger("jaxstep")
 
@@ -109,19 +111,23 @@ def _describe(key: dict) -> str:
   return f"weights {key.get('weights')}, data {key.get('data')}, {key.get('pairs')} pairs"
 
 
-def logps_fn(apply_fn: Callable, params_sharding, mesh) -> Callable:
-  """Jitted ``(params, batch) -> float32[G, 2]``: each row's reference log-probs, summed over
-  its completion tokens (the model without dropout), the params and batch sharded as the
-  train step has them, the result replicated."""
+def pair_logps(apply_fn: Callable, params, batch) -> tuple[jax.Array, jax.Array]:
+  """``(chosen, rejected)``, float32[G] each: every row's reference log-probs under
+  ``params``, summed over its completion tokens, the model without dropout."""
+  model = lambda p, inputs: apply_fn(p, inputs, train=False)  # noqa: E731
+  return preference.reference_logps(model, params, preference.concatenated(batch))
 
-  def pair_logps(params, batch):
-    model = lambda p, inputs: apply_fn(p, inputs, train=False)  # noqa: E731
-    chosen, rejected = preference.reference_logps(model, params, preference.concatenated(batch))
-    return jax.numpy.stack([chosen, rejected], axis=-1)
+
+def logps_fn(apply_fn: Callable, params_sharding, mesh) -> Callable:
+  """Jitted ``(params, batch) -> float32[G, 2]`` (``pair_logps`` stacked), the params and
+  batch sharded as the train step has them, the result replicated."""
+
+  def stacked(params, batch):
+    return jax.numpy.stack(pair_logps(apply_fn, params, batch), axis=-1)
 
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(
-    pair_logps,
+    stacked,
     in_shardings=(params_sharding, parallel.batch_sharding(mesh)),
     out_shardings=replicated,
   )
@@ -206,11 +212,11 @@ def _open_parts(parts: pathlib.Path, partial_key: dict) -> None:
     log.info("reference log-probs: %s is from another computation; starting over", parts)
     shutil.rmtree(parts)
   parts.mkdir(parents=True)
-  marker.write_text(json.dumps(partial_key, sort_keys=True))
+  records.write_atomic(marker, json.dumps(partial_key, sort_keys=True))
 
 
 def _save_atomic(path: pathlib.Path, save: Callable) -> None:
-  tmp = path.with_name(f".{path.name}.tmp")
-  with open(tmp, "wb") as f:
-    save(f)
-  tmp.replace(path)
+  """``save(file)``'s bytes written to ``path`` whole or not at all (``records.write_atomic``)."""
+  buffer = io.BytesIO()
+  save(buffer)
+  records.write_atomic(path, buffer.getvalue())

@@ -21,8 +21,6 @@ from jaxstep.core import rl
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
 
-FLOAT_FIELDS = ("advantages", "old_logps")
-
 
 def reference_kind(cfg: config_lib.Config) -> str:
   """``"none"`` (β = 0), ``"adapters"`` (the LoRA base) or ``"live"`` (a frozen copy)."""

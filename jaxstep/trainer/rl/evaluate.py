@@ -25,3 +25,20 @@ def evaluate_prompts(generator, params, prompts: PromptSet, cfg, rewards, *, seq
   record = {"eval_reward": float(np.sum(totals) / n), "eval_prompts": n}
   record |= {f"eval_rewards/{r.name}": float(s / n) for r, s in zip(rewards, sums, strict=True)}
   return record
+
+
+def scorer(run):
+  """``(params, prompts) -> record``: ``run``'s (an RL ``plan.build.Run``) prompts decoded
+  greedily and scored by its rewards."""
+  from jaxstep.generation import Generator
+  from jaxstep.trainer.rl.rewards import load_rewards
+
+  r = run.cfg.rl
+  generator = Generator(run.cfg.model, None, run.dataset.tokenizer)
+  rewards = load_rewards(r.rewards, r.reward_weights)
+  seq_len = run.cfg.train.seq_len
+
+  def score(params, prompts) -> dict:
+    return evaluate_prompts(generator, params, prompts, r, rewards, seq_len=seq_len)
+
+  return score

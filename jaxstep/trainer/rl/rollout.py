@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from jaxstep.core import rl
+from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.prompt_rows import PromptSet
 from jaxstep.trainer.rl import rewards as rewards_lib
 
@@ -23,7 +24,14 @@ from jaxstep.trainer.rl import rewards as rewards_lib
 class Rollout:
   batch: dict  # the step's rows (numpy), P·G of them
   metrics: dict  # host metrics of the sampling and the rewards
-  completions: list  # the texts, prompt-major (what the rewards scored)
+
+
+def prompt_batch(prompts: PromptSet, seed: int, epoch: int, index: int, size: int) -> PromptSet:
+  """Rollout ``index`` of ``epoch``'s prompts: ``size`` of them, at positions ``index·size``
+  … of the epoch's keyed permutation (``permutation.shuffled_index``), as batches of a
+  corpus are taken."""
+  positions = index * size + np.arange(size)
+  return prompts.take(shuffled_index(seed, epoch, len(prompts), positions))
 
 
 def rows(prompts: list[np.ndarray], completions: list[list[int]], logps, seq_len: int, pad: int):
@@ -103,4 +111,4 @@ def sample(
     batch["advantages"] = adv.astype(np.float32)
     metrics["advantage_std"] = float(adv.std())
     metrics["frac_reward_zero_std"] = float(np.mean(grouped.std(axis=1) == 0))
-  return Rollout(batch, metrics, texts)
+  return Rollout(batch, metrics)

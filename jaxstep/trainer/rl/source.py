@@ -12,6 +12,7 @@ rollout is also kept in ``RUN/rl_rollout.npz`` (written whole, then renamed) and
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import pathlib
@@ -19,11 +20,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxstep.data.permutation import shuffled_index
 from jaxstep.errors import CheckpointError
 from jaxstep.generation import Generator
 from jaxstep.trainer.rl import rewards as rewards_lib
 from jaxstep.trainer.rl import rollout as rollout_lib
+from jaxstep.trainer.store import records
 
 log = logging.getLogger("jaxstep")
 
@@ -83,17 +84,15 @@ class RolloutSource:
 
   def _prompts(self):
     """The next P prompts of the epoch's order; the position moves past them."""
-    rs, n = self.rs, len(self.run.dataset.train)
-    positions = rs.step_in_epoch * self.per_rollout + np.arange(self.per_rollout)
-    index = shuffled_index(self.cfg.train.seed, rs.epoch, n, positions)
+    rs, train = self.rs, self.run.dataset.train
     self.rs = rs.advanced(steps_per_epoch=self.batches_per_epoch)
-    return self.run.dataset.train.take(index)
+    seed = self.cfg.train.seed
+    return rollout_lib.prompt_batch(train, seed, rs.epoch, rs.step_in_epoch, self.per_rollout)
 
   def _keep(self, index: int, out) -> None:
-    tmp = self.file.with_name(f".{self.file.name}.tmp")
-    with open(tmp, "wb") as f:
-      np.savez(f, index=index, metrics=json.dumps(out.metrics), **out.batch)
-    tmp.replace(self.file)
+    buffer = io.BytesIO()
+    np.savez(buffer, index=index, metrics=json.dumps(out.metrics), **out.batch)
+    records.write_atomic(self.file, buffer.getvalue())
 
   def _read_back(self, index: int):
     """The rollout a checkpoint between passes continued with (``_keep``)."""
@@ -108,7 +107,7 @@ class RolloutSource:
         f"the checkpoint stopped between passes over rollout {index}, but {self.file} cannot "
         f"be read ({e}); resume from an earlier checkpoint (--resume-from) of a rollout's start"
       ) from e
-    return rollout_lib.Rollout(batch, metrics, [])
+    return rollout_lib.Rollout(batch, metrics)
 
   def where(self) -> dict:
     return {"epoch": self.rs.epoch, "step_in_epoch": self.rs.step_in_epoch}
