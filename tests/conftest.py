@@ -150,6 +150,16 @@ def restore_state_arrays(run_dir, step=None):
   return read.step, read.state
 
 
+def bitwise_same_checkpoints(straight, killed):
+  """Asserts that the newest checkpoints of two run dirs hold the same step and bitwise
+  the same state; returns ``(step, state)``."""
+  (step_a, a), (step_b, b) = restore_state_arrays(straight), restore_state_arrays(killed)
+  assert step_a == step_b, (step_a, step_b)
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+  return step_a, a
+
+
 def can_mount() -> bool:
   import os
   import shutil
