@@ -69,32 +69,54 @@ def read_prompts(path: str, tok, *, max_prompt_len: int) -> PromptSet:
     DataError: a malformed line, a row without a string or message-list ``"prompt"``,
       columns that differ between rows, conversational rows without a chat template.
   """
-  ids, texts, columns, truncated = [], [], None, 0
+  prompts = _collect(_file_rows(path), tok, max_prompt_len)
+  if not prompts.ids:
+    raise DataError(f"{path} holds no prompts")
+  return prompts
+
+
+def prompt_set(rows, tok, *, max_prompt_len: int = 0) -> PromptSet:
+  """Prompts from rows in memory, each a dict as a JSONL line holds (``"prompt"`` and the
+  columns the rewards read), encoded with ``tok``; ``max_prompt_len`` 0: no truncation.
+
+  Raises:
+    DataError: as ``read_prompts``, naming the row by its index.
+  """
+  prompts = _collect(((f"row {i}", r) for i, r in enumerate(rows)), tok, max_prompt_len)
+  if not prompts.ids:
+    raise DataError("no prompts given")
+  return prompts
+
+
+def _file_rows(path: str):
   for file in readers.list_files(path, "jsonl"):
     for number, line in enumerate(file.read_text().splitlines(), 1):
       if not line.strip():
         continue
       where = f"{file.name}:{number}"
       try:
-        record = json.loads(line)
+        yield where, json.loads(line)
       except json.JSONDecodeError as e:
         raise DataError(f"{where}: not JSON ({e.msg})") from None
-      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str | list):
-        raise DataError(f'{where}: a row needs a "prompt": a string or a list of messages')
-      rest = {k: v for k, v in record.items() if k != "prompt"}
-      if columns is None:
-        columns = {k: [] for k in rest}
-      if set(rest) != set(columns):
-        raise DataError(f"{where}: columns {sorted(rest)}; earlier rows have {sorted(columns)}")
-      text, encoded = _encode(record["prompt"], tok, where)
-      if len(encoded) > max_prompt_len:
-        encoded, truncated = encoded[len(encoded) - max_prompt_len :], truncated + 1
-      ids.append(encoded)
-      texts.append(text)
-      for k, v in rest.items():
-        columns[k].append(v)
-  if not ids:
-    raise DataError(f"{path} holds no prompts")
+
+
+def _collect(rows, tok, max_prompt_len: int) -> PromptSet:
+  ids, texts, columns, truncated = [], [], None, 0
+  for where, record in rows:
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str | list):
+      raise DataError(f'{where}: a row needs a "prompt": a string or a list of messages')
+    rest = {k: v for k, v in record.items() if k != "prompt"}
+    if columns is None:
+      columns = {k: [] for k in rest}
+    if set(rest) != set(columns):
+      raise DataError(f"{where}: columns {sorted(rest)}; earlier rows have {sorted(columns)}")
+    text, encoded = _encode(record["prompt"], tok, where)
+    if max_prompt_len and len(encoded) > max_prompt_len:
+      encoded, truncated = encoded[len(encoded) - max_prompt_len :], truncated + 1
+    ids.append(encoded)
+    texts.append(text)
+    for k, v in rest.items():
+      columns[k].append(v)
   return PromptSet(ids, texts, columns or {}, truncated)
 
 

@@ -31,7 +31,7 @@ from jaxstep.trainer.loop.loop import LoopResult
 from jaxstep.trainer.plan import preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.build import Run, build
 from jaxstep.trainer.rl import evaluate as rl_evaluate
-from jaxstep.trainer.rl.logp_check import LogpCheck
+from jaxstep.trainer.rl.logp_check import LogpCheck, gap_cause
 from jaxstep.trainer.rl.rewards import load_rewards
 from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
 from jaxstep.trainer.rl.source import RolloutSource
@@ -321,7 +321,9 @@ def run_loop(
       else getattr(run.dataset.train, "source_tokens", None),  # a mixture's, per source
     ),
     callbacks=callbacks,
-    hooks=(LogpCheck(run.cfg), *hooks) if rl else hooks,
+    hooks=(LogpCheck(run.cfg.rl.logp_tolerance, lambda: gap_cause(run.cfg)), *hooks)
+    if rl
+    else hooks,
     run_info={"trackers": rs.trackers},
   )
   if rl:

@@ -67,10 +67,11 @@ class TrainBatches:
     data: a Grain dataset / ``DataLoader``, an iterable whose iterators follow the
       resumable-iterator protocol, or a plain re-iterable.
     global_batch_size: G; every batch's leaves must have G rows.
+    host_keys: entries that stay on the host and are not rows (an RL rollout's metrics).
   """
 
-  def __init__(self, data: Iterable, global_batch_size: int):
-    self.data, self.g = require_iterable(data), global_batch_size
+  def __init__(self, data: Iterable, global_batch_size: int, host_keys: tuple[str, ...] = ()):
+    self.data, self.g, self.host_keys = require_iterable(data), global_batch_size, host_keys
     self.iterator = iter(data)
     self.resumable = _resumable(self.iterator)
     self.one_shot = self.iterator is data and not self.resumable
@@ -110,7 +111,8 @@ class TrainBatches:
   def next_batch(self) -> dict:
     batch = next(self.iterator)
     self.consumed += 1
-    return check_batch(batch, self.g, f"train_data batch {self.consumed}")
+    rows = {k: v for k, v in batch.items() if k not in self.host_keys}
+    return {**batch, **check_batch(rows, self.g, f"train_data batch {self.consumed}")}
 
   def where(self) -> dict:
     return {"epoch": 0, "batches": self.consumed}

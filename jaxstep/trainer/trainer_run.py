@@ -207,7 +207,7 @@ class Trainer:
     step = self._step()
     state = step.init(self.params, self.train_cfg.seed, model_state=self.model_state)
     step_fn, put = self._jitted(step, state)
-    source = trainer_data.TrainBatches(self.train_data, self.train_cfg.global_batch_size)
+    source = self._source()
     with contextlib.closing(source), run_dir_lib.locked(self.run_dir) as run_dir:
       begun = resume_lib.start(
         run_dir,
@@ -229,6 +229,9 @@ class Trainer:
       run_dir_lib.first_writes(run_dir, begun.ckpt, state, write)
       return self._loop(run_dir, begun.ckpt, state, start, step_fn, put, run_info, source).run()
 
+  def _source(self) -> trainer_data.TrainBatches:
+    return trainer_data.TrainBatches(self.train_data, self.train_cfg.global_batch_size)
+
   def _fits(self, restored, source: trainer_data.TrainBatches) -> dict:
     """Checks a restored checkpoint belongs to this run (the refusals ``jaxstep train``
     makes too), moves ``source`` to its data position, and returns the run info to keep."""
@@ -247,20 +250,29 @@ class Trainer:
     plain = json.loads(json.dumps(self.config(), default=str))  # numpy values and the like
     return yaml.safe_dump(plain, sort_keys=False)
 
+  def _evaluation(self) -> assembly.Evaluation:
+    """The named eval sets, scored with the loss every ``train.eval_every`` update steps."""
+    if not self.eval_sets:
+      return assembly.Evaluation(None, None)
+    evaluate = Evaluator(
+      self.eval_sets,
+      self.loss_fn,
+      self.eval_loss_fn,
+      self.units_fn,
+      limit=self.train_cfg.eval_batches,
+      mesh=self.mesh,
+    )
+    return assembly.Evaluation(evaluate, next(iter(self.eval_sets)))
+
+  def _throughput(self) -> assembly.Throughput:
+    return assembly.Throughput()  # tokens/s counts normalization units: the batch's N
+
+  def _first_hooks(self) -> tuple[Hook, ...]:
+    """Hooks of the run's kind, before the user's."""
+    return ()
+
   def _loop(self, run_dir, ckpt, state, start, step_fn, put, run_info, source) -> Loop:
     t = self.train_cfg
-    evaluate = (
-      Evaluator(
-        self.eval_sets,
-        self.loss_fn,
-        self.eval_loss_fn,
-        self.units_fn,
-        limit=t.eval_batches,
-        mesh=self.mesh,
-      )
-      if self.eval_sets
-      else None
-    )
     return assembly.assemble(
       state=state,
       step_fn=step_fn,
@@ -272,7 +284,7 @@ class Trainer:
       ckpt=ckpt,
       train=t,
       checkpoint_every=self.checkpoint_cfg.every,
-      evaluation=assembly.Evaluation(evaluate, next(iter(self.eval_sets), None)),
+      evaluation=self._evaluation(),
       tracking=assembly.Tracking(
         config=self.config(),
         mlflow=self.mlflow,
@@ -280,9 +292,9 @@ class Trainer:
         ids=run_info.get("trackers", {}),
         resumed=bool(run_info.get("trackers")),
       ),
-      throughput=assembly.Throughput(),  # tokens/s counts normalization units: the batch's N
+      throughput=self._throughput(),
       callbacks=self.callbacks,
-      hooks=self.hooks,
+      hooks=(*self._first_hooks(), *self.hooks),
       run_info=run_info,
     )
 

@@ -28,7 +28,7 @@ from jaxstep.data.pair_dataset import PairDataset, PairSplit, load_pair_eval_set
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import check_eval_sets
 from jaxstep.trainer.plan import reference_logps
-from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
+from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference
 
 # the metrics a step reports as sums over pairs and a record shows as means over them
 MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
@@ -51,9 +51,7 @@ def reference_state(cfg: config_lib.Config, params):
   params}`` in ``preference.reference_dtype`` (floating leaves); None for other runs."""
   if not cfg.preference.loss or reference_kind(cfg) != "live":
     return None
-  dtype = jnp.bfloat16 if cfg.preference.reference_dtype == "bf16" else jnp.float32
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-  return {REFERENCE: jax.tree.map(cast, params)}
+  return frozen_copy(params, cfg.preference.reference_dtype)
 
 
 def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -> Callable:

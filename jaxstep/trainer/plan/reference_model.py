@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+
 from jaxstep.models import lora
 
 REFERENCE = "reference"  # the live reference's key in the state's model_state
@@ -27,3 +30,14 @@ def loss_with_reference(kind: str, apply_fn: Callable, build: Callable) -> Calla
   if kind == "adapters":
     return build(lambda params, inputs: apply_fn(lora.adapters_off(params), inputs, train=False))
   return build(None)
+
+
+def frozen_copy(params, dtype: str = "fp32") -> dict:
+  """A live reference's ``model_state``: ``{"reference": a copy of params}``, the floating
+  leaves in ``dtype`` (``fp32``, or ``bf16``: half the bytes)."""
+  cast = jnp.bfloat16 if dtype == "bf16" else None
+
+  def copy(x):
+    return x.astype(cast) if cast and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
+
+  return {REFERENCE: jax.tree.map(copy, params)}

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxstep import parallel
 from jaxstep.core import rl
 from jaxstep.trainer.config import loading as config_lib
-from jaxstep.trainer.plan.reference_model import REFERENCE, loss_with_reference
+from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference
 
 
 def reference_kind(cfg: config_lib.Config) -> str:
@@ -37,12 +37,7 @@ def reference_state(cfg: config_lib.Config, params):
   live reference; None otherwise."""
   if not cfg.rl.rewards or reference_kind(cfg) != "live":
     return None
-  dtype = jnp.bfloat16 if cfg.rl.reference_dtype == "bf16" else None
-
-  def copy(x):
-    return x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
-
-  return {REFERENCE: jax.tree.map(copy, params)}
+  return frozen_copy(params, cfg.rl.reference_dtype)
 
 
 def sampler_allowed(cfg: config_lib.Config):

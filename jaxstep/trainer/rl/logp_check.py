@@ -11,14 +11,19 @@ stops the run with one line naming the setting that makes the two differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxstep.core.rl import GAP_EXCESS
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.loop.hooks import Hook
 
 
 class LogpCheck(Hook):
-  def __init__(self, cfg):
-    self.cfg = cfg
+  """Stops at a first pass whose gap count is not 0; ``tolerance`` is the loss's, and
+  ``cause()`` the line's end: which setting to change."""
+
+  def __init__(self, tolerance: float, cause: Callable[[], str]):
+    self.tolerance, self.cause = tolerance, cause
 
   def on_metrics(self, loop, reported) -> None:
     record = reported.record
@@ -27,8 +32,8 @@ class LogpCheck(Hook):
     raise ConfigError(
       f"the training pass of update {reported.step} gives {int(record[GAP_EXCESS])} of "
       f"{int(record['completion_tokens'])} completion tokens another log-prob than the "
-      f"sampler drew them with (more than rl.logp_tolerance {self.cfg.rl.logp_tolerance} "
-      f"nats; mean gap {record['logp_gap']:.3g}): {gap_cause(self.cfg)}"
+      f"sampler drew them with (more than rl.logp_tolerance {self.tolerance} "
+      f"nats; mean gap {record['logp_gap']:.3g}): {self.cause()}"
     )
 
 

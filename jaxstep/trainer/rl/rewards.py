@@ -60,9 +60,10 @@ class Reward:
   weight: float
 
 
-def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[Reward]:
+def load_rewards(names: Sequence[str | Callable], weights: Sequence[float] = ()) -> list[Reward]:
   """The functions ``names`` names (bundled, or ``module:function`` importable from the
-  working directory or the installed packages), with ``weights`` (default 1 each).
+  working directory or the installed packages; a callable is itself, named by its
+  ``__name__``), with ``weights`` (default 1 each).
 
   Raises:
     ConfigError: no reward, a weight count that does not match, a name that does not
@@ -75,10 +76,20 @@ def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[Re
     raise ConfigError(
       f"rl.reward_weights has {len(weights)} weights for {len(names)} rewards; give one each"
     )
-  return [Reward(name, _resolve(name), float(w)) for name, w in zip(names, weights, strict=True)]
+  return [
+    Reward(_name(name), _resolve(name), float(w)) for name, w in zip(names, weights, strict=True)
+  ]
 
 
-def _resolve(name: str) -> Callable:
+def _name(reward) -> str:
+  return reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
+
+
+def _resolve(name) -> Callable:
+  if callable(name):
+    return name
+  if not isinstance(name, str):
+    raise ConfigError(f"a reward is a function or its name, got {name!r}")
   if name in BUNDLED:
     return BUNDLED[name]
   module, _, attr = name.partition(":")

@@ -1,17 +1,19 @@
-"""The RL run's ``BatchSource``: every ``rl.iterations`` updates it takes the next
-P = G / ``num_generations`` prompts of the epoch's order, samples a rollout with the params
-of that moment, and hands the rollout to the step ``rl.iterations`` times (each batch says
-which pass it is, ``rl_pass``, for ``LogpCheck``).
+"""Where an RL run's batches come from: ``Rollouts``, an iterator that every
+``rl.iterations`` updates takes the next P = G / ``num_generations`` prompts of the epoch's
+order, samples a rollout with the params of that moment, and hands it to the step
+``rl.iterations`` times (each batch says which pass it is, ``rl_pass``, for ``LogpCheck``);
+and ``RolloutSource``, the ``BatchSource`` of ``jaxstep train`` around it.
 
 Position: ``(epoch, step_in_epoch)`` counts rollouts (prompt batches) as a supervised run
-counts batches; the update step says which pass over the current rollout comes next. A
-rollout is a pure function of the params and its seed, so a run resumed at a rollout's start
-samples it again; with ``rl.iterations`` > 1 a checkpoint can fall between passes, so each
-rollout is also kept in ``RUN/rl_rollout.npz`` (written whole, then renamed) and read back.
+counts batches, and ``updates`` the passes handed out. A rollout is a pure function of the
+params and its seed, so a run resumed at a rollout's start samples it again; with
+``rl.iterations`` > 1 a checkpoint can fall between passes, so each rollout is also kept in
+``RUN/rl_rollout.npz`` (written whole, then renamed) and read back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -20,7 +22,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxstep.errors import CheckpointError
+from jaxstep.core.rl import RLConfig
+from jaxstep.data.prompt_rows import PromptSet
+from jaxstep.errors import CheckpointError, ConfigError
 from jaxstep.generation import Generator
 from jaxstep.trainer.rl import rewards as rewards_lib
 from jaxstep.trainer.rl import rollout as rollout_lib
@@ -36,58 +40,90 @@ def rollout_seed(seed: int, index: int) -> int:
   return (seed * 1_000_003 + index) % 2**32
 
 
-class RolloutSource:
-  """Args: ``run`` (``plan.build.Run`` of an RL config), ``rs`` (the position to start
-  from: ``rs.step`` updates done), ``run_dir`` and ``writer`` (this process writes the
-  rollout file). ``params`` must be set to a ``() -> current params`` before the first
-  ``next_batch``."""
+class Rollouts:
+  """RL global batches, one per update, following the resumable-iterator protocol
+  (``get_state``/``set_state``), so a ``jaxstep.Trainer`` checkpoints its place.
 
-  def __init__(self, run, rs, *, run_dir: pathlib.Path, writer: bool = True):
-    cfg = run.cfg
-    self.run, self.rs, self.cfg, self.r = run, rs, cfg, cfg.rl
-    self.file, self.writer = pathlib.Path(run_dir) / ROLLOUT_FILE, writer
-    self.per_rollout = cfg.train.global_batch_size // self.r.num_generations
-    self.batches_per_epoch = len(run.dataset.train) // self.per_rollout
-    self.rewards = rewards_lib.load_rewards(self.r.rewards, self.r.reward_weights)
-    self.generator = Generator(cfg.model, None, run.dataset.tokenizer)
+  Args:
+    prompts: the training prompts; ``generator``: a ``Generator`` of the model (its params
+      are set at each rollout); ``rewards``: ``rewards.Reward`` objects; ``r``: the settings;
+    global_batch_size: G completions per update (a multiple of ``r.num_generations``);
+    seq_len: each row's window (the longest prompt + ``r.max_new_tokens`` − 1 at most);
+    seed: the run's seed (rollout i samples with ``rollout_seed(seed, i)``);
+    file: where a rollout is kept between passes (``rl.iterations`` > 1; None: nowhere);
+    writer: whether this process writes ``file``; sharding: the step's batch sharding.
+  ``params`` must be set to a ``() -> current params`` before the first batch."""
+
+  def __init__(
+    self,
+    prompts: PromptSet,
+    generator: Generator,
+    rewards: list,
+    r: RLConfig,
+    *,
+    global_batch_size: int,
+    seq_len: int,
+    seed: int,
+    file: pathlib.Path | None = None,
+    writer: bool = True,
+    sharding=None,
+  ):
+    self.prompts, self.generator, self.rewards, self.r = prompts, generator, rewards, r
+    self.seq_len, self.seed, self.file, self.writer = seq_len, seed, file, writer
+    self.sharding = sharding if sharding is None or sharding.is_fully_addressable else None
+    self.per_rollout = global_batch_size // r.num_generations
+    self.batches_per_epoch = len(prompts) // self.per_rollout
+    if not self.batches_per_epoch:
+      raise ConfigError(
+        f"{len(prompts)} training prompts do not fill one rollout of {self.per_rollout} "
+        f"(global batch {global_batch_size} / {r.num_generations} generations); give more "
+        f"prompts or a smaller global batch"
+      )
     self.params: Callable | None = None
-    # every device samples the rows it will train on (one host: the rows all start here)
-    sharding = run.batch_sharding
-    self.sharding = sharding if sharding.is_fully_addressable else None
-    self.updates = rs.step  # updates done; the next one's pass is updates % iterations
+    self.epoch = self.step_in_epoch = self.updates = 0
     self.current = None
-    if self.updates % self.r.iterations:
-      self.current = self._read_back(self.updates // self.r.iterations)
 
-  def next_batch(self) -> dict:
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
     passed = self.updates % self.r.iterations
     if passed == 0:
       self.current = self._sample(self.updates // self.r.iterations)
     self.updates += 1
     return {**self.current.batch, HOST: {**self.current.metrics, "rl_pass": passed}}
 
+  def get_state(self) -> dict:
+    return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "updates": self.updates}
+
+  def set_state(self, state: dict) -> None:
+    self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+    self.updates, self.current = int(state["updates"]), None
+    if self.updates % self.r.iterations:
+      self.current = self._read_back(self.updates // self.r.iterations)
+
   def _sample(self, index: int):
-    prompts = self._prompts()
     out = rollout_lib.sample(
       self.generator,
       self.params(),
-      prompts,
+      self._prompts(),
       self.r,
       self.rewards,
-      seq_len=self.cfg.train.seq_len,
-      seed=rollout_seed(self.cfg.train.seed, index),
+      seq_len=self.seq_len,
+      seed=rollout_seed(self.seed, index),
       sharding=self.sharding,
     )
-    if self.r.iterations > 1 and self.writer:
+    if self.r.iterations > 1 and self.writer and self.file is not None:
       self._keep(index, out)
     return out
 
-  def _prompts(self):
+  def _prompts(self) -> PromptSet:
     """The next P prompts of the epoch's order; the position moves past them."""
-    rs, train = self.rs, self.run.dataset.train
-    self.rs = rs.advanced(steps_per_epoch=self.batches_per_epoch)
-    seed = self.cfg.train.seed
-    return rollout_lib.prompt_batch(train, seed, rs.epoch, rs.step_in_epoch, self.per_rollout)
+    epoch, index = self.epoch, self.step_in_epoch
+    self.step_in_epoch += 1
+    if self.step_in_epoch == self.batches_per_epoch:
+      self.epoch, self.step_in_epoch = self.epoch + 1, 0
+    return rollout_lib.prompt_batch(self.prompts, self.seed, epoch, index, self.per_rollout)
 
   def _keep(self, index: int, out) -> None:
     buffer = io.BytesIO()
@@ -97,6 +133,8 @@ class RolloutSource:
   def _read_back(self, index: int):
     """The rollout a checkpoint between passes continued with (``_keep``)."""
     try:
+      if self.file is None:
+        raise OSError("no file keeps rollouts between passes")
       with np.load(self.file) as f:
         if int(f["index"]) != index:
           raise CheckpointError(f"{self.file} holds rollout {int(f['index'])}, not {index}")
@@ -109,8 +147,55 @@ class RolloutSource:
       ) from e
     return rollout_lib.Rollout(batch, metrics)
 
+
+class RolloutSource:
+  """The ``BatchSource`` of ``jaxstep train``'s RL run: ``Rollouts`` over ``run``'s (a
+  ``plan.build.Run`` of an RL config) training prompts from ``rs`` (``rs.step`` updates
+  done); ``run_dir`` and ``writer`` (this process writes the rollout file). Its ``params``
+  must be set to a ``() -> current params`` before the first ``next_batch``."""
+
+  def __init__(self, run, rs, *, run_dir: pathlib.Path, writer: bool = True):
+    cfg = run.cfg
+    self.start = rs
+    self.rollouts = Rollouts(
+      run.dataset.train,
+      Generator(cfg.model, None, run.dataset.tokenizer),
+      rewards_lib.load_rewards(cfg.rl.rewards, cfg.rl.reward_weights),
+      cfg.rl,
+      global_batch_size=cfg.train.global_batch_size,
+      seq_len=cfg.train.seq_len,
+      seed=cfg.train.seed,
+      file=pathlib.Path(run_dir) / ROLLOUT_FILE,
+      writer=writer,
+      sharding=run.batch_sharding,  # each device samples the rows it will train on
+    )
+    self.rollouts.set_state(
+      {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch, "updates": rs.step}
+    )
+
+  @property
+  def params(self):
+    return self.rollouts.params
+
+  @params.setter
+  def params(self, value) -> None:
+    self.rollouts.params = value
+
+  @property
+  def rs(self):
+    """The run position after the rollouts taken so far (``step`` counts rollouts)."""
+    ro = self.rollouts
+    mu = ro.r.iterations
+    taken = -(-ro.updates // mu) - -(-self.start.step // mu)  # rollouts sampled since
+    return dataclasses.replace(
+      self.start, step=self.start.step + taken, epoch=ro.epoch, step_in_epoch=ro.step_in_epoch
+    )
+
+  def next_batch(self) -> dict:
+    return next(self.rollouts)
+
   def where(self) -> dict:
-    return {"epoch": self.rs.epoch, "step_in_epoch": self.rs.step_in_epoch}
+    return {"epoch": self.rollouts.epoch, "step_in_epoch": self.rollouts.step_in_epoch}
 
   def mark(self):
     return self.rs
