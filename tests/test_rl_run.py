@@ -278,3 +278,70 @@ def test_a_resume_between_passes_without_its_rollout_file_is_one_line(tmp_path, 
   assert train_cli.main(args) == 2
   err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
   assert len(err) == 1 and "between passes over rollout 1" in err[0] and "--resume-from" in err[0]
+
+
+@pytest.mark.slow
+def test_two_processes_sample_only_their_own_rows_and_equal_one_process(tmp_path, monkeypatch):
+  """2 processes × 2 devices: each samples and scores the completions its devices train on
+  (its 8 of the 16 rows), the group statistics are gathered, and the run equals one
+  process on 4 devices; two passes per rollout keep each process's rows between them."""
+  import subprocess
+  import sys
+
+  from test_sharding import devices_env, free_port, process_env
+
+  monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
+  args = [*BASE, "rl.iterations=2", "train.max_steps=4", "train.eval_every=4"]
+  one = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxstep.train",
+      *args,
+      f"run_dir={tmp_path / 'one'}",
+      "mesh.cpu_devices=4",
+    ],
+    env={**devices_env(4), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+  port = free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "jaxstep.train",
+        *args,
+        f"run_dir={tmp_path / 'two'}",
+        "mesh.cpu_devices=2",
+      ],
+      env={**process_env(port, i, devices=2), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+    assert p.returncode == 0, err[-3000:]
+    assert f"rollouts: process {i} samples and scores 8 of each rollout's 16 completions" in err
+  a = read_lines(tmp_path / "one" / "metrics.jsonl")
+  b = read_lines(tmp_path / "two" / "metrics.jsonl")
+  assert [r["step"] for r in b] == [1, 2, 3, 4]
+  for x, y in zip(a, b, strict=True):
+    for key in ("reward", "reward_std", "advantage_std", "completions/mean_length"):
+      assert y[key] == pytest.approx(x[key], abs=1e-6), key
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(y[key], x[key], rtol=2e-5, atol=1e-6, err_msg=key)
+  evals = [read_lines(tmp_path / n / "eval.jsonl")[-1] for n in ("one", "two")]
+  assert evals[0]["eval_reward"] == pytest.approx(evals[1]["eval_reward"], abs=1e-6)
+  with np.load(tmp_path / "one" / "rl_rollout.npz") as whole:  # the last rollout, kept
+    for i in range(2):
+      with np.load(tmp_path / "two" / f"rl_rollout.process{i}.npz") as part:
+        assert part["inputs"].shape[0] == 8
+        np.testing.assert_array_equal(part["inputs"], whole["inputs"][8 * i : 8 * i + 8])
+        np.testing.assert_allclose(part["advantages"], whole["advantages"][8 * i : 8 * i + 8])

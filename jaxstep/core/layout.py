@@ -29,6 +29,13 @@ def tree_shardings(tree, mesh: Mesh):
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh))
 
 
+def rows_here(sharding: NamedSharding, n: int) -> np.ndarray:
+  """The rows of an ``n``-row array laid out by ``sharding`` that this process's devices
+  hold, sorted."""
+  index = sharding.addressable_devices_indices_map((n,))
+  return np.unique(np.concatenate([np.arange(n)[sl[0]] for sl in index.values()]))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (sample) dimension over every device: ``P(("data", "fsdp"))``."""
   return NamedSharding(mesh, PartitionSpec(AXES))

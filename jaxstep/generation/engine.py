@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxstep import models
 from jaxstep.core import device_memory
+from jaxstep.core.layout import rows_here
 from jaxstep.core.precision import cast_floating
 from jaxstep.core.sampling import draw
 from jaxstep.errors import ConfigError, PromptError
@@ -240,6 +241,7 @@ class Generator:
     seed: int = 0,
     prefill_to: int = 0,
     sharding=None,
+    global_rows: int | None = None,
   ) -> tuple[list[list[int]], list[str], list[np.ndarray]]:
     """``generate_ids`` with each new token's log-prob under the distribution it was drawn
     from (``jaxstep.core.sampling``: the allowed ids, the temperature, top-k and top-p;
@@ -247,29 +249,47 @@ class Generator:
     ``prefill_to``: prefill at least this many positions, so that batches of prompts of
     other lengths reuse one compiled loop (a row never sees the positions past its prompt).
     ``sharding``: where the rows go (e.g. a train step's batch sharding: each device decodes
-    its own rows); None: the default device."""
+    its own rows); None: the default device. A sharding over several processes takes only
+    this process's rows as ``prompts`` (``parallel.local_rows`` of ``global_rows``) and
+    returns theirs: every process decodes its own rows, in one program; each row keeps the
+    draws of its global index, and ``prefill_to`` must cover every process's prompts."""
     lengths = np.array([len(p) for p in prompts], np.int32)
+    split = sharding is not None and not sharding.is_fully_addressable
+    if split and int(lengths.max()) > prefill_to:
+      raise ConfigError(
+        f"a prompt of {int(lengths.max())} tokens is longer than prefill_to={prefill_to}: "
+        f"processes that decode their own rows need one buffer width"
+      )
     longest = max(int(lengths.max()), min(prefill_to, self.max_seq_len - 1))
     width = min(self.max_seq_len, longest + max_new_tokens)  # the token buffer
     buffer = np.full((len(prompts), width), self.tokenizer.PAD, np.int32)
     for row, p in enumerate(prompts):
       buffer[row, : len(p)] = p
     vocab = self._vocab or self._vocab_of(buffer)
-    tokens, ends, reasons, logps = jax.device_get(
-      self._compiled(
-        self.params,
-        buffer if sharding is None else jax.device_put(buffer, sharding),
-        lengths if sharding is None else jax.device_put(lengths, sharding),
-        allowed_ids(vocab, self.tokenizer),
-        np.uint32(seed % 2**32),  # any Python int is a seed
-        jnp.float32(temperature),
-        jnp.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
-        jnp.float32(top_p),
-        max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
-        prefill=longest,
-        stops=stop_ids(self.tokenizer),
-      )
+
+    def place(rows):
+      if not split:
+        return rows if sharding is None else jax.device_put(rows, sharding)
+      return jax.make_array_from_process_local_data(sharding, rows, (global_rows, *rows.shape[1:]))
+
+    outputs = self._compiled(
+      self.params,
+      place(buffer),
+      place(lengths),
+      allowed_ids(vocab, self.tokenizer),
+      np.uint32(seed % 2**32),  # any Python int is a seed
+      jnp.float32(temperature),
+      jnp.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
+      jnp.float32(top_p),
+      max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
+      prefill=longest,
+      stops=stop_ids(self.tokenizer),
     )
+    if split:
+      here = rows_here(sharding, global_rows)
+      tokens, ends, reasons, logps = (_host_rows(x, here) for x in outputs)
+    else:
+      tokens, ends, reasons, logps = jax.device_get(outputs)
     ids = [tokens[r, lengths[r] : ends[r]].tolist() for r in range(len(prompts))]
     logps = [logps[r, lengths[r] : ends[r]] for r in range(len(prompts))]
     return ids, [STOP_REASONS[c - 1] for c in reasons], logps
@@ -322,6 +342,17 @@ class Generator:
       lambda c: jnp.any(c[-1] == 0), body, init
     )
     return tokens, pos, reason, logps
+
+
+def _host_rows(array, rows: np.ndarray) -> np.ndarray:
+  """``rows`` (sorted global indices) of a global ``array``, from this process's shards."""
+  out = np.empty((len(rows), *array.shape[1:]), array.dtype)
+  for shard in array.addressable_shards:
+    held = np.arange(array.shape[0])[shard.index[0]]
+    at = np.searchsorted(rows, held)
+    ok = (at < len(rows)) & (rows[np.minimum(at, len(rows) - 1)] == held)
+    out[at[ok]] = np.asarray(shard.data)[ok]
+  return out
 
 
 def _logits_at(apply_fn, decoder, params, tokens, prefill: int, dtype):

@@ -6,13 +6,14 @@ Kubernetes, Cloud TPU) and ``distributed`` starts it."""
 
 from jaxstep.core.layout import AXES, batch_sharding, leaf_spec, tree_shardings, tree_specs
 from jaxstep.parallel.distributed import initialize_distributed
-from jaxstep.parallel.mesh import local_rows, make_mesh, mesh_shape, put_batch
+from jaxstep.parallel.mesh import gather_rows, local_rows, make_mesh, mesh_shape, put_batch
 
 __all__ = [
   "AXES",
   "batch_sharding",
   "initialize_distributed",
   "leaf_spec",
+  "gather_rows",
   "local_rows",
   "make_mesh",
   "mesh_shape",

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxstep.core import geometry
-from jaxstep.core.layout import AXES
+from jaxstep.core.layout import AXES, rows_here
 from jaxstep.errors import BatchError, ConfigError
 
 
@@ -54,10 +54,21 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
 def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray | None:
   """The rows of a G-row global batch that this process's devices hold (sorted), or None
   when this process holds them all (one process)."""
-  if sharding.is_fully_addressable:
-    return None
-  index = sharding.addressable_devices_indices_map((global_batch_size,))
-  return np.unique(np.concatenate([np.arange(global_batch_size)[sl[0]] for sl in index.values()]))
+  return None if sharding.is_fully_addressable else rows_here(sharding, global_batch_size)
+
+
+def gather_rows(values: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+  """The ``n`` rows of a global batch from every process's ``values`` (its ``rows``, as
+  ``local_rows`` gives them; every process holds as many): what each host computed on its
+  own rows (rewards, lengths), put together in row order on every host."""
+  from jax.experimental import multihost_utils
+
+  values = np.asarray(values)
+  stacked = np.asarray(multihost_utils.process_allgather(values))
+  where = np.asarray(multihost_utils.process_allgather(np.asarray(rows, np.int64)))
+  out = np.empty((n, *values.shape[1:]), values.dtype)
+  out[where.reshape(-1)] = stacked.reshape(-1, *values.shape[1:])
+  return out
 
 
 def put_batch(

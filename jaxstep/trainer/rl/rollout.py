@@ -15,8 +15,10 @@ import time
 import numpy as np
 
 from jaxstep.core import rl
+from jaxstep.core.layout import rows_here
 from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.prompt_rows import PromptSet
+from jaxstep.parallel import gather_rows
 from jaxstep.trainer.rl import rewards as rewards_lib
 
 
@@ -70,11 +72,17 @@ def sample(
 ) -> Rollout:
   """``cfg.num_generations`` completions of every prompt (``temperature`` None: the
   config's; 0: greedy, for evaluation), scored and laid out; ``sharding``: where the rows
-  are decoded (the step's batch sharding: each device samples its own rows)."""
+  are decoded (the step's batch sharding: each device samples its own rows). Over several
+  processes each samples and scores only the rows its devices hold, and the batch holds
+  those; the rewards and lengths are gathered, so the advantages and metrics are the
+  global batch's on every process."""
   g = cfg.num_generations if temperature is None else 1
+  n = len(prompts) * g
+  here = None if sharding is None or sharding.is_fully_addressable else rows_here(sharding, n)
+  index = np.arange(n) if here is None else here
   generator.params = params
   begun = time.perf_counter()
-  prompt_rows = [ids for ids in prompts.ids for _ in range(g)]
+  prompt_rows = [prompts.ids[i // g] for i in index]
   ids, reasons, logps = generator.sample_ids(
     prompt_rows,
     max_new_tokens=cfg.max_new_tokens,
@@ -84,16 +92,23 @@ def sample(
     seed=seed,
     prefill_to=seq_len + 1 - cfg.max_new_tokens,  # the longest prompt: one compile for all
     sharding=sharding,
+    global_rows=n,
   )
   sampled = time.perf_counter() - begun
   tok = generator.tokenizer
   texts = [tok.decode(c[:-1] if r == "eos" else c) for c, r in zip(ids, reasons, strict=True)]
-  columns = {k: [v[i // g] for i in range(len(texts))] for k, v in prompts.columns.items()}
+  columns = {k: [v[i // g] for i in index] for k, v in prompts.columns.items()}
   columns["stop_reason"] = reasons
-  prompt_texts = [prompts.texts[i // g] for i in range(len(texts))]
+  prompt_texts = [prompts.texts[i // g] for i in index]
   per_fn, total = rewards_lib.score(rewards, prompt_texts, texts, columns)
   batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
   lengths = np.array([len(c) for c in ids])
+  clipped = np.array([r != "eos" for r in reasons])
+  if here is not None:  # every process's rows, for the group statistics
+    per_fn, total, lengths, clipped = (
+      gather_rows(x, here, n) for x in (per_fn.T, total, lengths, clipped)
+    )
+    per_fn = per_fn.T
   metrics = {
     "reward": float(total.mean()),
     "reward_std": float(total.std()),
@@ -101,14 +116,14 @@ def sample(
     **{f"rewards/{r.name}/std": float(v.std()) for r, v in zip(rewards, per_fn, strict=True)},
     "completions/mean_length": float(lengths.mean()),
     "completions/max_length": int(lengths.max()),
-    "completions/clipped_ratio": float(np.mean([r != "eos" for r in reasons])),
+    "completions/clipped_ratio": float(clipped.mean()),
     "rollout_s": sampled,
     "rollout_tokens_per_s": float(lengths.sum() / max(sampled, 1e-9)),
   }
   if temperature is None:
     grouped = total.reshape(-1, g)
     adv = np.asarray(rl.group_advantages(grouped, cfg.advantage)).reshape(-1)
-    batch["advantages"] = adv.astype(np.float32)
+    batch["advantages"] = adv[index].astype(np.float32)
     metrics["advantage_std"] = float(adv.std())
     metrics["frac_reward_zero_std"] = float(np.mean(grouped.std(axis=1) == 0))
   return Rollout(batch, metrics)

@@ -20,8 +20,10 @@ import logging
 import pathlib
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
+from jaxstep.core.layout import rows_here
 from jaxstep.core.rl import RLConfig
 from jaxstep.data.prompt_rows import PromptSet
 from jaxstep.errors import CheckpointError, ConfigError
@@ -70,7 +72,18 @@ class Rollouts:
   ):
     self.prompts, self.generator, self.rewards, self.r = prompts, generator, rewards, r
     self.seq_len, self.seed, self.file, self.writer = seq_len, seed, file, writer
-    self.sharding = sharding if sharding is None or sharding.is_fully_addressable else None
+    self.sharding = sharding
+    if sharding is not None and not sharding.is_fully_addressable:
+      here = len(rows_here(sharding, global_batch_size))
+      process = jax.process_index()
+      log.info(
+        "rollouts: process %d samples and scores %d of each rollout's %d completions",
+        process,
+        here,
+        global_batch_size,
+      )
+      if file is not None:  # each process keeps its own rows between passes
+        self.file, self.writer = file.with_name(f"{file.stem}.process{process}.npz"), True
     self.per_rollout = global_batch_size // r.num_generations
     self.batches_per_epoch = len(prompts) // self.per_rollout
     if not self.batches_per_epoch:
