@@ -160,8 +160,9 @@ def update_timer():
 
     def on_start(self, loop):
       src = loop.source
-      assert src.r.iterations == 1, "one rollout per update"
-      src.generator.sample_ids = self._timed(src.generator.sample_ids, self.sample)
+      rollouts = src.rollouts
+      assert rollouts.r.iterations == 1, "one rollout per update"
+      rollouts.generator.sample_ids = self._timed(rollouts.generator.sample_ids, self.sample)
       src.next_batch = self._timed(src.next_batch, self.rollout)
 
     @staticmethod

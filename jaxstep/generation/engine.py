@@ -278,9 +278,9 @@ class Generator:
       place(lengths),
       allowed_ids(vocab, self.tokenizer),
       np.uint32(seed % 2**32),  # any Python int is a seed
-      jnp.float32(temperature),
-      jnp.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
-      jnp.float32(top_p),
+      np.float32(temperature),
+      np.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does
+      np.float32(top_p),
       max_new=min(max_new_tokens, self.max_seq_len),  # the same stops; no int32 overflow
       prefill=longest,
       stops=stop_ids(self.tokenizer),

@@ -40,20 +40,24 @@ def rows(prompts: list[np.ndarray], completions: list[list[int]], logps, seq_len
   """``inputs``/``targets`` int32[N, seq_len] (prompt + completion, padded), ``completion_mask``
   on the completion's targets, ``old_logps`` there (float32)."""
   n = len(prompts)
+  starts = np.array([len(p) for p in prompts])
+  ends = starts + np.array([len(c) for c in completions])
+  if n and ends.max() > seq_len + 1:
+    r = int(np.argmax(ends > seq_len + 1))
+    raise ValueError(f"row {r}: {ends[r]} tokens do not fit train.seq_len {seq_len} + 1")
+  column = np.arange(seq_len + 1)
+  filled = column < ends[:, None]  # row-major: each row's prompt, then its completion
   tokens = np.full((n, seq_len + 1), pad, np.int32)
-  mask = np.zeros((n, seq_len), np.int32)
+  pieces = [np.concatenate([p, c]) for p, c in zip(prompts, completions, strict=True)]
+  tokens[filled] = np.concatenate(pieces)
+  target = column[:-1]
+  completion = (target >= starts[:, None] - 1) & (target < ends[:, None] - 1)
   old = np.zeros((n, seq_len), np.float32)
-  for r, (p, c, lp) in enumerate(zip(prompts, completions, logps, strict=True)):
-    end = len(p) + len(c)
-    if end > seq_len + 1:
-      raise ValueError(f"row {r}: {end} tokens do not fit train.seq_len {seq_len} + 1")
-    tokens[r, :end] = [*p, *c]
-    mask[r, len(p) - 1 : end - 1] = 1
-    old[r, len(p) - 1 : end - 1] = lp
+  old[completion] = np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in logps])
   return {
     "inputs": tokens[:, :-1],
     "targets": tokens[:, 1:],
-    "completion_mask": mask,
+    "completion_mask": completion.astype(np.int32),
     "old_logps": old,
   }
 
