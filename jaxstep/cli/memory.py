@@ -20,12 +20,14 @@ GIB = 2**30
 def report(cfg) -> str:
   c = compiled_memory(cfg)
   p, dp, t = c["num_params"], c["data"] * c["fsdp"], c["trainable_params"]
+  split = c["fsdp"] * c["tensor"]  # the ways a parameter is split (fsdp × tensor)
+  tensor = f" tensor={c['tensor']}" if c["tensor"] > 1 else ""
   gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
   k, rows = c["grad_accum_steps"], cfg.train.global_batch_size // (c["grad_accum_steps"] * dp)
   trains = "" if t is None else f" (T = {t:,} train, {p - t:,} frozen)"
   unit = " pairs" if cfg.preference.loss else ""
   lines = [
-    f"P = {p:,} parameters{trains}; mesh data={c['data']} fsdp={c['fsdp']}; "
+    f"P = {p:,} parameters{trains}; mesh data={c['data']} fsdp={c['fsdp']}{tensor}; "
     f"precision {cfg.train.precision}; K = {k} (micro-batch {rows}{unit} per device); "
     f"remat {cfg.model.remat}, scan_layers {str(cfg.model.scan_layers).lower()}; per device:",
     "",
@@ -40,12 +42,12 @@ def report(cfg) -> str:
   lines += ["  + activations (not divided by D)", "", "jaxstep layout:"]
   frozen_bytes = 2 if cfg.optim.frozen_dtype == "bf16" else 4
   layout = jaxstep_layout(
-    p, precision=cfg.train.precision, fsdp=c["fsdp"], trainable=t, frozen_bytes=frozen_bytes
+    p, precision=cfg.train.precision, fsdp=split, trainable=t, frozen_bytes=frozen_bytes
   )
   for name, b in layout.items():
     lines.append(f"  {name:<48} {gib(b)}")
   persistent = sum(b for n, b in layout.items() if "during" not in n)
-  predicted = predicted_bytes(c["cfg"], p, k, c["data"], c["fsdp"], trainable=t)
+  predicted = predicted_bytes(c["cfg"], p, k, c["data"], split, trainable=t)
   lines += [
     f"  {'persistent state (params + moments)':<48} {gib(persistent)}",
     f"  {'temporaries: activations, gradients (estimate)':<48} {gib(predicted['activations'])}",

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxstep.core.freeze import combine
-from jaxstep.core.layout import AXES, tree_specs
+from jaxstep.core.layout import AXES, TENSOR, batch_shards, manual_spec, tree_specs
 from jaxstep.core.precision import cast_floating
 
 # (params, micro_batch, rng) -> (loss_sum, aux); with model state:
@@ -224,9 +224,11 @@ def sharded_accumulate(
     frozen: the frozen part of the params (laid out by ``core.layout``'s rule), gathered
       once per update like the trainable part, never reduced.
   """
-  devices = mesh.devices.size
+  devices = batch_shards(mesh)
   state_specs = tree_specs(model_state, mesh)
   frozen_specs = tree_specs(frozen, mesh)
+  tensor_leaves = jax.tree.map(lambda spec: TENSOR in spec, param_specs)
+  manual = lambda specs: jax.tree.map(manual_spec, specs)  # noqa: E731
 
   def local(params, batch, units, step_rng, loss_scale, model_state, frozen):
     full = jax.tree.map(_gather, params, param_specs)
@@ -243,19 +245,29 @@ def sharded_accumulate(
       model_state=jax.tree.map(_gather, model_state, state_specs),
       frozen=jax.tree.map(_gather, frozen, frozen_specs),
     )
-    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs)
+    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs, tensor_leaves)
     return grads, loss, extra, aux, jax.tree.map(_average, model_state, state_specs)
 
-  specs = (param_specs, P(AXES), P(), P(), P(), state_specs, frozen_specs)
+  specs = (manual(param_specs), P(AXES), P(), P(), P(), manual(state_specs), manual(frozen_specs))
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
   # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
+  # A tensor axis stays automatic: the compiler partitions each layer over it from the
+  # leaves' shardings (``layout``), the rows' collectives stay these explicit ones.
   return jax.shard_map(
     local,
     mesh=mesh,
     in_specs=specs,
-    out_specs=(param_specs, P(), P(), P(), state_specs),
+    out_specs=(manual(param_specs), P(), P(), P(), manual(state_specs)),
+    axis_names=frozenset(AXES),
     check_vma=False,
   )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32), model_state, frozen)
+
+
+def _over_rows(collective, x, axes: tuple[str, ...]):
+  """``collective(x, axes)`` over the axes longer than 1 (none: ``x``). XLA rejects an
+  all-reduce over only size-1 manual axes when another axis (tensor) is left automatic."""
+  axes = tuple(a for a in axes if jax.lax.axis_size(a) > 1)
+  return collective(x, axes) if axes else x
 
 
 def _fsdp_dim(spec: P) -> int | None:
@@ -271,9 +283,9 @@ def _average(x, spec: P):
   """A full model-state leaf that differs per device → its mean (max for non-floating
   leaves) over every device, then this device's fsdp shard of it."""
   if jnp.issubdtype(x.dtype, jnp.floating):
-    x = jax.lax.pmean(x, AXES)
+    x = _over_rows(jax.lax.pmean, x, AXES)
   else:
-    x = jax.lax.pmax(x, AXES)
+    x = _over_rows(jax.lax.pmax, x, AXES)
   dim = _fsdp_dim(spec)
   if dim is None:
     return x
@@ -281,7 +293,7 @@ def _average(x, spec: P):
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * size, size, dim)
 
 
-def _reduce(grads, sums, param_specs):
+def _reduce(grads, sums, param_specs, tensor_leaves=None):
   """The update's reduction: ``(grads, *sums)`` summed over every device.
 
   Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
@@ -289,16 +301,22 @@ def _reduce(grads, sums, param_specs):
   operands far slower than one buffer of the same size (docs/performance.md).
   fsdp-sharded leaves: ``psum_scatter`` over fsdp first, then ``psum`` over data of each
   device's 1/fsdp shard: the data all-reduce carries 1/fsdp of the gradient, not all of it.
+  Leaves split over a tensor axis are summed each on its own (a flat buffer would gather
+  them whole).
   """
   leaves, treedef = jax.tree.flatten(grads)
   dims = [_fsdp_dim(spec) for spec in treedef.flatten_up_to(param_specs)]
-  replicated = [i for i, dim in enumerate(dims) if dim is None]
+  split = treedef.flatten_up_to(tensor_leaves) if tensor_leaves is not None else [False] * len(dims)
+  for i, dim in enumerate(dims):
+    if dim is None and split[i]:
+      leaves[i] = _over_rows(jax.lax.psum, leaves[i], AXES)
+  replicated = [i for i, dim in enumerate(dims) if dim is None and not split[i]]
   flat, unravel = ravel_pytree(([leaves[i] for i in replicated], sums))
-  summed, sums = unravel(jax.lax.psum(flat, AXES))
+  summed, sums = unravel(_over_rows(jax.lax.psum, flat, AXES))
   for i, g in zip(replicated, summed, strict=True):
     leaves[i] = g
   for i, dim in enumerate(dims):
     if dim is not None:
       shard = jax.lax.psum_scatter(leaves[i], "fsdp", scatter_dimension=dim, tiled=True)
-      leaves[i] = jax.lax.psum(shard, "data")
+      leaves[i] = _over_rows(jax.lax.psum, shard, ("data",))
   return jax.tree.unflatten(treedef, leaves), *sums

@@ -1,32 +1,126 @@
 """Sharding rules as pure functions (no I/O): how params, optimizer state and batches lie
-on a ``("data", "fsdp")`` mesh. ``jaxstep.parallel.mesh`` builds meshes and feeds batches."""
+on a ``("data", "fsdp")`` mesh, or a ``("data", "fsdp", "tensor")`` one.
+``jaxstep.parallel.mesh`` builds meshes and feeds batches.
+
+* The batch: its rows over ``data`` × ``fsdp`` (replicated over ``tensor``).
+* A leaf over ``tensor``: each dimension has a *logical* name (``embed``, ``heads``,
+  ``kv_heads``, ``mlp``, ``vocab``), given by a table of leaf-path patterns (``AXIS_NAMES``:
+  the bundled GPT and Llama; ``name_axes`` adds a model of your own), and ``RULES`` maps a
+  logical name to the mesh axis it is split over — the shape of MaxText's logical axis
+  rules, so models hold no mesh code. A path matches wherever it sits (params, Adam's
+  moments, a frozen reference copy), a LoRA adapter follows its projection (``lora_a`` the
+  input's name, ``lora_b`` the output's), and a stacked layer dimension comes first. A
+  dimension the tensor size does not divide stays whole (replicated).
+* A leaf over ``fsdp``: its largest other dimension that the fsdp size divides.
+"""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp")
+AXES = ("data", "fsdp")  # the batch's axes (the step's manual ones)
+TENSOR = "tensor"
+RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR}
+_COLUMN, _ROW = ("embed", "heads"), ("heads", "embed")
+AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
+  # the bundled GPT
+  (r"\['qkv'\]\['kernel'\]", _COLUMN),
+  (r"\['qkv'\]\['bias'\]", ("heads",)),
+  (r"\['proj'\]\['kernel'\]", _ROW),
+  (r"\['fc'\]\['kernel'\]", ("embed", "mlp")),
+  (r"\['fc'\]\['bias'\]", ("mlp",)),
+  (r"\['out'\]\['kernel'\]", ("mlp", "embed")),
+  (r"\['embed'\]\['embedding'\]", ("vocab", "embed")),
+  (r"\['head'\]\['kernel'\]", ("embed", "vocab")),
+  # the Llama family
+  (r"\['q_proj'\]\['kernel'\]", _COLUMN),
+  (r"\['[kv]_proj'\]\['kernel'\]", ("embed", "kv_heads")),
+  (r"\['o_proj'\]\['kernel'\]", _ROW),
+  (r"\['(gate|up)_proj'\]\['kernel'\]", ("embed", "mlp")),
+  (r"\['down_proj'\]\['kernel'\]", ("mlp", "embed")),
+  (r"\['embed_tokens'\]\['embedding'\]", ("vocab", "embed")),
+  (r"\['lm_head'\]\['kernel'\]", ("embed", "vocab")),
+]
 
 
-def leaf_spec(shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
-  """``fsdp`` on the largest dimension ``fsdp_size`` divides (first on ties), else replicated."""
+def split_rules(**axes: str | None) -> None:
+  """Sets where logical names go (``RULES``; None: not split), e.g. ``kv_heads=None`` for
+  a model whose key/value heads do not divide the tensor size. The CLI sets it from the
+  model before it lays anything out."""
+  RULES.clear()
+  RULES.update({"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, **axes})
+
+
+def name_axes(pattern: str, names: tuple[str | None, ...]) -> None:
+  """Names the dimensions of your model's leaves whose path (``jax.tree_util.keystr``, e.g.
+  ``['mlp']['w_in']``) ends with ``pattern`` (a regex), for tensor parallelism."""
+  AXIS_NAMES.append((pattern, tuple(names)))
+
+
+def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
+  """The logical name of each dimension of the leaf at ``path`` (None: unnamed)."""
+  adapter = re.search(r"\['lora'\]\['lora_([ab])'\]$", path)
+  base = path[: adapter.start()] + "['kernel']" if adapter else path
+  names = next((n for pattern, n in AXIS_NAMES if re.search(pattern + "$", base)), ())
+  if adapter and len(names) == 2:  # A: [in, r], B: [r, out]
+    names = (names[0], None) if adapter.group(1) == "a" else (None, names[1])
+  if len(names) > ndim:
+    return (None,) * ndim
+  return (None,) * (ndim - len(names)) + tuple(names)  # a stacked layer axis comes first
+
+
+def leaf_spec(
+  shape: tuple[int, ...], fsdp_size: int, names: tuple | None = None, tensor_size: int = 1
+) -> PartitionSpec:
+  """``tensor`` on the dimensions ``names`` maps to it (``RULES``) that ``tensor_size``
+  divides; ``fsdp`` on the largest other dimension ``fsdp_size`` divides (first on ties);
+  else replicated."""
+  axes = [None] * len(shape)
+  if tensor_size > 1 and names:
+    for d, name in enumerate(names):
+      if RULES.get(name) == TENSOR and shape[d] % tensor_size == 0:
+        axes[d] = TENSOR
+        break
   if fsdp_size > 1:
-    dims = [d for d in range(len(shape)) if shape[d] % fsdp_size == 0]
+    dims = [d for d in range(len(shape)) if axes[d] is None and shape[d] % fsdp_size == 0]
     if dims:
-      best = max(dims, key=lambda d: (shape[d], -d))
-      return PartitionSpec(*[("fsdp" if d == best else None) for d in range(len(shape))])
-  return PartitionSpec()
+      axes[max(dims, key=lambda d: (shape[d], -d))] = "fsdp"
+  return PartitionSpec(*axes) if any(axes) else PartitionSpec()
 
 
 def tree_specs(tree, mesh: Mesh):
   """``leaf_spec`` for every array leaf of ``tree`` (params, opt_state, a whole TrainState)."""
-  return jax.tree.map(lambda x: leaf_spec(np.shape(x), mesh.shape["fsdp"]), tree)
+  fsdp, tensor = mesh.shape["fsdp"], dict(mesh.shape).get(TENSOR, 1)
+
+  def spec(path, x):
+    shape = np.shape(x)
+    names = logical_names(jax.tree_util.keystr(path), len(shape)) if tensor > 1 else None
+    return leaf_spec(shape, fsdp, names, tensor)
+
+  return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def tree_shardings(tree, mesh: Mesh):
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh))
+
+
+def manual_spec(spec: PartitionSpec) -> PartitionSpec:
+  """``spec`` on the step's manual axes only (``tensor`` entries dropped: that axis is left
+  to the compiler inside the step's ``shard_map``)."""
+  return PartitionSpec(*[None if a == TENSOR else a for a in spec])
+
+
+def has_tensor(mesh: Mesh) -> bool:
+  return TENSOR in mesh.axis_names
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways the batch's rows split: data × fsdp (the tensor axis shares rows)."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def rows_here(sharding: NamedSharding, n: int) -> np.ndarray:

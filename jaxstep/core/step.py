@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from jaxstep.core import freeze, geometry
 from jaxstep.core.accumulate import LossFn, accumulate, sharded_accumulate, split_micro_batches
-from jaxstep.core.layout import tree_shardings, tree_specs
+from jaxstep.core.layout import batch_shards, tree_shardings, tree_specs
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.precision import compute_dtype as precision_dtype
 from jaxstep.core.state import TrainState, empty_to_none
@@ -243,7 +243,7 @@ def make_train_step(
   compute_dtype = precision_dtype(precision)
   units_fn = units_fn or default_units_fn
   scaler = loss_scale or (DynamicLossScale() if precision == "fp16" else None)
-  devices = mesh.devices.size if mesh is not None else 1
+  devices = batch_shards(mesh) if mesh is not None else 1
 
   def accumulated(state: TrainState, batch, units, step_rng):
     params, frozen = freeze.partition(state.params, trainable)

@@ -43,21 +43,23 @@ def cpu_device_count(
   data: int = 0,
   fsdp: int = 0,
   cpu_devices: int = 0,
+  tensor: int = 1,
 ) -> int:
-  """Devices to split one CPU into: ``cpu_devices`` if set, else ``data × fsdp`` if both
-  are set, else the most (≤ ``cores``, a multiple of the one mesh size set) that divide G
-  into equal micro-batch shards (G % (devices × K) == 0)."""
+  """Devices to split one CPU into: ``cpu_devices`` if set, else ``data × fsdp × tensor``
+  if data and fsdp are set, else the most (≤ ``cores``, at least ``tensor``, a multiple of
+  ``tensor`` × the one mesh size set) whose batch shards (devices ÷ tensor) divide G into
+  equal micro-batch shards (G % (shards × K) == 0)."""
   if cpu_devices:
     return cpu_devices
   if data > 0 and fsdp > 0:
-    return data * fsdp
-  fixed = max(data, fsdp, 1)
+    return data * fsdp * tensor
+  fixed = max(data, fsdp, 1) * tensor
   fits = [
     d
-    for d in range(1, max(cores, 1) + 1)
-    if d % fixed == 0 and geometry.divides(global_batch_size, grad_accum_steps, d)
+    for d in range(1, max(cores, tensor, 1) + 1)
+    if d % fixed == 0 and geometry.divides(global_batch_size, grad_accum_steps, d // tensor)
   ]
-  return max(fits) if fits else 1
+  return max(fits) if fits else tensor
 
 
 def extra_xla_flags(devices: int, flags: str, jaxlib_version: str) -> str:
@@ -78,6 +80,7 @@ def configure_cpu_defaults(
   data: int = 0,
   fsdp: int = 0,
   cpu_devices: int = 0,
+  tensor: int = 1,
 ) -> None:
   """Sets the CPU device count (``cpu_device_count``) and XLA flags; a no-op on
   accelerators, when the user already chose (``XLA_FLAGS`` device count), or once the
@@ -94,6 +97,7 @@ def configure_cpu_defaults(
     data=data,
     fsdp=fsdp,
     cpu_devices=cpu_devices,
+    tensor=tensor,
   )
   extra = extra_xla_flags(n, flags, jaxlib.__version__)
   if extra:

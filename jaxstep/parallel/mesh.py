@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxstep.core import geometry
-from jaxstep.core.layout import AXES, rows_here
+from jaxstep.core.layout import AXES, TENSOR, batch_shards, rows_here
 from jaxstep.errors import BatchError, ConfigError
 
 
@@ -44,11 +44,22 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
   return data, fsdp
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-  """A ``("data", "fsdp")`` mesh over ``devices`` (default: all devices of all processes)."""
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, *, tensor: int = 1) -> Mesh:
+  """A ``("data", "fsdp")`` mesh over ``devices`` (default: all devices of all processes),
+  or with ``tensor`` > 1 a ``("data", "fsdp", "tensor")`` one whose tensor groups are
+  neighbouring devices (within a host where it can: ``jax.make_mesh`` orders them);
+  ``data``/``fsdp`` -1 take the devices left after the other two."""
   devices = list(devices if devices is not None else jax.devices())
-  shape = mesh_shape(data, fsdp, len(devices))
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+  if tensor < 1 or len(devices) % tensor:
+    raise ConfigError(
+      f"mesh.tensor={tensor} does not divide the {len(devices)} device(s) here; set it to "
+      f"one of {', '.join(str(d) for d in range(1, len(devices) + 1) if len(devices) % d == 0)}"
+    )
+  shape = mesh_shape(data, fsdp, len(devices) // tensor)
+  if tensor == 1:
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+  axes = (*AXES, TENSOR)
+  return jax.make_mesh((*shape, tensor), axes, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray | None:
@@ -90,7 +101,7 @@ def put_batch(
   """
   rows = next(iter(batch.values())).shape[0]
   g = global_batch_size or rows
-  devices = sharding.mesh.devices.size
+  devices = batch_shards(sharding.mesh)
   problem = geometry.split_problem(
     g, grad_accum_steps, devices, names=("a global batch of", "grad_accum_steps")
   )

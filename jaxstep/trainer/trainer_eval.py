@@ -16,7 +16,7 @@ def check_first_batches(sets: dict, mesh=None) -> None:
   """``BatchError`` naming the set if its first batch is not a dict, or (with a mesh) its
   rows do not split over the mesh's devices: found at the start of the run, not at its
   first evaluation an hour in. Reads one batch per set."""
-  devices = 1 if mesh is None else mesh.devices.size
+  devices = 1 if mesh is None else parallel.batch_shards(mesh)
   for name, make in sets.items():
     first = next(iter(make()), None)
     if first is None:

@@ -99,4 +99,6 @@ def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
       seed,
       place=lambda a: jax.device_put(a, NamedSharding(mesh, layout.leaf_spec(a.shape, fsdp))),
     )
+  if layout.has_tensor(mesh):  # the tensor split goes by each leaf's path: placed once named
+    params = jax.device_put(params, layout.tree_shardings(params, mesh))
   return params, loaded.fingerprint

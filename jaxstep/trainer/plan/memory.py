@@ -110,6 +110,7 @@ def compiled_memory(cfg) -> dict:
     "devices": mesh.devices.size,
     "fsdp": mesh.shape["fsdp"],
     "data": mesh.shape["data"],
+    "tensor": dict(mesh.shape).get("tensor", 1),
   }
 
 

@@ -28,12 +28,12 @@ import sys
 from jax.sharding import Mesh
 
 from jaxstep import data, parallel
-from jaxstep.core import device_memory, geometry
+from jaxstep.core import device_memory, geometry, layout
 from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import CONFIG_NAMES_OF_G_AND_K, TrainConfig
-from jaxstep.trainer.plan import auto_accum, init_from, steps
+from jaxstep.trainer.plan import auto_accum, init_from, steps, tensor_split
 
 log = logging.getLogger("jaxstep")
 
@@ -57,7 +57,7 @@ class Plan:
 
   @property
   def devices(self) -> int:
-    return self.mesh.devices.size
+    return layout.batch_shards(self.mesh)
 
 
 def split_k(train_cfg: TrainConfig) -> int:
@@ -77,15 +77,18 @@ def configure_devices(cfg: config_lib.Config) -> None:
     data=m.data,
     fsdp=m.fsdp,
     cpu_devices=m.cpu_devices,
+    tensor=m.tensor,
   )
 
 
 def mesh_for(cfg: config_lib.Config) -> Mesh:
   """The mesh of ``cfg`` on this host's devices, checked against G and K (1 for auto)."""
   t = cfg.train
-  mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
+  mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
+  if cfg.mesh.tensor > 1:
+    tensor_split.check(cfg.model, cfg.mesh.tensor)
   problem = geometry.split_problem(
-    t.global_batch_size, split_k(t), mesh.devices.size, names=CONFIG_NAMES_OF_G_AND_K
+    t.global_batch_size, split_k(t), layout.batch_shards(mesh), names=CONFIG_NAMES_OF_G_AND_K
   )
   if problem:
     raise ConfigError(problem)
@@ -183,7 +186,7 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
   gives the whole picture."""
   gib = 2**30
   params = approx_num_params(cfg.model)
-  state = 12 * params / mesh.shape["fsdp"]
+  state = 12 * params / (mesh.shape["fsdp"] * dict(mesh.shape).get("tensor", 1))
   if state > memory_bytes:
     count, what, keys = max(_param_parts(cfg.model))
     raise ConfigError(
@@ -198,7 +201,7 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
       f"train.spike_window {t.spike_window:,} losses need {4 * t.spike_window / gib:,.1f} GiB; "
       f"it counts update steps: use a window of tens to hundreds"
     )
-  batch = 3 * 4 * t.global_batch_size * t.seq_len / mesh.devices.size
+  batch = 3 * 4 * t.global_batch_size * t.seq_len / layout.batch_shards(mesh)
   if batch > memory_bytes:
     raise ConfigError(
       f"one global batch (train.global_batch_size {t.global_batch_size:,} × train.seq_len "
@@ -245,7 +248,7 @@ def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[
   def compile_k(k):
     return steps.compile_step(cfg, apply_fn, mesh, schedule_steps, k, state)
 
-  return auto_accum.choose(t.global_batch_size, mesh.devices.size, compile_k, budget)
+  return auto_accum.choose(t.global_batch_size, layout.batch_shards(mesh), compile_k, budget)
 
 
 def load_data(cfg: config_lib.Config):
