@@ -100,3 +100,84 @@ def test_the_layers_are_split_the_megatron_way(equivalence):
   assert llama["['blocks'][0]['k_proj']['kernel']"] == ["fsdp", "tensor"]
   assert llama["['blocks'][0]['q_proj']['lora']['lora_b']"][-1] == "tensor"
   assert llama["['blocks'][0]['o_proj']['lora']['lora_a']"][0] == "tensor"
+
+
+def test_sizes_the_tensor_axis_cannot_split_name_the_nearest_that_can(caplog):
+  from jaxstep import models
+  from jaxstep.trainer.plan import tensor_split
+
+  gpt = models.GPTConfig(vocab_size=264, d_model=32, n_heads=4, max_seq_len=16)
+  with pytest.raises(ConfigError, match=r"does not divide model.n_heads 4 .*=2 or 4$"):
+    tensor_split.check(gpt, 3)
+  with pytest.raises(ConfigError, match=r"model.vocab_size 264 .* use mesh.tensor=12 or 22$"):
+    tensor_split.check(models.GPTConfig(vocab_size=264, d_model=64, n_heads=16), 16)
+  llama = models.LlamaConfig(vocab_size=32, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=8)
+  try:
+    with caplog.at_level("INFO", logger="jaxstep"):
+      tensor_split.check(llama, 4)
+    assert "the 2 key/value heads do not split over it" in caplog.text
+    assert layout.RULES["kv_heads"] is None and layout.RULES["heads"] == "tensor"
+    assert layout.leaf_spec((32, 16), 1, ("embed", "kv_heads"), 4) == P()  # k/v stay whole
+  finally:
+    layout.split_rules()
+  assert layout.RULES["kv_heads"] == "tensor"
+
+
+def _train(tmp_path, name, *args, devices=None):
+  from conftest import SMALL_MODEL
+
+  cmd = [sys.executable, "-m", "jaxstep.train", *SMALL_MODEL, "train.global_batch_size=8"]
+  cmd += ["train.grad_accum_steps=2", "train.log_every=1", *args, f"run_dir={tmp_path / name}"]
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_tensor_run_of_jaxstep_train_equals_one_device_and_resumes_on_another_mesh(tmp_path):
+  """The CLI on (data 2, tensor 2) equals one device; its checkpoint resumes on one device."""
+  from conftest import read_lines
+
+  steps = ["train.max_steps=4", "train.schedule_steps=4", "checkpoint.every=2"]
+  one = _train(tmp_path, "one", *steps, "mesh.cpu_devices=1")
+  assert one.returncode == 0, one.stderr[-2000:]
+  half = _train(
+    tmp_path, "moved", *steps, "train.max_steps=2", "mesh.tensor=2", "mesh.cpu_devices=4"
+  )
+  assert half.returncode == 0, half.stderr[-2000:]
+  rest = _train(tmp_path, "moved", *steps, "mesh.cpu_devices=1")
+  assert rest.returncode == 0 and "resumed from the checkpoint" in rest.stderr, rest.stderr[-2000:]
+  a, b = (
+    read_lines(tmp_path / "one" / "metrics.jsonl"),
+    read_lines(tmp_path / "moved" / "metrics.jsonl"),
+  )
+  assert [r["step"] for r in b] == [1, 2, 3, 4]
+  for x, y in zip(a, b, strict=True):
+    assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+    assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tensor_mesh_killed_with_sigkill_resumes_bitwise(tmp_path):
+  from conftest import SMALL_MODEL, bitwise_same_checkpoints, straight_and_killed
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.max_steps=6", "checkpoint.every=2"]
+  args += ["mesh.tensor=2", "mesh.cpu_devices=4", "train.eval_every=0", "train.sample_every=0"]
+  straight, killed = straight_and_killed(tmp_path, args, kill_at=2)
+  assert bitwise_same_checkpoints(straight, killed)[0] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "restored"), [((2, 1, 2), (1, 1, 1)), ((1, 1, 1), (1, 1, 4))])
+def test_a_checkpoint_restores_bitwise_onto_another_tensor_mesh(tmp_path, saved, restored):
+  from test_sharding import devices_env
+
+  script = HELPERS / "tensor_reshard.py"
+  for mode, shape in (("save", saved), ("restore", restored)):
+    proc = subprocess.run(
+      [sys.executable, str(script), mode, str(tmp_path / "ckpt"), *map(str, shape)],
+      env=devices_env(4),
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("tensor" in proc.stdout) == (restored[2] > 1)
