@@ -70,12 +70,14 @@ def equivalence():
     timeout=900,
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return [json.loads(line) for line in proc.stdout.splitlines()]
+  lines = [json.loads(line) for line in proc.stdout.splitlines()]
+  return [r for r in lines if "model" in r], [r for r in lines if "vocab_hlo" in r]
 
 
 @pytest.mark.slow
 def test_tensor_meshes_match_one_device(equivalence):
   """(data, fsdp, tensor) ∈ {(1,1,8), (2,1,4), (1,2,4), (2,2,2)}, K ∈ {1, 4} (LoRA: K 4)."""
+  equivalence, _ = equivalence
   assert len(equivalence) == 2 * (8 + 4)
   for r in equivalence:
     assert r["tokens"] == r["ref_tokens"]  # N summed over every axis, counted once
@@ -90,6 +92,7 @@ def test_tensor_meshes_match_one_device(equivalence):
 
 @pytest.mark.slow
 def test_the_layers_are_split_the_megatron_way(equivalence):
+  equivalence, _ = equivalence
   specs = {(r["model"], tuple(r["mesh"]), r["lora"]): r["specs"] for r in equivalence}
   gpt = specs[("gpt", (1, 2, 4), False)]
   assert gpt["['blocks'][0]['qkv']['kernel']"] == ["fsdp", "tensor"]
@@ -181,3 +184,14 @@ def test_a_checkpoint_restores_bitwise_onto_another_tensor_mesh(tmp_path, saved,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
   assert ("tensor" in proc.stdout) == (restored[2] > 1)
+
+
+@pytest.mark.slow
+def test_the_logits_are_never_whole_under_a_vocab_parallel_cross_entropy(equivalence):
+  """Vocabulary 4,096 over tensor 4: no fp32 buffer of the compiled step holds a whole
+  vocabulary's logits, and the largest is one device's quarter: [8 rows, 8, 1024]."""
+  _, hlo = equivalence
+  assert [r["vocab_hlo"] for r in hlo] == ["gpt", "llama"]
+  for r in hlo:
+    assert r["whole_vocab"] == 0, r
+    assert 1024 in r["largest"], r

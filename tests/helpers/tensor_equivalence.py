@@ -8,7 +8,9 @@ AdamW), the loss error, and the shardings some leaves got.
 
 import dataclasses
 import json
+import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -58,7 +60,27 @@ def errors(state, ref):
   return max(me.rel(a, b) for a, b in pairs)
 
 
+def vocab_buffers(name: str, vocab: int = 4096, tensor: int = 4) -> dict:
+  """The compiled step's fp32 buffers of a model whose logits ([B, S, V]) would be the
+  largest: how many hold a whole vocabulary, and the largest's shape."""
+  cfg = dataclasses.replace(MODELS[name], vocab_size=vocab)
+  apply_fn, params = models.build(cfg, 0)
+  mesh = parallel.make_mesh(1, 1, jax.devices()[:tensor], tensor=tensor)
+  loss = next_token_loss(apply_fn)
+  step = make_train_step(loss, me.make_opt("sgd"), grad_accum_steps=2, mesh=mesh)
+  batch = me.batches()[0]
+  batch["inputs"] = batch["inputs"] * (vocab // 32)  # ids over the whole vocabulary
+  batch["targets"] = batch["targets"] * (vocab // 32)
+  batch = parallel.put_batch(batch, parallel.batch_sharding(mesh))
+  hlo = jax.jit(step).lower(step.init(params, 0), batch).compile().as_text()
+  shapes = {tuple(map(int, s.split(","))) for s in re.findall(r"f32\[([\d,]+)\]", hlo)}
+  largest = max(shapes, key=lambda s: math.prod(s))
+  return {"vocab_hlo": name, "whole_vocab": sum(vocab in s for s in shapes), "largest": largest}
+
+
 def main():
+  for name in MODELS:
+    print(json.dumps(vocab_buffers(name)), flush=True)
   for name, cfg in MODELS.items():
     me.CFG = cfg  # adamw_leaf_errors leaves out the GPT's zero-gradient key bias
     for with_lora, ks in ((False, (1, 4)), (True, (4,))):
