@@ -71,14 +71,21 @@ def equivalence():
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   lines = [json.loads(line) for line in proc.stdout.splitlines()]
-  return [r for r in lines if "model" in r], [r for r in lines if "vocab_hlo" in r]
+  return (
+    [r for r in lines if "model" in r],
+    [r for r in lines if "vocab_hlo" in r],
+    [r for r in lines if "sequence_hlo" in r],
+  )
 
 
 @pytest.mark.slow
 def test_tensor_meshes_match_one_device(equivalence):
-  """(data, fsdp, tensor) ∈ {(1,1,8), (2,1,4), (1,2,4), (2,2,2)}, K ∈ {1, 4} (LoRA: K 4)."""
-  equivalence, _ = equivalence
-  assert len(equivalence) == 2 * (8 + 4)
+  """(data, fsdp, tensor) ∈ {(1,1,8), (2,1,4), (1,2,4), (2,2,2)} at K 4, (1,1,8) and
+  (2,2,2) at K 1 too; LoRA on (1,2,4) and (2,2,2); sequence parallelism on (2,2,2) at K 4
+  and (1,1,8) at K 1 (``helpers/tensor_equivalence.py``'s ``CASES``)."""
+  equivalence, _, _ = equivalence
+  assert len(equivalence) == 2 * (4 + 2 + 2 + 2)
+  assert sum(r["sp"] for r in equivalence) == 2 * 2
   for r in equivalence:
     assert r["tokens"] == r["ref_tokens"]  # N summed over every axis, counted once
     assert r["sgd_max_leaf_rel_err"] <= 1e-5, r
@@ -92,8 +99,9 @@ def test_tensor_meshes_match_one_device(equivalence):
 
 @pytest.mark.slow
 def test_the_layers_are_split_the_megatron_way(equivalence):
-  equivalence, _ = equivalence
-  specs = {(r["model"], tuple(r["mesh"]), r["lora"]): r["specs"] for r in equivalence}
+  equivalence, _, _ = equivalence
+  plain = [r for r in equivalence if not r["sp"]]
+  specs = {(r["model"], tuple(r["mesh"]), r["lora"]): r["specs"] for r in plain}
   gpt = specs[("gpt", (1, 2, 4), False)]
   assert gpt["['blocks'][0]['qkv']['kernel']"] == ["fsdp", "tensor"]
   assert gpt["['blocks'][0]['proj']['kernel']"] == ["tensor", "fsdp"]
@@ -107,23 +115,32 @@ def test_the_layers_are_split_the_megatron_way(equivalence):
 
 def test_sizes_the_tensor_axis_cannot_split_name_the_nearest_that_can(caplog):
   from jaxstep import models
+  from jaxstep.trainer.config.schema import MeshConfig
   from jaxstep.trainer.plan import tensor_split
+
+  def mesh(t, sp=False):
+    return MeshConfig(tensor=t, sequence_parallel=sp)
 
   gpt = models.GPTConfig(vocab_size=264, d_model=32, n_heads=4, max_seq_len=16)
   with pytest.raises(ConfigError, match=r"does not divide model.n_heads 4 .*=2 or 4$"):
-    tensor_split.check(gpt, 3)
+    tensor_split.check(gpt, mesh(3), 16)
   with pytest.raises(ConfigError, match=r"model.vocab_size 264 .* use mesh.tensor=12 or 22$"):
-    tensor_split.check(models.GPTConfig(vocab_size=264, d_model=64, n_heads=16), 16)
+    tensor_split.check(models.GPTConfig(vocab_size=264, d_model=64, n_heads=16), mesh(16), 16)
+  with pytest.raises(ConfigError, match=r"splits train.seq_len 6 over mesh.tensor=4: .*=3 or 6$"):
+    tensor_split.check(gpt, mesh(4, sp=True), 6)
+  with pytest.raises(ConfigError, match="mesh.sequence_parallel needs a tensor axis"):
+    tensor_split.check(gpt, mesh(1, sp=True), 16)
   llama = models.LlamaConfig(vocab_size=32, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=8)
   try:
     with caplog.at_level("INFO", logger="jaxstep"):
-      tensor_split.check(llama, 4)
+      tensor_split.check(llama, mesh(4, sp=True), 8)
     assert "the 2 key/value heads do not split over it" in caplog.text
     assert layout.RULES["kv_heads"] is None and layout.RULES["heads"] == "tensor"
+    assert layout.RULES["seq"] == "tensor"
     assert layout.leaf_spec((32, 16), 1, ("embed", "kv_heads"), 4) == P()  # k/v stay whole
   finally:
     layout.split_rules()
-  assert layout.RULES["kv_heads"] == "tensor"
+  assert layout.RULES["kv_heads"] == "tensor" and layout.RULES["seq"] is None
 
 
 def _train(tmp_path, name, *args, devices=None):
@@ -190,8 +207,42 @@ def test_a_checkpoint_restores_bitwise_onto_another_tensor_mesh(tmp_path, saved,
 def test_the_logits_are_never_whole_under_a_vocab_parallel_cross_entropy(equivalence):
   """Vocabulary 4,096 over tensor 4: no fp32 buffer of the compiled step holds a whole
   vocabulary's logits, and the largest is one device's quarter: [8 rows, 8, 1024]."""
-  _, hlo = equivalence
+  _, hlo, _ = equivalence
   assert [r["vocab_hlo"] for r in hlo] == ["gpt", "llama"]
   for r in hlo:
     assert r["whole_vocab"] == 0, r
     assert 1024 in r["largest"], r
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_splits_the_residual_stream_over_positions(equivalence):
+  """Tensor 4, 8 positions: buffers shaped [rows, 2, d_model] appear only with it on."""
+  _, _, hlo = equivalence
+  assert [r["sequence_hlo"] for r in hlo] == ["gpt", "llama"]
+  for r in hlo:
+    assert r["plain"] == 0 and r["sp"] > 0, r
+
+
+def test_check_takes_a_tensor_config_and_compares_on_one_device():
+  from conftest import SMALL_MODEL
+
+  from jaxstep.cli import check
+  from jaxstep.trainer.config import loading as config_lib
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.grad_accum_steps=2"]
+  cfg = config_lib.load(None, [*args, "mesh.tensor=2", "mesh.sequence_parallel=true"])
+  assert check.check_config(cfg).passed
+
+
+@pytest.mark.slow
+def test_the_memory_ledger_of_a_tensor_mesh_names_it_and_compiles_its_step():
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxstep", "memory", "--config", "tiny", "mesh.tensor=2"]
+    + ["mesh.cpu_devices=4", "mesh.sequence_parallel=true"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "mesh data=2 fsdp=1 tensor=2;" in proc.stdout
+  assert "predicted ÷ compiled peak" in proc.stdout

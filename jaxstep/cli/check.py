@@ -48,6 +48,11 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   from jaxstep.trainer.plan import preference_plan
   from jaxstep.trainer.plan.numbers import make_plan
 
+  # one device compares K micro-batches with one batch: a tensor split does not apply here
+  # (tests/test_tensor_parallel.py compares tensor meshes with one device)
+  cfg = dataclasses.replace(
+    cfg, mesh=dataclasses.replace(cfg.mesh, tensor=1, sequence_parallel=False)
+  )
   plan = make_plan(cfg, read_data=True)
   cfg, dataset, t = plan.cfg, plan.dataset, plan.cfg.train
   model_cfg = dataclasses.replace(cfg.model, dropout=0.0)

@@ -21,7 +21,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxstep.core.freeze import combine
-from jaxstep.core.layout import AXES, TENSOR, batch_shards, manual_spec, tree_specs
+from jaxstep.core.layout import (
+  AXES,
+  TENSOR,
+  batch_shards,
+  inside_step,
+  manual_spec,
+  tree_specs,
+)
 from jaxstep.core.precision import cast_floating
 
 # (params, micro_batch, rng) -> (loss_sum, aux); with model state:
@@ -232,6 +239,10 @@ def sharded_accumulate(
 
   def local(params, batch, units, step_rng, loss_scale, model_state, frozen):
     full = jax.tree.map(_gather, params, param_specs)
+    with inside_step(mesh):
+      return _local_sums(full, batch, units, step_rng, loss_scale, model_state, frozen)
+
+  def _local_sums(full, batch, units, step_rng, loss_scale, model_state, frozen):
     grads, loss, extra, aux, model_state = accumulate(
       loss_fn,
       full,

@@ -16,6 +16,8 @@ on a ``("data", "fsdp")`` mesh, or a ``("data", "fsdp", "tensor")`` one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 
 import jax
@@ -24,7 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp")  # the batch's axes (the step's manual ones)
 TENSOR = "tensor"
-RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR}
+# logical name -> mesh axis; "seq" is the activations' sequence dimension between the
+# tensor-parallel regions (set to "tensor": sequence parallelism)
+DEFAULT_RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "seq": None}
+RULES = dict(DEFAULT_RULES)
+_IN_STEP = contextvars.ContextVar("jaxstep_tensor_in_step", default=0)
 _COLUMN, _ROW = ("embed", "heads"), ("heads", "embed")
 AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
   # the bundled GPT
@@ -52,7 +58,28 @@ def split_rules(**axes: str | None) -> None:
   a model whose key/value heads do not divide the tensor size. The CLI sets it from the
   model before it lays anything out."""
   RULES.clear()
-  RULES.update({"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, **axes})
+  RULES.update({**DEFAULT_RULES, **axes})
+
+
+@contextlib.contextmanager
+def inside_step(mesh: Mesh):
+  """While the train step traces its model on ``mesh``: activation constraints apply."""
+  token = _IN_STEP.set(dict(mesh.shape).get(TENSOR, 1))
+  try:
+    yield
+  finally:
+    _IN_STEP.reset(token)
+
+
+def constrain_sequence(x):
+  """``x`` ``[B, S, D]`` between tensor-parallel regions: split on S over ``tensor`` when
+  ``RULES["seq"]`` says so (sequence parallelism: norms, residual adds and dropout work on
+  1/tensor of the positions; the compiler all-gathers before a column-parallel layer and
+  reduce-scatters after a row-parallel one), inside the train step only; else ``x``."""
+  tensor = _IN_STEP.get()
+  if tensor <= 1 or RULES.get("seq") != TENSOR or x.ndim != 3 or x.shape[1] % tensor:
+    return x
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(None, TENSOR, None))
 
 
 def name_axes(pattern: str, names: tuple[str | None, ...]) -> None:

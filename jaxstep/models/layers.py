@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstep.core import layout
+
 REMAT_POLICIES = {
   "none": None,  # keep every activation the backward pass needs
   "block": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
@@ -61,7 +63,7 @@ def walk(
 
     def body(x, layer_xs):
       layer_state, key = layer_xs
-      return _apply(graphdef, layer_state, x, key, inputs, train), None
+      return layout.constrain_sequence(_apply(graphdef, layer_state, x, key, inputs, train)), None
 
     if remat != "none":
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -74,6 +76,7 @@ def walk(
       graphdef, state = nnx.split(block)
       apply = functools.partial(_apply, graphdef, train=train)
       x = jax.checkpoint(apply, policy=policy)(state, x, key, inputs)
+    x = layout.constrain_sequence(x)  # sequence parallelism: between blocks
   return x
 
 

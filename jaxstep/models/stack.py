@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstep.core import layout
 from jaxstep.errors import BatchError
 from jaxstep.models import layers
 
@@ -52,6 +53,7 @@ class DecoderStack(nnx.Module):
     keys = jax.random.split(rng, n + 1) if rng is not None else None
     x = self.embed_inputs(inputs, jnp.arange(s) if positions is None else positions)
     x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
+    x = layout.constrain_sequence(x)
     x = layers.walk(
       self.blocks,
       x,

@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import mesh_equivalence as me  # noqa: E402
 
 from jaxstep import make_train_step, models, parallel  # noqa: E402
-from jaxstep.core import freeze  # noqa: E402
+from jaxstep.core import freeze, layout  # noqa: E402
 from jaxstep.core.losses import next_token_loss  # noqa: E402
 from jaxstep.models import lora  # noqa: E402
 
@@ -30,9 +30,17 @@ MODELS = {
   ),
 }
 MESHES = ((1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2))
+# (LoRA, K, meshes, sequence parallelism): every mesh at K 4, the extremes at K 1 too
+CASES = (
+  (False, 4, MESHES, False),
+  (False, 1, ((1, 1, 8), (2, 2, 2)), False),
+  (True, 4, ((1, 2, 4), (2, 2, 2)), False),
+  (False, 4, ((2, 2, 2),), True),
+  (False, 1, ((1, 1, 8),), True),
+)
 
 
-def run(cfg, mesh, k, opt_name, with_lora):
+def run(cfg, mesh, k, opt_name, with_lora, sequence_parallel=False):
   trainable = None
   if with_lora:
     cfg = dataclasses.replace(cfg, lora=lora.LoraConfig(rank=4, alpha=8.0))
@@ -47,17 +55,38 @@ def run(cfg, mesh, k, opt_name, with_lora):
     next_token_loss(apply_fn), opt, grad_accum_steps=k, mesh=mesh, trainable=trainable
   )
   state = step.init(params, 0)
+  layout.split_rules(seq="tensor" if sequence_parallel else None)
   sharding = None if mesh is None else parallel.batch_sharding(mesh)
   put = (lambda b: b) if mesh is None else (lambda b: parallel.put_batch(b, sharding))  # noqa: E731
   step = jax.jit(step, donate_argnums=0)
   for b in me.batches():
     state, metrics = step(state, put(b))
+  layout.split_rules()
   return state, metrics
 
 
 def errors(state, ref):
   pairs = zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params), strict=True)
   return max(me.rel(a, b) for a, b in pairs)
+
+
+def sequence_buffers(name: str, tensor: int = 4) -> dict:
+  """Whether the compiled step holds the residual stream split over positions: the count
+  of fp32 buffers shaped [rows, S / tensor, d_model], without and with sequence parallelism."""
+  cfg = MODELS[name]
+  out = {"sequence_hlo": name}
+  for sp in (False, True):
+    apply_fn, params = models.build(cfg, 0)
+    mesh = parallel.make_mesh(1, 1, jax.devices()[:tensor], tensor=tensor)
+    loss = next_token_loss(apply_fn)
+    step = make_train_step(loss, me.make_opt("sgd"), grad_accum_steps=1, mesh=mesh)
+    layout.split_rules(seq="tensor" if sp else None)
+    batch = parallel.put_batch(me.batches()[0], parallel.batch_sharding(mesh))
+    hlo = jax.jit(step).lower(step.init(params, 0), batch).compile().as_text()
+    layout.split_rules()
+    shape = f"f32[{me.G},{me.S // tensor},{cfg.d_model}]"
+    out["sp" if sp else "plain"] = hlo.count(shape)
+  return out
 
 
 def vocab_buffers(name: str, vocab: int = 4096, tensor: int = 4) -> dict:
@@ -81,22 +110,22 @@ def vocab_buffers(name: str, vocab: int = 4096, tensor: int = 4) -> dict:
 def main():
   for name in MODELS:
     print(json.dumps(vocab_buffers(name)), flush=True)
+    print(json.dumps(sequence_buffers(name)), flush=True)
   for name, cfg in MODELS.items():
     me.CFG = cfg  # adamw_leaf_errors leaves out the GPT's zero-gradient key bias
-    for with_lora, ks in ((False, (1, 4)), (True, (4,))):
-      for k in ks:
-        ref, ref_m = run(cfg, None, k, "adamw", with_lora)
-        sgd_ref, _ = run(cfg, None, k, "sgd", with_lora)
-        for shape in MESHES:
-          mesh = parallel.make_mesh(shape[0], shape[1], tensor=shape[2])
-          state, m = run(cfg, mesh, k, "adamw", with_lora)
-          sgd, _ = run(cfg, mesh, k, "sgd", with_lora)
-          specs = {
-            jax.tree_util.keystr(p): list(x.sharding.spec)
-            for p, x in jax.tree_util.tree_leaves_with_path(state.params)
-          }
-          print(json.dumps({
-            "model": name, "mesh": shape, "k": k, "lora": with_lora,
+    for with_lora, k, meshes, sp in CASES:
+      ref, ref_m = run(cfg, None, k, "adamw", with_lora)
+      sgd_ref, _ = run(cfg, None, k, "sgd", with_lora)
+      for shape in meshes:
+        mesh = parallel.make_mesh(shape[0], shape[1], tensor=shape[2])
+        state, m = run(cfg, mesh, k, "adamw", with_lora, sp)
+        sgd, _ = run(cfg, mesh, k, "sgd", with_lora, sp)
+        specs = {
+          jax.tree_util.keystr(p): list(x.sharding.spec)
+          for p, x in jax.tree_util.tree_leaves_with_path(state.params)
+        }
+        print(json.dumps({
+            "model": name, "mesh": shape, "k": k, "lora": with_lora, "sp": sp,
             "sgd_max_leaf_rel_err": errors(sgd, sgd_ref),
             "adamw_max_leaf_rel_err": me.adamw_leaf_errors(state.params, ref.params),
             "loss_rel_err": me.rel(m["loss"], ref_m["loss"]),

@@ -159,6 +159,7 @@ class MeshConfig:
   data: int = -1  # data-parallel size (-1 = all devices not used by fsdp)
   fsdp: int = 1  # parameter-sharding size (-1 = all devices not used by data)
   tensor: int = 1  # tensor-parallel size: each layer split over this many devices
+  sequence_parallel: bool = False  # with tensor > 1: activations split over positions too
   coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)

@@ -85,8 +85,7 @@ def mesh_for(cfg: config_lib.Config) -> Mesh:
   """The mesh of ``cfg`` on this host's devices, checked against G and K (1 for auto)."""
   t = cfg.train
   mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
-  if cfg.mesh.tensor > 1:
-    tensor_split.check(cfg.model, cfg.mesh.tensor)
+  tensor_split.check(cfg.model, cfg.mesh, cfg.train.seq_len)
   problem = geometry.split_problem(
     t.global_batch_size, split_k(t), layout.batch_shards(mesh), names=CONFIG_NAMES_OF_G_AND_K
   )

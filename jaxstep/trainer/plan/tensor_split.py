@@ -1,11 +1,14 @@
 """Whether a model splits over ``mesh.tensor`` the Megatron way, checked before anything is
 built: query heads, the MLP's hidden width and the vocabulary must divide by the tensor size
 (one ``error:`` line naming the numbers and the nearest sizes that work); key/value heads
-fewer than (or not divisible by) it stay whole on every device, said in one line."""
+fewer than (or not divisible by) it stay whole on every device, said in one line; with
+``mesh.sequence_parallel`` the sequence length must divide too."""
 
 from __future__ import annotations
 
 import logging
+
+import jax
 
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
@@ -24,9 +27,28 @@ def nearest(n: int, t: int) -> str:
   return f"{below}" + (f" or {above[0]}" if above else "")
 
 
-def check(model, t: int) -> None:
-  """Raises ``ConfigError`` for a dimension ``t`` cannot split; sets (``layout.split_rules``)
-  and logs the kv-head fallback."""
+def check(model, mesh, seq_len: int) -> None:
+  """Raises ``ConfigError`` for a dimension ``mesh.tensor`` cannot split; sets the split
+  rules (``layout.split_rules``): the kv-head fallback (logged) and sequence parallelism."""
+  t = mesh.tensor
+  if t == 1:
+    if mesh.sequence_parallel:
+      raise ConfigError("mesh.sequence_parallel needs a tensor axis: set mesh.tensor > 1")
+    layout.split_rules()
+    return
+  if mesh.sequence_parallel and seq_len % t:
+    raise ConfigError(
+      f"mesh.sequence_parallel splits train.seq_len {seq_len} over mesh.tensor={t}: use a "
+      f"seq_len that {t} divides, or mesh.tensor={nearest(seq_len, t)}"
+    )
+  local = jax.local_device_count()
+  if t > local:
+    log.warning(
+      "mesh.tensor=%d spans hosts (%d devices each): every layer's collectives cross the "
+      "network; keep mesh.tensor within a host and use data/fsdp across hosts",
+      t,
+      local,
+    )
   kv = getattr(model, "resolved_kv_heads", model.n_heads)
   dims = (
     ("model.n_heads", model.n_heads, "query heads"),
@@ -39,7 +61,10 @@ def check(model, t: int) -> None:
         f"mesh.tensor={t} does not divide {name} {n} ({what} split over the tensor axis); "
         f"use mesh.tensor={nearest(n, t)}"
       )
-  layout.split_rules(**({"kv_heads": None} if kv % t else {}))
+  layout.split_rules(
+    **({"kv_heads": None} if kv % t else {}),
+    seq=layout.TENSOR if mesh.sequence_parallel else None,
+  )
   if kv % t:
     log.info(
       "mesh.tensor=%d: the %d key/value heads do not split over it; k/v projections stay "
