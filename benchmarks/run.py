@@ -28,6 +28,7 @@ from benchmarks.lora_bench import suite_lora
 from benchmarks.preference_suite import suite_preference
 from benchmarks.rl_bench import suite_rl
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
+from benchmarks.tensor_bench import suite_tensor
 
 SUITES = {
   "step": suite_step,
@@ -43,6 +44,7 @@ SUITES = {
   "lora": suite_lora,
   "preference": suite_preference,
   "rl": suite_rl,
+  "tensor": suite_tensor,
 }
 
 
@@ -84,6 +86,7 @@ QUICK_ORDER = (
   "doc_mask",
   "lora",
   "rl",
+  "tensor",
   "fsdp_memory",
   "compile",
   "generate",

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
 
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
@@ -246,3 +248,36 @@ def test_the_memory_ledger_of_a_tensor_mesh_names_it_and_compiles_its_step():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "mesh data=2 fsdp=1 tensor=2;" in proc.stdout
   assert "predicted ÷ compiled peak" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_folder_trains_on_a_tensor_mesh_as_on_one_device_and_exports(folder, tmp_path):  # noqa: F811
+  """A Qwen3 folder (GQA, q/k norms) from ``model.init_from`` on (data 1, tensor 2): its
+  losses are one device's, and the run exports a folder that loads back."""
+  from conftest import read_lines
+  from test_init_from import corpus
+
+  import jaxstep
+
+  path, _ = folder
+  corpus(tmp_path)
+  args = [f"model.init_from={path}", f"data.path={tmp_path / 'corpus.txt'}", "train.seq_len=32"]
+  args += ["train.global_batch_size=8", "train.grad_accum_steps=2", "train.max_steps=2"]
+  args += ["train.log_every=1", "train.eval_every=0", "train.sample_every=0"]
+  runs = {"one": ["mesh.cpu_devices=1"], "tp": ["mesh.cpu_devices=2", "mesh.tensor=2"]}
+  for name, mesh in runs.items():
+    cmd = [sys.executable, "-m", "jaxstep.train", *args, *mesh, f"run_dir={tmp_path / name}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+  a, b = (read_lines(tmp_path / n / "metrics.jsonl") for n in runs)
+  for x, y in zip(a, b, strict=True):
+    assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+  out = tmp_path / "exported"
+  done = subprocess.run(
+    [sys.executable, "-m", "jaxstep", "export", str(tmp_path / "tp"), "--out", str(out)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert jaxstep.load_pretrained(out).config.n_kv_heads == 2

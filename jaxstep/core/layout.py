@@ -44,6 +44,8 @@ AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
   (r"\['head'\]\['kernel'\]", ("embed", "vocab")),
   # the Llama family
   (r"\['q_proj'\]\['kernel'\]", _COLUMN),
+  (r"\['q_proj'\]\['bias'\]", ("heads",)),
+  (r"\['[kv]_proj'\]\['bias'\]", ("kv_heads",)),
   (r"\['[kv]_proj'\]\['kernel'\]", ("embed", "kv_heads")),
   (r"\['o_proj'\]\['kernel'\]", _ROW),
   (r"\['(gate|up)_proj'\]\['kernel'\]", ("embed", "mlp")),
