@@ -86,15 +86,19 @@ def replica_groups(rest: str, devices: int) -> list[list[int]]:
   return [list(range(devices))]
 
 
-def mesh_axis(group: list[int], data: int, fsdp: int) -> str:
-  """Which axis of a row-major (data, fsdp) mesh a replica group spans."""
+def mesh_axis(group: list[int], data: int, fsdp: int, tensor: int = 1) -> str:
+  """Which axes of a row-major (data, fsdp[, tensor]) mesh a replica group spans."""
+  import numpy as np
+
   members = sorted(group)
-  if len(members) == data * fsdp:
+  if len(members) == data * fsdp * tensor:
     return "all"
-  if members == [members[0] // fsdp * fsdp + f for f in range(fsdp)]:
-    return "fsdp"
-  if members == [members[0] % fsdp + d * fsdp for d in range(data)]:
-    return "data"
+  coords = np.array(np.unravel_index(members, (data, fsdp, tensor))).T
+  names = ("data", "fsdp", "tensor")
+  varying = [n for n, col in zip(names, coords.T, strict=True) if len(set(col)) > 1]
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  if varying and len(members) == math.prod(sizes[n] for n in varying):
+    return "+".join(varying)
   return f"{len(members)} devices"
 
 
@@ -112,7 +116,7 @@ def loop_computations(hlo: str) -> set[str]:
   return seen
 
 
-def collectives(hlo: str, data: int, fsdp: int) -> list[dict]:
+def collectives(hlo: str, data: int, fsdp: int, tensor: int = 1) -> list[dict]:
   """Every collective of a compiled HLO module: op, mesh axis, operands, operand bytes per
   device, and whether it runs inside a while loop."""
   in_loop = loop_computations(hlo)
@@ -128,8 +132,8 @@ def collectives(hlo: str, data: int, fsdp: int) -> list[dict]:
         size = 2
         axis = "pairs"
       else:
-        groups = replica_groups(rest, data * fsdp)
-        size, axis = len(groups[0]), mesh_axis(groups[0], data, fsdp)
+        groups = replica_groups(rest, data * fsdp * tensor)
+        size, axis = len(groups[0]), mesh_axis(groups[0], data, fsdp, tensor)
       operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(op, result)
       name = re.search(r'op_name="([^"]*)"', rest)
       out.append(
@@ -179,34 +183,44 @@ def group_rows(found: list[dict]) -> list[dict]:
   return sorted(rows.values(), key=lambda r: (OPS.index(r["op"]), r["axis"], r["source"]))
 
 
-def measure(config: str, overrides: list[str], data: int, fsdp: int, ks: list[int]) -> dict:
-  """Compiles the train step of ``config`` for each K on a (data, fsdp) mesh of this
-  process's (virtual) devices and counts what it sends, writes and reads."""
+def measure(
+  config: str, overrides: list[str], data: int, fsdp: int, ks: list[int], tensor: int = 1
+) -> dict:
+  """Compiles the train step of ``config`` for each K on a (data, fsdp[, tensor]) mesh of
+  this process's (virtual) devices and counts what it sends, writes and reads, and what each
+  device holds (the compiled step's ``memory_analysis``)."""
   import jax
   import numpy as np
 
   from jaxstep import models, parallel
   from jaxstep.parallel import leaf_spec
   from jaxstep.trainer.config import loading as config_lib
-  from jaxstep.trainer.plan import steps
+  from jaxstep.trainer.plan import auto_accum, steps, tensor_split
 
   cfg = config_lib.load(config, overrides)
+  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=tensor))
+  tensor_split.check(cfg.model, cfg.mesh, cfg.train.seq_len)
   if cfg.model.vocab_size == 0:
     raise SystemExit("set model.vocab_size: the tokenizer is not read here")
   t = cfg.train
-  mesh = parallel.make_mesh(data, fsdp)
+  mesh = parallel.make_mesh(data, fsdp, tensor=tensor)
   schedule = t.schedule_steps or t.max_steps or 1
   out = {"config": config, "overrides": overrides, "data": data, "fsdp": fsdp, "runs": []}
+  out["tensor"] = tensor
   for k in ks:
     cfg_k = dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum_steps=k))
     start = time.perf_counter()
     apply_fn, state = steps.abstract_state(cfg_k, mesh, schedule)
     compiled = steps.compile_step(cfg_k, apply_fn, mesh, schedule, k, state)
     seconds = time.perf_counter() - start
-    found = collectives(compiled.as_text(), data, fsdp)
+    found = collectives(compiled.as_text(), data, fsdp, tensor)
+    memory = compiled.memory_analysis()
     out["runs"].append(
       {
         "k": k,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "peak_bytes": auto_accum.compiled_bytes(compiled),
         "compile_s": round(seconds, 1),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "collectives": found,
@@ -263,10 +277,12 @@ def gib(n: float) -> str:
 
 
 def report(m: dict, sizes=(8, 64, 512)) -> str:
-  """Markdown: the measured collectives per K, then the computed per-host table."""
+  """Markdown: the measured collectives per K, then the computed per-host table (a data ×
+  fsdp mesh) or each axis's wire bytes (with a tensor axis)."""
+  tensor = f" × tensor {m['tensor']}" if m.get("tensor", 1) > 1 else ""
   lines = [
     f"`{m['config']}` {' '.join(m['overrides'])}: {m['num_params']:,} parameters, "
-    f"mesh data {m['data']} × fsdp {m['fsdp']} ({m['devices']} virtual CPU devices), "
+    f"mesh data {m['data']} × fsdp {m['fsdp']}{tensor} ({m['devices']} virtual CPU devices), "
     f"jax {m['jax']}",
     "",
   ]
@@ -276,7 +292,9 @@ def report(m: dict, sizes=(8, 64, 512)) -> str:
       f"K = {run['k']} (compiled in {run['compile_s']} s, peak RSS {run['max_rss_gib']} GiB): "
       f"flat psum {red['flat_psum']}, data all-reduce operands "
       f"{red['data_all_reduce_operands']}, fsdp reduce-scatters {red['fsdp_reduce_scatters']}, "
-      f"collectives inside loops {red['in_loop']}",
+      f"collectives inside loops {red['in_loop']}; per device: arguments "
+      f"{gib(run['argument_bytes'])}, temporaries {gib(run['temp_bytes'])}, peak "
+      f"{gib(run['peak_bytes'])}",
       "",
       "| collective | axis (group) | source | count | operands | operand bytes / device |",
       "| --- | --- | --- | ---: | ---: | ---: |",
@@ -293,6 +311,8 @@ def report(m: dict, sizes=(8, 64, 512)) -> str:
     ks = ", ".join(str(r["k"]) for r in m["runs"])
     lines += [f"Collectives identical for K = {ks}: {'yes' if same else 'NO'}", ""]
   rows = m["runs"][0]["rows"]
+  if tensor:
+    return "\n".join([*lines, *axis_table(m, rows)])
   f = m["fsdp"]
   lines += [
     f"Grown at fsdp {f}, data = devices / {f}, {DEVICES_PER_HOST} devices per host; "
@@ -328,24 +348,42 @@ def report(m: dict, sizes=(8, 64, 512)) -> str:
   return "\n".join(lines)
 
 
+def axis_table(m: dict, rows: list[dict]) -> list[str]:
+  """Operand and wire bytes per device of one update, by the mesh axes a collective spans."""
+  by_axis: dict[str, list[float]] = {}
+  for r in rows:
+    size = r["group_size"]
+    wire = wire_bytes(r["op"], r["operand_bytes"] / max(r["count"], 1), size) * r["count"]
+    total = by_axis.setdefault(r["axis"], [0, 0.0, 0])
+    total[0] += r["operand_bytes"]
+    total[1] += wire
+    total[2] += r["count"]
+  lines = ["| axes | collectives | operand bytes / device | wire bytes / device |"]
+  lines.append("| --- | ---: | ---: | ---: |")
+  for axis, (operand, wire, count) in sorted(by_axis.items()):
+    lines.append(f"| {axis} | {count} | {gib(operand)} | {gib(wire)} |")
+  return [*lines, "", f"State: {gib(m['state_bytes'])} in all, "
+          f"{gib(m['state_bytes_per_device'])} per device."]  # fmt: skip
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="gpt-1.3b")
   p.add_argument("--data", type=int, default=8)
   p.add_argument("--fsdp", type=int, default=8)
+  p.add_argument("--tensor", type=int, default=1)
   p.add_argument("--ks", default="1,8", help="comma-separated K values to compile")
   p.add_argument("--json", default=None, help="also write the measurements here")
   p.add_argument("overrides", nargs="*", metavar="key=value")
   args = p.parse_args(argv)
-  devices = args.data * args.fsdp
+  devices = args.data * args.fsdp * args.tensor
   if "jax" in sys.modules:
     raise SystemExit("run benchmarks.scaling in a fresh process (it sets XLA_FLAGS)")
   os.environ["JAX_PLATFORMS"] = "cpu"
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-  m = measure(
-    args.config, args.overrides, args.data, args.fsdp, [int(k) for k in args.ks.split(",")]
-  )
+  ks = [int(k) for k in args.ks.split(",")]
+  m = measure(args.config, args.overrides, args.data, args.fsdp, ks, args.tensor)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(m, f, indent=1)

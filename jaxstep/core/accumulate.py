@@ -11,6 +11,7 @@ accumulation would. It is not differentiated.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import jax
@@ -285,9 +286,23 @@ def _fsdp_dim(spec: P) -> int | None:
   return next((d for d, name in enumerate(spec) if name == "fsdp"), None)
 
 
+def _on_tensor_shards(fn, x, spec: P):
+  """``fn(x)`` on each device's own tensor shard of ``x`` (a ``shard_map`` manual over
+  ``tensor``, nested in the step's): a collective over fsdp or data then moves 1/tensor of
+  the leaf, where the compiler would otherwise gather it whole over ``tensor`` first."""
+  if TENSOR not in spec:
+    return fn(x)
+  inner = P(*[TENSOR if a == TENSOR else None for a in spec])
+  return jax.shard_map(
+    fn, in_specs=inner, out_specs=inner, axis_names=frozenset({TENSOR}), check_vma=False
+  )(x)
+
+
 def _gather(x, spec: P):
   dim = _fsdp_dim(spec)
-  return x if dim is None else jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+  if dim is None:
+    return x
+  return _on_tensor_shards(lambda v: jax.lax.all_gather(v, "fsdp", axis=dim, tiled=True), x, spec)
 
 
 def _average(x, spec: P):
@@ -304,6 +319,12 @@ def _average(x, spec: P):
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * size, size, dim)
 
 
+def _scatter(x, dim: int):
+  """The fsdp reduce-scatter of a gradient leaf, then the data all-reduce of its shard."""
+  shard = jax.lax.psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True)
+  return _over_rows(jax.lax.psum, shard, ("data",))
+
+
 def _reduce(grads, sums, param_specs, tensor_leaves=None):
   """The update's reduction: ``(grads, *sums)`` summed over every device.
 
@@ -316,11 +337,13 @@ def _reduce(grads, sums, param_specs, tensor_leaves=None):
   them whole).
   """
   leaves, treedef = jax.tree.flatten(grads)
-  dims = [_fsdp_dim(spec) for spec in treedef.flatten_up_to(param_specs)]
+  specs = treedef.flatten_up_to(param_specs)
+  dims = [_fsdp_dim(spec) for spec in specs]
   split = treedef.flatten_up_to(tensor_leaves) if tensor_leaves is not None else [False] * len(dims)
   for i, dim in enumerate(dims):
     if dim is None and split[i]:
-      leaves[i] = _over_rows(jax.lax.psum, leaves[i], AXES)
+      psum = lambda v: _over_rows(jax.lax.psum, v, AXES)  # noqa: E731
+      leaves[i] = _on_tensor_shards(psum, leaves[i], specs[i])
   replicated = [i for i, dim in enumerate(dims) if dim is None and not split[i]]
   flat, unravel = ravel_pytree(([leaves[i] for i in replicated], sums))
   summed, sums = unravel(_over_rows(jax.lax.psum, flat, AXES))
@@ -328,6 +351,5 @@ def _reduce(grads, sums, param_specs, tensor_leaves=None):
     leaves[i] = g
   for i, dim in enumerate(dims):
     if dim is not None:
-      shard = jax.lax.psum_scatter(leaves[i], "fsdp", scatter_dimension=dim, tiled=True)
-      leaves[i] = _over_rows(jax.lax.psum, shard, ("data",))
+      leaves[i] = _on_tensor_shards(functools.partial(_scatter, dim=dim), leaves[i], specs[i])
   return jax.tree.unflatten(treedef, leaves), *sums
