@@ -155,10 +155,12 @@ def _train(tmp_path, name, *args, devices=None):
 
 @pytest.mark.slow
 def test_a_tensor_run_of_jaxstep_train_equals_one_device_and_resumes_on_another_mesh(tmp_path):
-  """The CLI on (data 2, tensor 2) equals one device; its checkpoint resumes on one device."""
+  """The CLI on (data 2, tensor 2) equals one device, held-out evaluation and text samples
+  included; its checkpoint resumes on one device."""
   from conftest import read_lines
 
   steps = ["train.max_steps=4", "train.schedule_steps=4", "checkpoint.every=2"]
+  steps += ["train.eval_every=2", "train.sample_every=2", "train.sample_max_new_tokens=8"]
   one = _train(tmp_path, "one", *steps, "mesh.cpu_devices=1")
   assert one.returncode == 0, one.stderr[-2000:]
   half = _train(
@@ -175,6 +177,11 @@ def test_a_tensor_run_of_jaxstep_train_equals_one_device_and_resumes_on_another_
   for x, y in zip(a, b, strict=True):
     assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
     assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+  evals = [read_lines(tmp_path / name / "eval.jsonl") for name in ("one", "moved")]
+  assert [e["step"] for e in evals[1]] == [2, 4]
+  for x, y in zip(*evals, strict=True):
+    assert y["eval_loss"] == pytest.approx(x["eval_loss"], rel=1e-5)
+  assert (tmp_path / "moved" / "samples.jsonl").read_text().count("\n") >= 2
 
 
 @pytest.mark.slow
@@ -281,3 +288,55 @@ def test_a_folder_trains_on_a_tensor_mesh_as_on_one_device_and_exports(folder, t
   )
   assert done.returncode == 0, done.stderr[-2000:]
   assert jaxstep.load_pretrained(out).config.n_kv_heads == 2
+
+
+@pytest.mark.slow
+def test_two_processes_each_holding_a_tensor_group_equal_one_process(tmp_path):
+  """2 processes × 2 devices, mesh.tensor=2: each host's devices form one tensor group
+  (data 2 across the hosts) and the run equals one process on 4 devices."""
+  from conftest import SMALL_MODEL, read_lines
+  from test_sharding import devices_env, free_port, process_env
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.max_steps=3", "train.log_every=1"]
+  args += ["mesh.tensor=2", "train.eval_every=0", "train.sample_every=0"]
+  one = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxstep.train",
+      *args,
+      "mesh.cpu_devices=4",
+      f"run_dir={tmp_path / 'one'}",
+    ],
+    env=devices_env(4),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+  port = free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "jaxstep.train",
+        *args,
+        "mesh.cpu_devices=2",
+        f"run_dir={tmp_path / 'two'}",
+      ],
+      env=process_env(port, i, devices=2),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+    assert "spans hosts" not in err
+  a, b = (read_lines(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+  assert [r["step"] for r in b] == [1, 2, 3]
+  for x, y in zip(a, b, strict=True):
+    assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)

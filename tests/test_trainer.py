@@ -259,7 +259,7 @@ def test_eval_batches_that_do_not_split_over_the_mesh_are_refused_up_front():
 
   from jaxstep.trainer.trainer_eval import check_first_batches
 
-  four = types.SimpleNamespace(devices=np.zeros((2, 2)))
+  four = types.SimpleNamespace(devices=np.zeros((2, 2)), shape={"data": 2, "fsdp": 2})
   check_first_batches({"e": lambda: [batch_of(0)]}, four)  # 8 rows over 4 devices
   odd = dict(batch_of(0), x=np.zeros((6, 3)), y=np.zeros(6), loss_mask=np.ones(6))
   with pytest.raises(BatchError, match=r"eval_sets\['e'\]'s first batch has 6 rows.* 4 dev"):
