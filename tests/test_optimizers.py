@@ -1,0 +1,163 @@
+"""``optim.name`` and ``optim.schedule: wsd``: each optimizer is optax's own transformation
+on the same accumulated gradient, K micro-batches still give one big batch's update, Muon
+takes the hidden matrices and leaves the rest to AdamW, the WSD lr is its formula at every
+step, and a run of ``jaxstep train`` goes through each."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import SMALL_MODEL, lm_batch, read_lines
+from optax.contrib import MuonDimensionNumbers
+
+from jaxstep import make_train_step, models
+from jaxstep.core.losses import next_token_loss
+from jaxstep.core.optim import (
+  OPTIMIZERS,
+  OptimConfig,
+  decay_mask,
+  make_optimizer,
+  make_schedule,
+  muon_dims,
+)
+from jaxstep.errors import ConfigError
+
+LLAMA = models.LlamaConfig(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2)
+
+
+def params_and_grads(seed: int = 0):
+  rng = np.random.default_rng(seed)
+  shapes = {
+    "embed_tokens": {"embedding": (32, 16)},
+    "blocks": {"0": {"q_proj": {"kernel": (16, 16)}, "norm": {"scale": (16,)}}},
+    "lm_head": {"kernel": (16, 32)},
+  }
+  draw = lambda s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+  is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+  params = jax.tree.map(draw, shapes, is_leaf=is_shape)
+  grads = [jax.tree.map(draw, shapes, is_leaf=is_shape) for _ in range(3)]
+  return params, grads
+
+
+def reference(cfg: OptimConfig) -> optax.GradientTransformation:
+  """The same optimizer written straight from optax (constant lr, no warmup)."""
+  lr, wd = cfg.lr, cfg.weight_decay
+  mask = lambda p: decay_mask(p)  # noqa: E731
+  inner = {
+    "adamw": lambda: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=mask),
+    "lion": lambda: optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask),
+    "adafactor": lambda: optax.adafactor(lr, weight_decay_rate=wd, weight_decay_mask=mask),
+    "sgd": lambda: optax.chain(
+      optax.add_decayed_weights(wd, mask), optax.sgd(lr, momentum=cfg.momentum)
+    ),
+    "muon": lambda: optax.contrib.muon(
+      lr,
+      weight_decay=wd,
+      weight_decay_mask=mask,
+      adam_b1=cfg.b1,
+      adam_b2=cfg.b2,
+      muon_weight_dimension_numbers=muon_dims,
+    ),  # fmt: skip
+  }[cfg.name]()
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), inner)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_is_optaxs_own_transformation(name):
+  cfg = OptimConfig(name=name, lr=0.01, schedule="constant", weight_decay=0.1)
+  params, grads = params_and_grads()
+  ours, theirs = make_optimizer(cfg, 10), reference(cfg)
+  a, b = ours.init(params), theirs.init(params)
+  for g in grads:
+    ua, a = ours.update(g, a, params)
+    ub, b = theirs.update(g, b, params)
+    for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub), strict=True):
+      x, y = np.asarray(x), np.asarray(y)
+      # Muon's fp32 Newton–Schulz iterations, run with its hyperparameters injected as
+      # arrays, round differently in the last bits: within 2e-6 of the largest update
+      atol = 2e-6 * np.abs(y).max() if name == "muon" else 1e-9
+      np.testing.assert_allclose(x, y, rtol=1e-6, atol=atol)
+    params = optax.apply_updates(params, ua)
+
+
+def test_muon_takes_the_hidden_matrices_and_leaves_the_rest_to_adamw():
+  _, params = models.build(LLAMA, 0)
+  dims = muon_dims(params)
+  block = dims["blocks"][0]
+  assert block["q_proj"]["kernel"] == MuonDimensionNumbers()
+  assert block["down_proj"]["kernel"] == MuonDimensionNumbers()
+  assert dims["embed_tokens"]["embedding"] is None and dims["lm_head"]["kernel"] is None
+  assert block["input_layernorm"]["scale"] is None
+  scanned = dataclasses.replace(LLAMA, scan_layers=True)
+  _, stacked = models.build(scanned, 0)
+  assert muon_dims(stacked)["blocks"]["q_proj"]["kernel"] == MuonDimensionNumbers(1, 2)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_k_micro_batches_give_one_batchs_update_with_each_optimizer(name, np_rng):
+  apply_fn, params = models.build(LLAMA, 0)
+  batches = [lm_batch(np_rng, 16, 8, 32) for _ in range(2)]
+  out = []
+  for k in (1, 4):
+    opt = make_optimizer(OptimConfig(name=name, lr=0.01, warmup_steps=0), 10)
+    train_step = make_train_step(next_token_loss(apply_fn), opt, grad_accum_steps=k)
+    state, step = train_step.init(params, 0), jax.jit(train_step)
+    for b in batches:
+      state, _ = step(state, b)
+    out.append(state.params)
+  for x, y in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    err = np.linalg.norm(np.asarray(x) - np.asarray(y)) / max(np.linalg.norm(np.asarray(x)), 1e-30)
+    assert err <= 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_the_wsd_lr_is_its_formula_at_every_step(shape):
+  cfg = OptimConfig(
+    lr=0.02, schedule="wsd", warmup_steps=10, decay_fraction=0.25, decay_shape=shape,
+    final_lr_fraction=0.1,
+  )  # fmt: skip
+  schedule = make_schedule(cfg, 110)  # 10 warmup, then 100: 75 stable, 25 decaying
+
+  def expected(s):
+    if s < 10:
+      return 0.02 * s / 10
+    x = min(max((s - 85) / 25, 0.0), 1.0)
+    progress = {"linear": x, "cosine": (1 - np.cos(np.pi * x)) / 2, "1-sqrt": np.sqrt(x)}[shape]
+    return 0.02 * (1 - 0.9 * progress)
+
+  got = [float(schedule(s)) for s in range(111)]
+  np.testing.assert_allclose(got, [expected(s) for s in range(111)], rtol=1e-6, atol=1e-9)
+  assert got[85] == pytest.approx(0.02) and got[110] == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+  ("key", "message"),
+  [
+    ("name=rmsprop", "optim.name must be one of adamw, muon, adafactor, lion, sgd"),
+    ("decay_fraction=0", "optim.decay_fraction must be in"),
+    ("decay_shape=exp", "optim.decay_shape must be one of linear, cosine, 1-sqrt"),
+  ],
+)
+def test_a_bad_optimizer_setting_is_one_line(key, message):
+  from jaxstep.trainer.config import loading as config_lib
+
+  with pytest.raises(ConfigError, match=message):
+    config_lib.load(None, [f"optim.{key}"])
+
+
+@pytest.mark.parametrize("name", ["muon", "lion"])
+def test_jaxstep_train_runs_each_optimizer_and_reports_its_lr(tmp_path, name):
+  from jaxstep.trainer import config_run
+  from jaxstep.trainer.config import loading as config_lib
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.grad_accum_steps=2"]
+  args += ["train.max_steps=4", "train.log_every=1", "train.eval_every=0", "mesh.cpu_devices=1"]
+  args += [f"optim.name={name}", "optim.schedule=wsd", "optim.decay_fraction=0.5"]
+  args += ["optim.warmup_steps=0", "optim.lr=0.01", f"run_dir={tmp_path / 'run'}"]
+  config_run.train(config_lib.load(None, args))
+  lrs = [r["lr"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")]
+  # stable for 2 updates, then linear to 0.1 × lr over 2: the lr each update used
+  np.testing.assert_allclose(lrs, [0.01, 0.01, 0.01, 0.0055], rtol=1e-6)
