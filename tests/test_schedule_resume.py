@@ -118,3 +118,66 @@ def test_resume_with_another_grad_accum_steps(tmp_path):
   trainer.train(cfg_for(tmp_path, steps=N // 2, k=2))
   trainer.train(cfg_for(tmp_path, k=4))
   assert_lrs(tmp_path / "run", planned(N, range(1, N + 1)))
+
+
+def wsd_cfg(tmp_path, *overrides, steps, run="run"):
+  """A warmup-stable-decay run (warmup 3, decay over the last half), planned for its
+  ``train.max_steps`` (no ``train.schedule_steps``)."""
+  return make_cfg(
+    tmp_path,
+    f"optim.lr={PEAK}",
+    f"optim.warmup_steps={WARMUP}",
+    "optim.schedule=wsd",
+    "optim.decay_fraction=0.5",
+    f"optim.final_lr_fraction={FINAL}",
+    "train.global_batch_size=4",
+    "train.grad_accum_steps=2",
+    f"train.max_steps={steps}",
+    "train.schedule_steps=0",  # the plan follows train.max_steps
+    "train.log_every=1",
+    "train.eval_every=0",
+    "checkpoint.every=1",
+    "data.eval_fraction=0",
+    f"run_dir={tmp_path / run}",
+    *overrides,
+  )
+
+
+def wsd_planned(length: int, steps) -> dict[int, float]:
+  """Update step k of a WSD plan of ``length`` steps → its lr, from the formula."""
+  stable_end = WARMUP + (length - WARMUP) - round(0.5 * (length - WARMUP))
+  decay = length - stable_end
+
+  def lr(count):
+    if count < WARMUP:
+      return PEAK * count / WARMUP
+    x = min(max((count - stable_end) / decay, 0.0), 1.0)
+    return PEAK * (1 - (1 - FINAL) * x)
+
+  return {k: lr(k - 1) for k in steps}
+
+
+def test_a_wsd_run_extended_on_resume_keeps_its_stable_phase_and_moves_the_decay(tmp_path):
+  """8 steps planned (stable to step 5), stopped at 5, resumed with 15: no refusal, and
+  every lr is the 15-step plan's, the first five being the same under both."""
+  trainer.train(wsd_cfg(tmp_path, steps=8), callbacks=[StopAfter(5)])
+  trainer.train(wsd_cfg(tmp_path, steps=15))
+  assert wsd_planned(8, range(1, 6)) == wsd_planned(15, range(1, 6))
+  assert_lrs(tmp_path / "run", wsd_planned(15, range(1, 16)))
+
+
+def test_a_decay_branches_from_a_stable_checkpoint(tmp_path):
+  """A 20-step plan's checkpoint at step 6 (stable), resumed into a 10-step run: its decay
+  runs from step 7 to 10."""
+  trainer.train(wsd_cfg(tmp_path, steps=20, run="long"), callbacks=[StopAfter(6)])
+  steps = tmp_path / "long" / "checkpoints" / "6"
+  trainer.train(wsd_cfg(tmp_path, steps=10, run="branch"), resume_from=str(steps))
+  assert_lrs(tmp_path / "branch", wsd_planned(10, range(7, 11)))
+
+
+def test_a_wsd_checkpoint_already_decaying_is_not_extended_silently(tmp_path):
+  from jaxstep.errors import CheckpointError
+
+  trainer.train(wsd_cfg(tmp_path, steps=8))  # ends decayed, at step 8
+  with pytest.raises(CheckpointError, match="planned for 8 update steps, this config plans 12"):
+    trainer.train(wsd_cfg(tmp_path, steps=12))

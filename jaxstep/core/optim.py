@@ -146,6 +146,15 @@ def wsd_schedule(
   return optax.join_schedules([optax.constant_schedule(lr), decay], [steps - d])
 
 
+def wsd_stable_end(cfg: OptimConfig, total_steps: int) -> int:
+  """The number of update steps a ``wsd`` schedule of ``total_steps`` applies before its
+  decay lowers the lr (warmup + stable): a run may be extended or shortened at any step up
+  to this one, and the lr so far is the same under either plan."""
+  warmup = min(cfg.warmup_steps, total_steps)
+  steps = max(total_steps - warmup, 1)
+  return warmup + steps - min(max(round(cfg.decay_fraction * steps), 1), steps)
+
+
 def _stacked(names: list[str]) -> bool:
   """A leaf under a ``blocks`` mapping not keyed by layer index holds every layer along a
   leading axis (scanned layers)."""

@@ -10,6 +10,7 @@ profiling, trackers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pathlib
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxstep import data, models, parallel
+from jaxstep.core import optim
 from jaxstep.core.state import TrainState
 from jaxstep.errors import EmptyBatchError
 from jaxstep.trainer.config import loading as config_lib
@@ -233,6 +235,7 @@ def _position(run: Run, rs: RunState, restored, *, from_other_run: bool) -> RunS
     steps_per_epoch=run.steps_per_epoch,
     allow_data_change=c.allow_data_change,
     allow_schedule_change=c.allow_schedule_change,
+    stable_end=functools.partial(optim.wsd_stable_end, run.cfg.optim),
   )
   log.info("data position: epoch %d, step_in_epoch %d", rs.epoch, rs.step_in_epoch)
   return dataclasses.replace(rs, trackers={}) if from_other_run else rs

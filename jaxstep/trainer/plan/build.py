@@ -136,6 +136,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     jaxstep_version=__version__,
     seed=t.seed,
     schedule_steps=plan.schedule_steps,
+    lr_schedule=cfg.optim.schedule,
     model=config_lib.to_dict(cfg.model),
     trainable=list(cfg.optim.trainable),
     base=_base_identity(cfg, base_fingerprint),

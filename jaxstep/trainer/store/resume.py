@@ -52,7 +52,9 @@ def _model_changes(saved: dict, current: RunState) -> dict:
   }
 
 
-def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool) -> None:
+def _check_same_run(
+  saved: dict, current: RunState, allow_schedule_change: bool, step: int, stable_end
+) -> None:
   """Refuses a resume whose model, seed or lr schedule differs from the checkpoint's; states
   a harmless model change in one line and takes a kernel choice as it is."""
   changed = _model_changes(saved, current)
@@ -76,7 +78,7 @@ def _check_same_run(saved: dict, current: RunState, allow_schedule_change: bool)
       )
   refuse_a_different_run(
     saved, dataclasses.asdict(current), allow_schedule_change=allow_schedule_change,
-    way_out=", or start a new run_dir",
+    way_out=", or start a new run_dir", step=step, stable_end=stable_end,
   )  # fmt: skip
 
 
@@ -84,7 +86,13 @@ _WHY_G = "G defines what a data position and an update step mean"
 
 
 def refuse_a_different_run(
-  saved: dict, current: dict, *, allow_schedule_change: bool, way_out: str
+  saved: dict,
+  current: dict,
+  *,
+  allow_schedule_change: bool,
+  way_out: str,
+  step: int | None = None,
+  stable_end=None,
 ) -> None:
   """The refusals both clients share: a checkpoint resumes only into the run it came from.
 
@@ -92,7 +100,12 @@ def refuse_a_different_run(
   ``global_batch_size`` (G: it defines what a data position and an update step mean) and
   ``schedule_steps`` (the update steps the lr schedule spans; a ``current`` value of None
   means the run's optimizer has no jaxstep schedule to compare). ``way_out`` ends each
-  message with the client's other choice (", or start a new run_dir")."""
+  message with the client's other choice (", or start a new run_dir").
+
+  A warmup-stable-decay schedule (``lr_schedule`` "wsd" in both, ``stable_end(T)``: the
+  steps a plan of T applies before its decay) changes length freely while the checkpoint's
+  ``step`` is still in the stable phase of both plans: the lr so far is the same under
+  either, and the decay moves (a longer run, or a decay branched from a stable checkpoint)."""
   for key, why in (("seed", "it sets the data order"), ("global_batch_size", _WHY_G)):
     if saved.get(key) != current[key]:
       raise CheckpointError(
@@ -101,6 +114,17 @@ def refuse_a_different_run(
       )
   old, new = saved.get("schedule_steps"), current["schedule_steps"]
   if new is None or old == new:
+    return
+  wsd = saved.get("lr_schedule") == current.get("lr_schedule") == "wsd" and stable_end
+  if wsd and step is not None and step <= min(stable_end(old), stable_end(new)):
+    log.info(
+      "the warmup-stable-decay schedule goes from %d to %d update steps: its decay now "
+      "starts after step %d (the checkpoint's step %d is in the stable phase of both)",
+      old,
+      new,
+      stable_end(new),
+      step,
+    )
     return
   if not allow_schedule_change:
     raise CheckpointError(
@@ -138,10 +162,12 @@ def reconcile(
   steps_per_epoch: int,
   allow_data_change: bool,
   allow_schedule_change: bool = False,
+  stable_end=None,
 ) -> RunState:
-  """The position to continue from, after checking the saved run fits the current one."""
+  """The position to continue from, after checking the saved run fits the current one
+  (``stable_end``: a warmup-stable-decay schedule's, see ``refuse_a_different_run``)."""
   _check_same_vocabulary(saved, current)
-  _check_same_run(saved, current, allow_schedule_change)
+  _check_same_run(saved, current, allow_schedule_change, state_step, stable_end)
   if saved.get("dataset_fingerprint") != current.dataset_fingerprint and not allow_data_change:
     raise CheckpointError(
       f"the dataset changed since the checkpoint (fingerprint "

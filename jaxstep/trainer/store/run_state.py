@@ -21,6 +21,7 @@ class RunState:
     jaxstep_version: the version that wrote it.
     seed: ``train.seed`` (data order, init, dropout).
     schedule_steps: update steps the lr schedule was planned for.
+    lr_schedule: ``optim.schedule`` (a warmup-stable-decay run may change its length).
     model: the resolved ``model`` config section.
     trainable: ``optim.trainable``, the patterns of the leaves that train (the optimizer
       state holds those leaves only).
@@ -40,6 +41,7 @@ class RunState:
   jaxstep_version: str = ""
   seed: int = 0
   schedule_steps: int = 0
+  lr_schedule: str = ""
   model: dict = dataclasses.field(default_factory=dict)
   trainable: list = dataclasses.field(default_factory=list)
   base: dict = dataclasses.field(default_factory=dict)
