@@ -25,6 +25,7 @@ from benchmarks.loop_suites import (
   suite_host_overhead,
 )
 from benchmarks.lora_bench import suite_lora
+from benchmarks.optim_bench import suite_optim
 from benchmarks.preference_suite import suite_preference
 from benchmarks.rl_bench import suite_rl
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
@@ -45,6 +46,7 @@ SUITES = {
   "preference": suite_preference,
   "rl": suite_rl,
   "tensor": suite_tensor,
+  "optim": suite_optim,
 }
 
 
@@ -87,6 +89,7 @@ QUICK_ORDER = (
   "lora",
   "rl",
   "tensor",
+  "optim",
   "fsdp_memory",
   "compile",
   "generate",

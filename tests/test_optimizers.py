@@ -161,3 +161,26 @@ def test_jaxstep_train_runs_each_optimizer_and_reports_its_lr(tmp_path, name):
   lrs = [r["lr"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")]
   # stable for 2 updates, then linear to 0.1 × lr over 2: the lr each update used
   np.testing.assert_allclose(lrs, [0.01, 0.01, 0.01, 0.0055], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_memory_ledger_shows_each_optimizers_own_state(name):
+  """The ledger's optimizer row is the state's bytes as the optimizer lays it out: Adam's
+  two moments, one for Lion and SGD, Muon's one on matrices, Adafactor's factored rows."""
+  from jaxstep.cli import memory
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.plan.memory import compiled_memory
+
+  args = [*SMALL_MODEL, "model.family=llama", "model.vocab_size=264", "mesh.cpu_devices=1"]
+  cfg = config_lib.load(None, [*args, f"optim.name={name}", "train.global_batch_size=8"])
+  _, params = models.build(cfg.model, 0, abstract=True)
+  state = jax.eval_shape(make_optimizer(cfg.optim, 10).init, params)
+  expected = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert compiled_memory(cfg)["optimizer_state_bytes"] == expected
+  p = sum(x.size for x in jax.tree.leaves(params))
+  ratio = {"adamw": 2.0, "lion": 1.0, "sgd": 1.0}
+  if name in ratio:
+    assert expected == pytest.approx(4 * p * ratio[name], rel=1e-3)
+  text = memory.report(cfg)
+  assert ("Adam moments" in text) == (name == "adamw")
+  assert (f"{name} state (its own shapes, per device)" in text) == (name != "adamw")

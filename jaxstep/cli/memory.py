@@ -44,8 +44,12 @@ def report(cfg) -> str:
   layout = jaxstep_layout(
     p, precision=cfg.train.precision, fsdp=split, trainable=t, frozen_bytes=frozen_bytes
   )
-  for name, b in layout.items():
-    lines.append(f"  {name:<48} {gib(b)}")
+  name = cfg.optim.name
+  if name != "adamw":  # its moments as the state holds them, not Adam's 8 bytes a parameter
+    layout = {k: v for k, v in layout.items() if "Adam moments" not in k}
+    layout[f"{name} state (its own shapes, per device)"] = c["optimizer_state_bytes"]
+  for row, b in layout.items():
+    lines.append(f"  {row:<48} {gib(b)}")
   persistent = sum(b for n, b in layout.items() if "during" not in n)
   predicted = predicted_bytes(c["cfg"], p, k, c["data"], split, trainable=t)
   lines += [

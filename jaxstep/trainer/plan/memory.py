@@ -97,6 +97,7 @@ def compiled_memory(cfg) -> dict:
     "num_params": models.num_params(state.params),
     "trainable_params": None if trainable is None else freeze.count(state.params, trainable)[0],
     "state_bytes": sum(_shard_bytes(x) for x in jax.tree.leaves(state)),
+    "optimizer_state_bytes": sum(_shard_bytes(x) for x in jax.tree.leaves(state.opt_state)),
     "argument_bytes": mem.argument_size_in_bytes,
     "output_bytes": mem.output_size_in_bytes,
     "alias_bytes": mem.alias_size_in_bytes,
