@@ -184,3 +184,82 @@ def test_the_memory_ledger_shows_each_optimizers_own_state(name):
   text = memory.report(cfg)
   assert ("Adam moments" in text) == (name == "adamw")
   assert (f"{name} state (its own shapes, per device)" in text) == (name != "adamw")
+
+
+GROUPS = ({"match": "norm", "weight_decay": 0.0, "lr_scale": 0.5, "optimizer": "sgd"},)
+
+
+def test_groups_assign_the_leaves_their_pattern_matches():
+  from jaxstep.core import param_groups
+
+  _, params = models.build(LLAMA, 0)
+  got = param_groups.assignment(params, ({"match": "norm"}, {"match": "embed"}))
+  assert got["group1"] == ["embed_tokens/embedding"]
+  assert "blocks/0/input_layernorm/scale" in got["group0"] and "norm/scale" in got["group0"]
+  assert "blocks/0/q_proj/kernel" in got["main"] and not set(got["main"]) & set(got["group0"])
+
+
+def test_a_group_runs_its_own_optimizer_on_its_leaves_only():
+  """Norms on SGD at half the lr without decay, the rest on AdamW: each part's update is its
+  optimizer's on those leaves alone, after the one clipping of the whole gradient."""
+  cfg = OptimConfig(lr=0.01, schedule="constant", groups=GROUPS)
+  params, grads = params_and_grads()
+  ours = make_optimizer(cfg, 10)
+  state = ours.init(params)
+  clip = optax.clip_by_global_norm(cfg.clip_grad_norm)
+  norms = lambda t: {"blocks": {"0": {"norm": t["blocks"]["0"]["norm"]}}}  # noqa: E731
+  rest = lambda t: {**t, "blocks": {"0": {"q_proj": t["blocks"]["0"]["q_proj"]}}}  # noqa: E731
+  sgd = optax.sgd(0.005, momentum=0.9)
+  adamw = optax.adamw(0.01, b2=0.95, weight_decay=0.1, mask=decay_mask)
+  sgd_state, adamw_state = sgd.init(norms(params)), adamw.init(rest(params))
+  for g in grads:
+    update, state = ours.update(g, state, params)
+    clipped, _ = clip.update(g, clip.init(params))
+    expected, sgd_state = sgd.update(norms(clipped), sgd_state)
+    others, adamw_state = adamw.update(rest(clipped), adamw_state, rest(params))
+    np.testing.assert_allclose(
+      np.asarray(update["blocks"]["0"]["norm"]["scale"]),
+      np.asarray(expected["blocks"]["0"]["norm"]["scale"]),
+      rtol=1e-6,
+    )
+    for x, y in zip(jax.tree.leaves(rest(update)), jax.tree.leaves(others), strict=True):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
+    params = optax.apply_updates(params, update)
+  labels = ours.init(params)[1].inner_states
+  assert set(labels) == {"main", "group0"}  # one optimizer state per group
+
+
+@pytest.mark.parametrize(
+  ("groups", "message"),
+  [
+    (
+      ({"match": "norm"}, {"match": "scale"}),
+      "matched by optim.groups\\[0\\] .* and optim.groups\\[1\\]",
+    ),
+    (
+      ({"match": "nothing-here"},),
+      "optim.groups\\[0\\] \\(match 'nothing-here'\\) matches no parameter",
+    ),
+    (({"match": "norm", "lr": 1},), "optim.groups\\[0\\] has lr; a group takes match, lr_scale"),
+    (({"match": "norm", "optimizer": "adam"},), "optim.groups\\[0\\].optimizer must be one of"),
+  ],
+)
+def test_a_bad_group_is_one_line(groups, message):
+  from jaxstep.core import param_groups
+
+  _, params = models.build(LLAMA, 0)
+  with pytest.raises(ConfigError, match=message):
+    param_groups.assignment(params, OptimConfig(groups=groups).groups)
+
+
+def test_jaxstep_train_logs_which_leaves_each_group_got(tmp_path, caplog):
+  from jaxstep.trainer import config_run
+  from jaxstep.trainer.config import loading as config_lib
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.grad_accum_steps=2"]
+  args += ["train.max_steps=2", "train.eval_every=0", "mesh.cpu_devices=1"]
+  args += ["optim.groups=[{match: 'ln', weight_decay: 0}]", f"run_dir={tmp_path / 'run'}"]
+  with caplog.at_level("INFO", logger="jaxstep"):
+    config_run.train(config_lib.load(None, args))
+  assert "optim.groups[0] (match 'ln'): blocks/0/ln1/bias, blocks/0/ln1/scale" in caplog.text
+  assert "leaves in no group keep optim.name=adamw" in caplog.text

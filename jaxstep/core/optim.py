@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstep.core import param_groups
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 
@@ -55,10 +56,12 @@ class OptimConfig:
   momentum: float = 0.9  # sgd: momentum (0: none)
   nesterov: bool = False  # sgd: Nesterov momentum
   muon_adam_lr: float = 0.0  # muon: lr of the leaves it leaves to AdamW (0: optim.lr)
+  groups: tuple[dict, ...] = ()  # [{match, lr_scale, weight_decay, optimizer}]: param_groups.py
   trainable: tuple[str, ...] = ()  # regexes of the params that train (empty: all); see freeze.py
   frozen_dtype: str = "fp32"  # fp32 | bf16: the dtype frozen params are kept in
 
   def __post_init__(self):
+    object.__setattr__(self, "groups", param_groups.check(self.groups, (self.name, *OPTIMIZERS)))
     if self.name not in OPTIMIZERS:
       raise ConfigError(f"optim.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}")
     if self.schedule not in SCHEDULES:
@@ -198,18 +201,29 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
   The lr is injected as a hyperparameter so the step can report the value it used.
   """
-  inner = _optimizer(cfg, make_schedule(cfg, total_steps))
+  schedule = make_schedule(cfg, total_steps)
+  if cfg.groups:
+    inner = param_groups.grouped(cfg, schedule, _optimizer)
+  else:
+    inner = _optimizer(cfg, schedule)
   if cfg.clip_grad_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.clip_grad_norm), inner)
   return inner
 
 
-def _optimizer(cfg: OptimConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+def _optimizer(
+  cfg: OptimConfig, lr: optax.Schedule, inject: bool = True
+) -> optax.GradientTransformation:
+  """``cfg.name``'s optax optimizer on ``lr``; ``inject``: its lr kept in its state."""
   mask = lambda p: decay_mask(p, decay_embeddings=cfg.decay_embeddings)  # noqa: E731
   wd = cfg.weight_decay
+
+  def wrap(fn, static=()):
+    return optax.inject_hyperparams(fn, static_args=static) if inject else fn
+
   if cfg.name == "muon":
     static = ("muon_weight_dimension_numbers", "weight_decay_mask", "adam_learning_rate")
-    return optax.inject_hyperparams(optax.contrib.muon, static_args=static)(
+    return wrap(optax.contrib.muon, static)(
       learning_rate=lr,
       weight_decay=wd,
       weight_decay_mask=mask,
@@ -223,18 +237,18 @@ def _optimizer(cfg: OptimConfig, lr: optax.Schedule) -> optax.GradientTransforma
   if cfg.name == "adafactor":
     static = ("weight_decay_mask", "min_dim_size_to_factor", "multiply_by_parameter_scale")
     static += ("decay_offset", "dtype_momentum", "factored")
-    return optax.inject_hyperparams(optax.adafactor, static_args=static)(
+    return wrap(optax.adafactor, static)(
       learning_rate=lr, weight_decay_rate=wd or None, weight_decay_mask=mask
     )
   if cfg.name == "lion":
-    return optax.inject_hyperparams(optax.lion, static_args=("mask",))(
+    return wrap(optax.lion, ("mask",))(
       learning_rate=lr, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask
     )
   if cfg.name == "sgd":
-    sgd = optax.inject_hyperparams(optax.sgd, static_args=("nesterov",))(
+    sgd = wrap(optax.sgd, ("nesterov",))(
       learning_rate=lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov
     )
     return optax.chain(optax.add_decayed_weights(wd, mask), sgd) if wd else sgd
-  return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+  return wrap(optax.adamw, ("mask",))(
     learning_rate=lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=mask
   )

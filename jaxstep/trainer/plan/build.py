@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Callable
 
 import jax
@@ -13,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import data, models, parallel
 from jaxstep._version import __version__
-from jaxstep.core import freeze
+from jaxstep.core import freeze, param_groups
 from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
@@ -22,6 +23,8 @@ from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, st
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState
 from jaxstep.trainer.tracking import trackers
+
+log = logging.getLogger("jaxstep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,8 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   if cfg.model.init_from:
     params, base_fingerprint = init_from.read_base(cfg.model, mesh, t.seed)
   freeze.check_patterns(params, cfg.optim.trainable)
+  if cfg.optim.groups:
+    _log_groups(cfg, params)
   params = steps.frozen_cast(cfg, params)
   step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
   reference = steps.reference_state(cfg, params)  # a live reference: a copy, frozen
@@ -142,3 +147,18 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     base=_base_identity(cfg, base_fingerprint),
   )
   return run, state, run_state
+
+
+def _log_groups(cfg, params) -> None:
+  """The leaves each of ``optim.groups`` got, one line a group (a group that matches no
+  trainable leaf, or a leaf two groups match, is one ``ConfigError`` line)."""
+  trainable = steps.trainable(cfg)
+  train = params if trainable is None else freeze.partition(params, trainable)[0]
+  got = param_groups.assignment(train, cfg.optim.groups)
+  for i, g in enumerate(cfg.optim.groups):
+    names = got[f"group{i}"]
+    shown = ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
+    log.info("optim.groups[%d] (match %r): %s", i, g["match"], shown)
+  log.info(
+    "optim: %d leaves in no group keep optim.name=%s", len(got.get("main", [])), cfg.optim.name
+  )
