@@ -263,3 +263,34 @@ def test_jaxstep_train_logs_which_leaves_each_group_got(tmp_path, caplog):
     config_run.train(config_lib.load(None, args))
   assert "optim.groups[0] (match 'ln'): blocks/0/ln1/bias, blocks/0/ln1/scale" in caplog.text
   assert "leaves in no group keep optim.name=adamw" in caplog.text
+
+
+@pytest.mark.slow
+def test_each_optimizer_on_four_devices_equals_one_device():
+  """fsdp 4 (Muon orthogonalizes matrices the layout splits) and data 2 × fsdp 2."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  from test_sharding import devices_env
+
+  script = pathlib.Path(__file__).parent / "helpers" / "optim_equivalence.py"
+  proc = subprocess.run(
+    [sys.executable, str(script)], env=devices_env(4), capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = [json.loads(line) for line in proc.stdout.splitlines()]
+  assert sorted({r["optimizer"] for r in lines}) == sorted(OPTIMIZERS) and len(lines) == 10
+  for r in lines:
+    assert r["err"] <= 1e-5, r
+
+
+@pytest.mark.slow
+def test_a_muon_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+  from conftest import bitwise_same_checkpoints, straight_and_killed
+
+  args = [*SMALL_MODEL, "train.global_batch_size=8", "train.max_steps=6", "checkpoint.every=2"]
+  args += ["optim.name=muon", "optim.schedule=wsd", "train.eval_every=0", "train.sample_every=0"]
+  straight, killed = straight_and_killed(tmp_path, args, kill_at=2)
+  assert bitwise_same_checkpoints(straight, killed)[0] == 6
