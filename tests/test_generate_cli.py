@@ -170,10 +170,12 @@ def test_evaluate_reports_token_weighted_loss_and_bits_per_byte(trained, tmp_pat
   assert code == 0, err
   got = json.loads(out)
   saved = load_run(trained)
-  dataset = saved_evaluation.load_data(saved, trained, str(text), "auto")
+  dataset = saved_evaluation.load_data(saved, trained, str(text), "file")  # one file: one text
   nll, tokens, num_bytes = independent_eval(saved, dataset.train, dataset.pad_id)
+  assert got["format"] == "file"
   assert got["tokens"] == tokens and got["bytes"] == num_bytes < tokens  # EOS: nats, no bytes
-  assert got["bytes"] == len(text.read_text().replace("\n\n", "").encode())  # every text byte
+  lines = text.read_text().splitlines()  # the file's lines, joined by "\n" (file format)
+  assert got["bytes"] == len("\n".join(lines).encode())  # every byte of the text
   terms = nll_terms(saved.cfg.model, tokens)
   expected = {"loss": nll / tokens, "bpb": nll / (math.log(2) * num_bytes)}
   assert_close({k: got[k] for k in expected}, expected, terms=terms)

@@ -5,10 +5,14 @@ length, packing and loss masks, and raw input read in the run's data format unle
 ``--format`` says otherwise.
 
 ``PATH`` is a run directory (``--step N`` picks a checkpoint) or a model folder
-(``config.json`` and no ``config.yaml``): its weights and tokenizer, with the defaults a run
-started from it would have: windows of ``train.seq_len`` 128 tokens (fewer when the model
-takes fewer positions), ``train.global_batch_size`` 32 windows a batch (``--batch-size``),
-never more than the windows there are.
+(``config.json`` and no ``config.yaml``): its weights and tokenizer. Windows are
+``--seq-len`` tokens: by default a run's ``train.seq_len``, and a model folder's whole
+context (as long as one window fits the device). ``--stride S`` scores sliding windows S
+apart, each token once with up to ``seq_len − S`` tokens of context (the transformers
+perplexity guide's method). One plain-text file is one text unless ``--format`` says
+otherwise (other input is read in the run's data format). Batches hold
+``train.global_batch_size`` windows, fewer when those would not fit (``--batch-size``).
+The output states the format, the window, the stride and the tokens scored.
 
 Bits per byte = the nats of all targets ÷ (ln 2 × the UTF-8 bytes they stand for); it does
 not depend on the tokenizer, so runs with different vocabularies compare on one text.
@@ -47,6 +51,18 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--split", default="all", choices=SPLITS, help="a prepared folder's split")
   p.add_argument(
+    "--seq-len",
+    type=_count,
+    default=0,
+    help="tokens per window (0: a run's train.seq_len, a model folder's context)",
+  )
+  p.add_argument(
+    "--stride",
+    type=_count,
+    default=0,
+    help="sliding windows this far apart, each token scored once (0: windows side by side)",
+  )
+  p.add_argument(
     "--batch-size", type=_count, default=0, help="windows per batch (0: train.global_batch_size)"
   )
   p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -63,24 +79,31 @@ def evaluate(args) -> int:
   from jaxstep.trainer.store import records
 
   saved = load_run(args.run_dir, args.step)
-  evaluation.refuse_batch_that_cannot_fit(saved, args.batch_size, option="--batch-size")
-  fmt = args.format or evaluation.run_data_format(saved.cfg)
-  dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, fmt)
+  seq_len = args.seq_len or evaluation.default_seq_len(saved)
+  if args.batch_size:
+    evaluation.refuse_batch_that_cannot_fit(
+      saved, args.batch_size, option="--batch-size", seq_len=seq_len
+    )
+  fmt = args.format or evaluation.default_format(saved.cfg, args.data)
+  dataset = evaluation.load_data(saved, pathlib.Path(args.run_dir), args.data, fmt, seq_len)
   prepared = (pathlib.Path(args.data) / "manifest.json").is_file()
   fmt = dataset.manifest["settings"]["format"] if prepared else fmt
   result = {
     "step": saved.step,
     "data": args.data,
     "format": fmt,
-    **evaluation.evaluate(saved, dataset, split=args.split, batch_size=args.batch_size),
+    **evaluation.evaluate(
+      saved, dataset, split=args.split, batch_size=args.batch_size, stride=args.stride
+    ),
   }
   if args.json:
     print(records.dumps(result))
   else:
     source = "model folder" if saved.model_folder else f"update step {result['step']}"
     print(
-      f"{source} on {args.data} (format {fmt}): loss {result['loss']:.4f}  ppl "
-      f"{result['ppl']:.3f}  bits/byte {result['bpb']:.4f}  ({result['tokens']} tokens, "
-      f"{result['bytes']} bytes, {result['windows']} windows)"
+      f"{source} on {args.data} (format {fmt}, windows of {result['seq_len']} tokens, stride "
+      f"{result['stride']}): loss {result['loss']:.4f}  ppl {result['ppl']:.3f}  bits/byte "
+      f"{result['bpb']:.4f}  ({result['tokens']} tokens scored, {result['bytes']} bytes, "
+      f"{result['windows']} windows)"
     )
   return 0

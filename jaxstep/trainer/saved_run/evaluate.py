@@ -24,8 +24,9 @@ import jax
 from jaxstep import data, models
 from jaxstep.core import device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
+from jaxstep.data.strided import StridedWindows
 from jaxstep.data.tokenizer import same_tokenizer
-from jaxstep.errors import DataError
+from jaxstep.errors import ConfigError, DataError
 from jaxstep.trainer.evaluation.scoring import eval_record, summed
 from jaxstep.trainer.plan.steps import make_eval_step
 from jaxstep.trainer.saved_run.load import SavedRun, is_model_folder, saved_tokenizer_file
@@ -59,13 +60,47 @@ def run_data_format(cfg) -> str:
   return cfg.data.format
 
 
-def load_data(
-  saved: SavedRun, run_dir: pathlib.Path, path: str, fmt: str | None = None
-) -> data.Dataset:
-  """``path`` as windows of the run's geometry: a prepared folder (its tokenizer must be the
-  run's) or raw input prepared with the run's tokenizer and, unless ``fmt`` says otherwise,
-  the run's data format; nothing held out."""
+def default_format(cfg, path: str) -> str:
+  """How ``evaluate`` reads raw input given no ``--format``: one plain-text file is one text
+  (``file``: its blank lines do not cut it into documents that each lose their context);
+  anything else the way the run's data was read (``run_data_format``)."""
+  fmt = run_data_format(cfg)
+  single = pathlib.Path(path).is_file() and path not in BUNDLED_PATHS
+  if single and fmt in ("auto", "txt") and pathlib.Path(path).suffix not in (".jsonl", ".json"):
+    return "file"
+  return fmt
+
+
+def default_seq_len(saved: SavedRun) -> int:
+  """The window ``evaluate`` scores in: a run's ``train.seq_len``; a model folder's whole
+  context (``model.max_seq_len``), as long as one window fits one device beside the params
+  (``eval_bytes``), else the longest that does."""
   cfg = saved.cfg
+  if not saved.model_folder:
+    return cfg.train.seq_len
+  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  room = device_memory.device_memory_bytes() - params
+  per_position = eval_bytes(cfg.model, 1, 1)
+  return int(max(1, min(cfg.model.max_seq_len, room // max(per_position, 1))))
+
+
+def load_data(
+  saved: SavedRun,
+  run_dir: pathlib.Path,
+  path: str,
+  fmt: str | None = None,
+  seq_len: int | None = None,
+) -> data.Dataset:
+  """``path`` as windows of ``seq_len`` tokens (default the run's ``train.seq_len``): a
+  prepared folder (its tokenizer must be the run's) or raw input prepared with the run's
+  tokenizer and, unless ``fmt`` says otherwise, the run's data format; nothing held out."""
+  cfg = saved.cfg
+  seq_len = seq_len or cfg.train.seq_len
+  if seq_len > cfg.model.max_seq_len:
+    raise ConfigError(
+      f"--seq-len {seq_len} is longer than the {cfg.model.max_seq_len} positions the model "
+      f"takes; use at most {cfg.model.max_seq_len}"
+    )
   prepared = (pathlib.Path(path) / "manifest.json").is_file()
   data_cfg = data.DataConfig(
     path=path,
@@ -74,7 +109,7 @@ def load_data(
     pack=cfg.data.pack,
     eval_fraction=0.0,
   )
-  dataset = data.load_dataset(data_cfg, cfg.train.seq_len)
+  dataset = data.load_dataset(data_cfg, seq_len)
   if not same_tokenizer(dataset.manifest["tokenizer"], saved.tokenizer.describe()):
     raise DataError(
       f"{path} was prepared with another tokenizer ({dataset.manifest['tokenizer']['kind']}, "
@@ -101,34 +136,60 @@ def eval_bytes(model, rows: int, seq_len: int) -> int:
 
 
 def refuse_batch_that_cannot_fit(
-  saved: SavedRun, batch_size: int = 0, option: str = "batch_size"
+  saved: SavedRun, batch_size: int = 0, option: str = "batch_size", seq_len: int = 0
 ) -> None:
   """``ConfigError`` naming ``option`` when a batch of ``batch_size`` windows (0: the run's
-  ``train.global_batch_size``) would not fit one device beside the params (``eval_bytes``),
-  before the data is read or anything of that size allocated."""
+  ``train.global_batch_size``) of ``seq_len`` (0: ``train.seq_len``) would not fit one
+  device beside the params (``eval_bytes``), before the data is read or anything of that
+  size allocated."""
   cfg = saved.cfg
   rows = batch_size or cfg.train.global_batch_size
+  seq_len = seq_len or cfg.train.seq_len
   params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
   device_memory.refuse_count_over_memory(
     option,
     rows,
-    eval_bytes(cfg.model, 1, cfg.train.seq_len),
+    eval_bytes(cfg.model, 1, seq_len),
     params,
     device_memory.device_memory_bytes(),
-    f"a batch of {rows:,} windows of {cfg.train.seq_len} tokens, and the params",
+    f"a batch of {rows:,} windows of {seq_len} tokens, and the params",
   )
 
 
+def fitting_batch(saved: SavedRun, seq_len: int) -> int:
+  """The most windows of ``seq_len`` one batch holds: ``train.global_batch_size``, or fewer
+  when those would not fit one device beside the params (at least 1)."""
+  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  room = device_memory.device_memory_bytes() - params
+  fits = room // max(eval_bytes(saved.cfg.model, 1, seq_len), 1)
+  return int(max(1, min(saved.cfg.train.global_batch_size, fits)))
+
+
 def evaluate(
-  saved: SavedRun, dataset: data.Dataset, *, split: str = "all", batch_size: int = 0
+  saved: SavedRun,
+  dataset: data.Dataset,
+  *,
+  split: str = "all",
+  batch_size: int = 0,
+  stride: int = 0,
 ) -> dict:
   """Sums over every window of ``split`` (``all``: train and eval) → loss, ppl, bpb; a
-  ``batch_size`` that cannot fit one device is refused before anything is allocated."""
-  refuse_batch_that_cannot_fit(saved, batch_size)
+  ``batch_size`` that cannot fit one device is refused before anything is allocated.
+  ``stride`` (0: none): windows that far apart, each token scored once with up to
+  ``seq_len − stride`` tokens of context (``StridedWindows``)."""
   windows = [w for name, w in (("train", dataset.train), ("eval", dataset.eval))
              if w is not None and split in ("all", name)]  # fmt: skip
   if not windows:
     raise DataError(f"the data has no {split!r} split")
+  seq_len = windows[0].seq_len
+  if stride and not 1 <= stride <= seq_len:
+    raise ConfigError(f"--stride {stride} must be between 1 and the window, {seq_len} tokens")
+  if stride:
+    windows = [
+      StridedWindows(w.stream, seq_len, stride, w.starts is None, w.pad_id) for w in windows
+    ]
+  batch_size = batch_size or fitting_batch(saved, seq_len)
+  refuse_batch_that_cannot_fit(saved, batch_size, seq_len=seq_len)
   apply_fn = models.decoder(saved.cfg.model).apply_fn
   step = jax.jit(
     make_eval_step(
@@ -143,4 +204,5 @@ def evaluate(
   sums = [0.0, 0.0, 0.0] if sums is None else [float(x) for x in sums]
   if sums[1] == 0:
     raise DataError("the data has no loss-masked target (chat data needs assistant turns)")
-  return {**eval_record(*sums, prefix=""), "windows": sum(len(w) for w in windows)}
+  record = {**eval_record(*sums, prefix=""), "windows": sum(len(w) for w in windows)}
+  return {**record, "seq_len": seq_len, "stride": stride or seq_len}
