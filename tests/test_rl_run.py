@@ -285,49 +285,11 @@ def test_two_processes_sample_only_their_own_rows_and_equal_one_process(tmp_path
   """2 processes × 2 devices: each samples and scores the completions its devices train on
   (its 8 of the 16 rows), the group statistics are gathered, and the run equals one
   process on 4 devices; two passes per rollout keep each process's rows between them."""
-  import subprocess
-  import sys
+  from test_sharding import one_and_two_processes
 
-  from test_sharding import devices_env, free_port, process_env
-
-  monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
+  monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))  # the reward's module
   args = [*BASE, "rl.iterations=2", "train.max_steps=4", "train.eval_every=4"]
-  one = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxstep.train",
-      *args,
-      f"run_dir={tmp_path / 'one'}",
-      "mesh.cpu_devices=4",
-    ],
-    env={**devices_env(4), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert one.returncode == 0, one.stderr[-3000:]
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        "-m",
-        "jaxstep.train",
-        *args,
-        f"run_dir={tmp_path / 'two'}",
-        "mesh.cpu_devices=2",
-      ],
-      env={**process_env(port, i, devices=2), "PYTHONPATH": str(pathlib.Path(__file__).parent)},
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-    assert p.returncode == 0, err[-3000:]
+  for i, err in enumerate(one_and_two_processes(args, tmp_path)):
     assert f"rollouts: process {i} samples and scores 8 of each rollout's 16 completions" in err
   a = read_lines(tmp_path / "one" / "metrics.jsonl")
   b = read_lines(tmp_path / "two" / "metrics.jsonl")

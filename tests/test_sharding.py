@@ -130,6 +130,36 @@ def process_env(port: int, process_id: int, devices: int) -> dict:
   }
 
 
+def one_and_two_processes(args, tmp_path) -> list[str]:
+  """``jaxstep.train args`` as one process on 4 CPU devices (``tmp_path/one``), then as 2
+  processes × 2 devices on 127.0.0.1 (``tmp_path/two``); asserts every run exits 0 and
+  returns the two processes' stderr."""
+  train = [sys.executable, "-m", "jaxstep.train", *args]
+  one = subprocess.run(
+    [*train, "mesh.cpu_devices=4", f"run_dir={tmp_path / 'one'}"],
+    env=devices_env(4),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+  port = free_port()
+  procs = [
+    subprocess.Popen(
+      [*train, "mesh.cpu_devices=2", f"run_dir={tmp_path / 'two'}"],
+      env=process_env(port, i, devices=2),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+  return [err for _, err in outs]
+
+
 def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

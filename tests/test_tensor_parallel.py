@@ -295,46 +295,11 @@ def test_two_processes_each_holding_a_tensor_group_equal_one_process(tmp_path):
   """2 processes × 2 devices, mesh.tensor=2: each host's devices form one tensor group
   (data 2 across the hosts) and the run equals one process on 4 devices."""
   from conftest import SMALL_MODEL, read_lines
-  from test_sharding import devices_env, free_port, process_env
+  from test_sharding import one_and_two_processes
 
   args = [*SMALL_MODEL, "train.global_batch_size=8", "train.max_steps=3", "train.log_every=1"]
   args += ["mesh.tensor=2", "train.eval_every=0", "train.sample_every=0"]
-  one = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxstep.train",
-      *args,
-      "mesh.cpu_devices=4",
-      f"run_dir={tmp_path / 'one'}",
-    ],
-    env=devices_env(4),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert one.returncode == 0, one.stderr[-3000:]
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        "-m",
-        "jaxstep.train",
-        *args,
-        "mesh.cpu_devices=2",
-        f"run_dir={tmp_path / 'two'}",
-      ],
-      env=process_env(port, i, devices=2),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for p, (_, err) in zip(procs, outs, strict=True):
-    assert p.returncode == 0, err[-3000:]
+  for err in one_and_two_processes(args, tmp_path):
     assert "spans hosts" not in err
   a, b = (read_lines(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
   assert [r["step"] for r in b] == [1, 2, 3]

@@ -32,7 +32,7 @@ from jaxstep.trainer import trainer_data
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.loop import assembly
 from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference
-from jaxstep.trainer.plan.rl_plan import with_token_means
+from jaxstep.trainer.plan.rl_plan import grpo_options, with_token_means
 from jaxstep.trainer.rl import evaluate as rl_evaluate
 from jaxstep.trainer.rl.logp_check import LogpCheck
 from jaxstep.trainer.rl.rewards import load_rewards
@@ -113,18 +113,7 @@ class RLTrainer(Trainer):
     if r.beta and r.reference == "adapters":
       raise ConfigError("rl.reference=adapters needs jaxstep train's LoRA; use live or none")
     vocab = _vocab(model, apply_fn, params)
-    options = dict(
-      loss_norm=r.loss_norm,
-      epsilon_low=r.epsilon_low,
-      epsilon_high=r.epsilon_high,
-      beta=r.beta,
-      temperature=r.temperature,
-      top_k=r.top_k,
-      top_p=r.top_p,
-      allowed=jnp.asarray(allowed_ids(vocab, tokenizer)),
-      max_new_tokens=r.max_new_tokens,
-      gap_tolerance=r.logp_tolerance,
-    )
+    options = grpo_options(r, jnp.asarray(allowed_ids(vocab, tokenizer)))
     loss_fn = loss_with_reference(
       kind, apply_fn, lambda ref: rl_core.grpo_loss(apply_fn, reference=ref, **options)
     )

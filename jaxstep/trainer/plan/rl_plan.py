@@ -54,11 +54,10 @@ def _allowed(vocab_size: int, tokenizer: str):
   return allowed_ids(vocab_size, load_tokenizer(tokenizer))
 
 
-def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
-  """The step's ``loss_fn`` for ``cfg.rl`` (``rl.grpo_loss``), 4-argument with a live
-  reference (the copy rides in the state's ``model_state``)."""
-  r = cfg.rl
-  options = dict(
+def grpo_options(r: rl.RLConfig, allowed) -> dict:
+  """``rl.grpo_loss``'s settings from ``r``: the objective's and the sampler's (``allowed``:
+  the ids it may draw), and the log-prob check's tolerance."""
+  return dict(
     loss_norm=r.loss_norm,
     epsilon_low=r.epsilon_low,
     epsilon_high=r.epsilon_high,
@@ -70,6 +69,12 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
     max_new_tokens=r.max_new_tokens,
     gap_tolerance=r.logp_tolerance,
   )
+
+
+def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
+  """The step's ``loss_fn`` for ``cfg.rl`` (``rl.grpo_loss``), 4-argument with a live
+  reference (the copy rides in the state's ``model_state``)."""
+  options = grpo_options(cfg.rl, allowed)
   build = lambda reference: rl.grpo_loss(apply_fn, reference=reference, **options)  # noqa: E731
   return loss_with_reference(reference_kind(cfg), apply_fn, build)
 
