@@ -235,7 +235,6 @@ def sharded_accumulate(
   devices = batch_shards(mesh)
   state_specs = tree_specs(model_state, mesh)
   frozen_specs = tree_specs(frozen, mesh)
-  tensor_leaves = jax.tree.map(lambda spec: TENSOR in spec, param_specs)
   manual = lambda specs: jax.tree.map(manual_spec, specs)  # noqa: E731
 
   def local(params, batch, units, step_rng, loss_scale, model_state, frozen):
@@ -257,7 +256,7 @@ def sharded_accumulate(
       model_state=jax.tree.map(_gather, model_state, state_specs),
       frozen=jax.tree.map(_gather, frozen, frozen_specs),
     )
-    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs, tensor_leaves)
+    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs)
     return grads, loss, extra, aux, jax.tree.map(_average, model_state, state_specs)
 
   specs = (manual(param_specs), P(AXES), P(), P(), P(), manual(state_specs), manual(frozen_specs))
@@ -325,7 +324,7 @@ def _scatter(x, dim: int):
   return _over_rows(jax.lax.psum, shard, ("data",))
 
 
-def _reduce(grads, sums, param_specs, tensor_leaves=None):
+def _reduce(grads, sums, param_specs):
   """The update's reduction: ``(grads, *sums)`` summed over every device.
 
   Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
@@ -339,7 +338,7 @@ def _reduce(grads, sums, param_specs, tensor_leaves=None):
   leaves, treedef = jax.tree.flatten(grads)
   specs = treedef.flatten_up_to(param_specs)
   dims = [_fsdp_dim(spec) for spec in specs]
-  split = treedef.flatten_up_to(tensor_leaves) if tensor_leaves is not None else [False] * len(dims)
+  split = [TENSOR in spec for spec in specs]  # leaves the tensor axis splits
   for i, dim in enumerate(dims):
     if dim is None and split[i]:
       psum = lambda v: _over_rows(jax.lax.psum, v, AXES)  # noqa: E731
