@@ -130,14 +130,14 @@ def process_env(port: int, process_id: int, devices: int) -> dict:
   }
 
 
-def one_and_two_processes(args, tmp_path) -> list[str]:
-  """``jaxstep.train args`` as one process on 4 CPU devices (``tmp_path/one``), then as 2
-  processes × 2 devices on 127.0.0.1 (``tmp_path/two``); asserts every run exits 0 and
-  returns the two processes' stderr."""
+def one_and_two_processes(args, tmp_path, one_devices: int = 4) -> list[str]:
+  """``jaxstep.train args`` as one process on ``one_devices`` CPU devices (``tmp_path/one``),
+  then as 2 processes × 2 devices on 127.0.0.1 (``tmp_path/two``); asserts every run exits
+  0 and returns the two processes' stderr."""
   train = [sys.executable, "-m", "jaxstep.train", *args]
   one = subprocess.run(
-    [*train, "mesh.cpu_devices=4", f"run_dir={tmp_path / 'one'}"],
-    env=devices_env(4),
+    [*train, f"mesh.cpu_devices={one_devices}", f"run_dir={tmp_path / 'one'}"],
+    env=devices_env(one_devices),
     capture_output=True,
     text=True,
     timeout=300,
@@ -177,31 +177,10 @@ def test_two_processes_match_a_single_process_run(tmp_path):
     "train.grad_accum_steps=2",
     f"data.path={tmp_path / 'corpus.txt'}",
   ]
-  single = subprocess.run(
-    [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / 'single'}"],
-    env=devices_env(1),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert single.returncode == 0, single.stderr
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-m", "jaxstep.train", *args, f"run_dir={tmp_path / 'multi'}"],
-      env=process_env(port, i, devices=2),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for p, (_, err) in zip(procs, outs, strict=True):
-    assert p.returncode == 0, err[-3000:]
-  assert "process 0 of 2, 2 local / 4 global devices" in outs[0][1]
-  a = read_lines(tmp_path / "single" / "metrics.jsonl")
-  b = read_lines(tmp_path / "multi" / "metrics.jsonl")  # written by process 0 only
+  errs = one_and_two_processes(args, tmp_path, one_devices=1)
+  assert "process 0 of 2, 2 local / 4 global devices" in errs[0]
+  a = read_lines(tmp_path / "one" / "metrics.jsonl")
+  b = read_lines(tmp_path / "two" / "metrics.jsonl")  # written by process 0 only
   assert [r["step"] for r in b] == [1, 2, 3]
   for x, y in zip(a, b, strict=True):
     assert x["tokens"] == y["tokens"]
