@@ -20,6 +20,7 @@ COMMANDS = {
   "checkpoints": ("jaxstep.cli.checkpoints", "list a run's checkpoints and whether each is ok"),
   "generate": ("jaxstep.cli.generate", "continue text prompts with a trained run's model"),
   "evaluate": ("jaxstep.cli.evaluate", "loss, perplexity and bits per byte of a run on any data"),
+  "harness": ("jaxstep.cli.harness", "lm-evaluation-harness tasks on a run or a model folder"),
   "export": ("jaxstep.cli.export", "a run's checkpoint as a Hugging Face model folder"),
   "plot": ("jaxstep.cli.plot", "RUN_DIR/loss.png: loss, lr and grad norm by update step"),
 }

@@ -14,6 +14,11 @@ otherwise (other input is read in the run's data format). Batches hold
 ``train.global_batch_size`` windows, fewer when those would not fit (``--batch-size``).
 The output states the format, the window, the stride and the tokens scored.
 
+``--tasks hellaswag,arc_easy`` scores lm-evaluation-harness tasks instead (or as well): the
+harness's results for the model ``jaxstep harness`` runs, offline (``--include-path`` a
+folder of local task YAMLs), as ``harness/<task>/<metric>`` lines. Needs ``pip install
+'jaxstep[eval]'``.
+
 Bits per byte = the nats of all targets ÷ (ln 2 × the UTF-8 bytes they stand for); it does
 not depend on the tokenizer, so runs with different vocabularies compare on one text.
 """
@@ -24,6 +29,7 @@ import argparse
 import pathlib
 
 from jaxstep.cli._common import run_dir_command, run_dir_parser
+from jaxstep.errors import ConfigError
 
 
 def _count(text: str) -> int:
@@ -42,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
   from jaxstep.trainer.saved_run.evaluate import SPLITS
 
   p = run_dir_parser("jaxstep evaluate", __doc__)
-  p.add_argument("--data", required=True, help="files, a directory, a glob, or a prepared folder")
+  p.add_argument("--data", help="files, a directory, a glob, or a prepared folder")
   p.add_argument(
     "--format",
     default=None,
@@ -65,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--batch-size", type=_count, default=0, help="windows per batch (0: train.global_batch_size)"
   )
+  p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated")
+  p.add_argument("--include-path", help="a folder of the harness's task YAML files (local data)")
+  p.add_argument("--limit", type=float, default=None, help="the first N documents of each task")
+  p.add_argument("--num-fewshot", type=_count, default=None, help="examples in each task's prompt")
+  p.add_argument("--apply-chat-template", action="store_true", help="prompts in the chat template")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   return p
 
@@ -74,11 +85,46 @@ def main(argv=None) -> int:
 
 
 def evaluate(args) -> int:
-  from jaxstep.trainer.saved_run import evaluate as evaluation
   from jaxstep.trainer.saved_run.load import load_run
+
+  if not args.data and not args.tasks:
+    raise ConfigError("give --data (text to score) or --tasks (lm-evaluation-harness tasks)")
+  saved = load_run(args.run_dir, args.step)
+  if args.data:
+    score_data(saved, args)
+  if args.tasks:
+    score_tasks(saved, args)
+  return 0
+
+
+def score_tasks(saved, args) -> None:
+  from jaxstep.harness import lm, register, tasks
   from jaxstep.trainer.store import records
 
-  saved = load_run(args.run_dir, args.step)
+  register()
+  model = lm.JaxstepLM(
+    path=args.run_dir, saved=saved, batch_size=args.batch_size or lm.DEFAULT_BATCH
+  )
+  limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+  results = tasks.run_tasks(
+    model,
+    args.tasks.split(","),
+    include_path=args.include_path,
+    limit=limit,
+    num_fewshot=args.num_fewshot,
+    apply_chat_template=args.apply_chat_template,
+  )
+  if args.json:
+    print(records.dumps({"step": saved.step, "tasks": args.tasks, **results}))
+  else:
+    for name, value in results.items():
+      print(f"{name}  {value:.4f}")
+
+
+def score_data(saved, args) -> None:
+  from jaxstep.trainer.saved_run import evaluate as evaluation
+  from jaxstep.trainer.store import records
+
   seq_len = args.seq_len or evaluation.default_seq_len(saved)
   if args.batch_size:
     evaluation.refuse_batch_that_cannot_fit(
@@ -106,4 +152,3 @@ def evaluate(args) -> int:
       f"{result['bpb']:.4f}  ({result['tokens']} tokens scored, {result['bytes']} bytes, "
       f"{result['windows']} windows)"
     )
-  return 0

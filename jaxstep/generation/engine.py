@@ -58,6 +58,9 @@ class Generator:
       prompt starts with BOS).
     dtype: compute dtype (params and cache are cast to it); fp32 by default.
     use_cache: False runs the GPT the reference way (the whole buffer per token).
+    ban_specials: False lets every id of the model's vocabulary be drawn, PAD and BOS
+      included, as transformers' ``generate`` does (its results are then compared token
+      for token); by default a continuation never holds PAD or BOS.
 
   Example:
     >>> gen = Generator(cfg.model, state.params, data.ByteTokenizer())
@@ -73,6 +76,7 @@ class Generator:
     max_seq_len: int | None = None,
     dtype=jnp.float32,
     use_cache: bool = True,
+    ban_specials: bool = True,
   ):
     if isinstance(model, models.GPTConfig | models.LlamaConfig):
       dec = models.decoder(model)
@@ -88,7 +92,7 @@ class Generator:
         f"model must be a GPTConfig, a LlamaConfig or an apply_fn, got {type(model).__name__}"
       )
     self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
-    self._vocab = vocab
+    self._vocab, self._ban_specials = vocab, ban_specials
     self._cache_model = model if self._decode is not None else None
     self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill", "stops"))
 
@@ -276,7 +280,7 @@ class Generator:
       self.params,
       place(buffer),
       place(lengths),
-      allowed_ids(vocab, self.tokenizer),
+      allowed_ids(vocab, self.tokenizer) if self._ban_specials else np.ones(vocab, bool),
       np.uint32(seed % 2**32),  # any Python int is a seed
       np.float32(temperature),
       np.int32(min(top_k, vocab)),  # top_k >= vocab keeps every id, as vocab does

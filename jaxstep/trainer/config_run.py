@@ -24,6 +24,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.errors import EmptyBatchError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import HELDOUT
+from jaxstep.trainer.evaluation.harness_tasks import harness_evaluation
 from jaxstep.trainer.evaluation.scoring import EVAL_IN_FLIGHT, eval_record, summed
 from jaxstep.trainer.evaluation.text_samples import TextSamples
 from jaxstep.trainer.loop import assembly
@@ -361,4 +362,10 @@ def _evaluation(run: Run) -> assembly.Evaluation:
     }
 
   samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
-  return assembly.Evaluation(evaluate_all if splits else None, next(iter(splits), None), samples)
+  return assembly.Evaluation(
+    evaluate_all if splits else None,
+    next(iter(splits), None),
+    samples,
+    harness_evaluation(run.cfg, run.dataset.tokenizer),
+    run.cfg.eval.harness_every,
+  )

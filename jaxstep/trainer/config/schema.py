@@ -12,8 +12,6 @@ Sections: ``model`` (``jaxstep.models``' GPT or Llama config), ``data``
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Mapping
 
 from jaxstep.core import geometry
 from jaxstep.core.optim import OptimConfig
@@ -23,6 +21,13 @@ from jaxstep.core.rl import RLConfig
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig, LlamaConfig
+from jaxstep.trainer.config.eval_section import (  # noqa: F401 - the section, and its names
+  HARNESS_SET,
+  HELDOUT,
+  MAX_EVAL_SETS,
+  EvalConfig,
+  check_eval_sets,
+)
 
 NONFINITE_POLICIES = ("skip", "halt")  # skip: train on; halt: checkpoint and stop
 
@@ -95,41 +100,6 @@ def parse_profile_steps(spec: str) -> tuple[int, int] | None:
   return a, b
 
 
-EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-HELDOUT = "heldout"  # the name the run's own held-out split reports under
-
-
-MAX_EVAL_SETS = 32  # each set costs a pass over its windows at every eval
-
-
-def check_eval_sets(sets: Mapping[str, str]) -> dict[str, str]:
-  """``eval.sets`` checked: at most ``MAX_EVAL_SETS`` entries, each name matching ``EVAL_SET_NAME``
-  and not ``heldout``, each path a non-empty string; returned as a plain dict.
-
-  Raises:
-    ConfigError: naming ``eval.sets`` and the bad entry.
-  """
-  if not isinstance(sets, Mapping):
-    raise ConfigError(f"eval.sets must map names to data paths, got {type(sets).__name__}")
-  if len(sets) > MAX_EVAL_SETS:
-    raise ConfigError(f"eval.sets has {len(sets)} sets; at most {MAX_EVAL_SETS} are scored")
-  for name, path in sets.items():
-    if not isinstance(name, str) or not EVAL_SET_NAME.fullmatch(name):
-      raise ConfigError(
-        f"eval.sets name {name!r}: use letters, digits, '_', '.' and '-', starting with a "
-        f"letter or digit"
-      )
-    if name == HELDOUT:
-      raise ConfigError(
-        f"eval.sets name {HELDOUT!r} is the run's own held-out split; choose another name"
-      )
-    if not isinstance(path, str) or not path.strip():
-      raise ConfigError(f"eval.sets.{name} must be a non-empty data path, got {path!r}")
-  return dict(sets)
-
-
 MAX_CPU_DEVICES = 1024  # XLA's host platform crashes natively long before 100,000 devices
 
 
@@ -188,16 +158,6 @@ class MeshConfig:
       raise ConfigError(
         f"mesh.initialization_timeout must be > 0 seconds, got {self.initialization_timeout}"
       )
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-  """Named evaluation sets besides the held-out split, scored at ``train.eval_every``."""
-
-  sets: dict[str, str] = dataclasses.field(default_factory=dict)  # {name: path}, like data.path
-
-  def __post_init__(self):
-    object.__setattr__(self, "sets", check_eval_sets(self.sets))
 
 
 # How the CLI's user spells G and K in messages about batch geometry.

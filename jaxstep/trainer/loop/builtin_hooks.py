@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from jaxstep.trainer.config.schema import (
   EXTERNAL_TRACKERS,
+  HARNESS_SET,
   MlflowConfig,
   WandbConfig,
   parse_profile_steps,
@@ -184,6 +185,10 @@ class TrackersHook(Hook):
 
   def on_eval(self, loop, name, record):
     values = {k: v for k, v in record.items() if k not in ("step", "set")}
+    if name == HARNESS_SET:  # lm-evaluation-harness tasks: harness/<task>/<metric>
+      values = {k.removeprefix(f"{name}/"): v for k, v in values.items()}
+      self.trackers.metrics(record["step"], values, name)
+      return
     self.trackers.metrics(record["step"], values, f"eval/{name}")
 
   def on_samples(self, loop, samples):
@@ -218,11 +223,14 @@ class Evaluation:
   """What the built-in hooks score and generate: ``evaluate(state) → {set: record}`` every
   ``train.eval_every`` update steps (None: no sets), ``first_set`` (the one early stopping
   and ``on_evaluate`` callbacks watch), ``samples(step, params) → records`` every
-  ``train.sample_every`` (None: no samples)."""
+  ``train.sample_every`` (None: no samples), ``harness(state) → {set: record}`` every
+  ``harness_every`` (0: ``train.eval_every``; None: no lm-evaluation-harness tasks)."""
 
   evaluate: Callable | None = None
   first_set: str | None = None
   samples: Callable | None = None
+  harness: Callable | None = None
+  harness_every: int = 0
 
 
 def trackers_hook(
@@ -271,4 +279,7 @@ def standard_hooks(
     )
   if samples is not None:
     hooks.append(SamplesHook(samples, t.sample_every))
+  if evaluation.harness is not None:
+    every = evaluation.harness_every or t.eval_every
+    hooks.append(EvalHook(evaluation.harness, every, params_of=lambda state: state))
   return hooks

@@ -18,7 +18,7 @@ from jaxstep.core import freeze, param_groups
 from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
-from jaxstep.trainer.evaluation import eval_sets, text_samples
+from jaxstep.trainer.evaluation import eval_sets, harness_tasks, text_samples
 from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState
@@ -68,6 +68,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
   """
   trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
+  harness_tasks.check_tasks(cfg.eval)
   plan = make_plan(cfg, read_data=True)
   cfg, mesh, t, dataset = plan.cfg, plan.mesh, plan.cfg.train, plan.dataset
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)

@@ -18,6 +18,7 @@ import time
 import jax
 import tqdm
 
+from jaxstep.trainer.config.eval_section import HARNESS_SET
 from jaxstep.trainer.store import records
 from jaxstep.trainer.tracking import tensorboard_events
 from jaxstep.trainer.tracking.mfu import mfu
@@ -123,12 +124,14 @@ class MetricsSink:
     tag = "eval" if name == "heldout" else f"eval/{name}"
     for key, value in record.items():
       if key not in ("step", "set") and not isinstance(value, bool | str):
-        self.tb.add_scalar(f"{tag}/{key.removeprefix('eval_')}", float(value), record["step"])
+        # lm-evaluation-harness results are named harness/<task>/<metric> already
+        tagged = key if name == HARNESS_SET else f"{tag}/{key.removeprefix('eval_')}"
+        self.tb.add_scalar(tagged, float(value), record["step"])
     shown = "  ".join(
-      f"{key.removeprefix('eval_')} {value:.4g}"
+      f"{key.removeprefix('eval_').removeprefix(f'{HARNESS_SET}/')} {value:.4g}"
       for key, value in record.items()
       if key in ("eval_loss", "eval_ppl", "eval_bpb", "loss", "eval_reward")
-      or key.startswith("eval_rewards/")
+      or key.startswith(("eval_rewards/", f"{HARNESS_SET}/"))
     )
     self._say(f"eval {name} at step {record['step']}: {shown}")
 

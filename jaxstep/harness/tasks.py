@@ -1,0 +1,159 @@
+"""lm-evaluation-harness tasks run on a jaxstep model, offline.
+
+``run_tasks(lm, names)`` is the harness's ``simple_evaluate`` on a ``JaxstepLM`` with the
+Hugging Face Hub switched off (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``): a task whose
+data is a local file (``dataset_path: json`` + ``dataset_kwargs.data_files``, in a folder
+of task YAMLs given as ``include_path``) runs, and one that would download its data is
+one ``ConfigError`` line naming it and saying how to point it at local files. Data the
+``datasets`` cache already holds is read from there.
+
+Results come back flat, as the trackers and ``eval.jsonl`` take them:
+``harness/<task>/<metric>`` (``…/<metric>/<filter>`` for a filter other than ``none``),
+the standard errors left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+from collections.abc import Sequence
+
+from jaxstep.errors import ConfigError
+from jaxstep.harness import require_harness
+
+LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow", "pandas")
+log = logging.getLogger("jaxstep")
+
+
+@contextlib.contextmanager
+def offline():
+  """The Hub switched off for ``datasets``/``huggingface_hub`` inside the block (their
+  settings read when they are imported, and their live flags), restored after it."""
+  names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+  before = {n: os.environ.get(n) for n in names}
+  os.environ.update(dict.fromkeys(names, "1"))
+  flags = []
+  for where in ("datasets.config", "huggingface_hub.constants"):
+    name = "HF_HUB_OFFLINE"
+    with contextlib.suppress(ImportError):
+      module = importlib.import_module(where)
+      flags.append((module, name, getattr(module, name)))
+      setattr(module, name, True)
+  try:
+    yield
+  finally:
+    for module, name, value in flags:
+      setattr(module, name, value)
+    for name, value in before.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+
+
+def task_manager(names: Sequence[str], include_path: str | None = None):
+  """The harness's ``TaskManager``: only the tasks in ``include_path`` when they hold every
+  name asked for (indexing the harness's own thousands of tasks takes seconds), else all;
+  ``ConfigError`` for a name neither knows."""
+  from lm_eval.tasks import TaskManager
+
+  if include_path is not None and not os.path.isdir(include_path):
+    raise ConfigError(f"--include-path {include_path} is not a directory of task YAML files")
+  manager = None
+  if include_path is not None:
+    manager = TaskManager(include_path=include_path, include_defaults=False)
+  if manager is None or any(n not in manager.task_index for n in names):
+    manager = TaskManager(include_path=include_path)
+  unknown = [n for n in names if n not in manager.task_index]
+  if unknown:
+    where = f" nor in {include_path}" if include_path else ""
+    raise ConfigError(
+      f"task {', '.join(unknown)}: not a task lm-evaluation-harness knows{where} (list "
+      f"them with: lm_eval ls tasks)"
+    )
+  return manager
+
+
+def refuse_hub_tasks(manager, names: Sequence[str]) -> None:
+  """``ConfigError`` naming the first task whose YAML reads a Hub dataset that is not in the
+  local ``datasets`` cache either."""
+  for name in names:
+    cfg = manager.task_index[name].cfg or {}
+    path = cfg.get("dataset_path")
+    if path is None or path in LOCAL_BUILDERS or os.path.isdir(str(path)):
+      continue
+    if not _cached(path, cfg.get("dataset_name")):
+      raise ConfigError(hub_message(name, path))
+
+
+def hub_message(name: str, path: str) -> str:
+  return (
+    f"task {name} reads its data from the Hugging Face Hub ({path}) and jaxstep never "
+    f"downloads: save the data as local files and point a task YAML at them (dataset_path: "
+    f"json, dataset_kwargs: {{data_files: …}}) in a folder given with --include-path"
+  )
+
+
+def _cached(path: str, name: str | None) -> bool:
+  """Whether ``datasets`` holds ``path`` (config ``name``) in its local cache."""
+  try:
+    import datasets
+
+    with offline():
+      datasets.load_dataset_builder(path, name)
+  except Exception:  # noqa: BLE001 - any failure offline means: not usable offline
+    return False
+  return True
+
+
+def run_tasks(
+  lm,
+  names: Sequence[str],
+  *,
+  include_path: str | None = None,
+  limit: int | float | None = None,
+  num_fewshot: int | None = None,
+  apply_chat_template: bool = False,
+) -> dict[str, float]:
+  """The harness's results of ``names`` on ``lm`` (a ``JaxstepLM``), flat (see the module)."""
+  require_harness()
+  import lm_eval
+
+  names = [n.strip() for n in names if n.strip()]
+  if not names:
+    raise ConfigError("give one or more task names (e.g. --tasks hellaswag,arc_easy)")
+  logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task notes: not a run's log
+  lm.progress = False
+  with offline():
+    manager = task_manager(names, include_path)
+    refuse_hub_tasks(manager, names)
+    try:
+      results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(names),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        apply_chat_template=apply_chat_template,
+        log_samples=False,
+      )
+    except ConnectionError as e:  # a group's member task that reads the Hub
+      raise ConfigError(hub_message(", ".join(names), str(e))) from None
+  return flatten(results["results"])
+
+
+def flatten(results: dict) -> dict[str, float]:
+  """``{task: {"acc,none": v, "acc_stderr,none": s, …}}`` → ``{"harness/task/acc": v}``."""
+  out = {}
+  for task, metrics in results.items():
+    for key, value in metrics.items():
+      metric, _, filt = key.partition(",")
+      if not filt or metric.endswith("_stderr") or isinstance(value, bool):
+        continue
+      if not isinstance(value, int | float) or not math.isfinite(value):
+        continue
+      out["/".join(["harness", task, metric] + ([filt] if filt != "none" else []))] = value
+  return out

@@ -1,0 +1,68 @@
+"""lm-evaluation-harness tasks scored during training: ``eval.harness_tasks`` every
+``eval.harness_every`` update steps (0: ``train.eval_every``) and once at the end, on the
+params of that step, offline (``jaxstep.harness.tasks``). Each run is one ``eval.jsonl``
+record of set ``harness`` whose keys are ``harness/<task>/<metric>``, the names the
+trackers show it under.
+
+The tasks are checked when the run is built (known to the harness, data local), so a bad
+name stops the run before its first update, not at its first evaluation. One model is
+compiled for the run and given each step's params. A job of several processes is refused:
+the harness drives one process's requests.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxstep.errors import ConfigError
+from jaxstep.trainer.config.eval_section import HARNESS_SET
+
+
+def check_tasks(eval_cfg) -> None:
+  """``ConfigError`` when ``eval.harness_tasks`` cannot run here (no harness installed, a
+  task it does not know or whose data is not local, several processes)."""
+  if not eval_cfg.harness_tasks:
+    return
+  from jaxstep.harness import register, tasks
+
+  register()
+  if jax.process_count() > 1:
+    raise ConfigError(
+      f"eval.harness_tasks runs in one process; this job has {jax.process_count()}: score "
+      f"the tasks after training with jaxstep evaluate RUN_DIR --tasks …"
+    )
+  names = list(eval_cfg.harness_tasks)
+  with tasks.offline():
+    manager = tasks.task_manager(names, eval_cfg.harness_include_path or None)
+    tasks.refuse_hub_tasks(manager, names)
+
+
+def harness_evaluation(cfg, tokenizer):
+  """``evaluate(state) → {"harness": {metric: value}}`` for ``cfg.eval.harness_tasks`` (None
+  when there are none)."""
+  e = cfg.eval
+  if not e.harness_tasks:
+    return None
+  from jaxstep.harness import lm as harness_lm
+  from jaxstep.harness import tasks
+  from jaxstep.trainer.saved_run.load import SavedRun
+
+  model = None
+
+  def evaluate(state) -> dict:
+    nonlocal model
+    if model is None:
+      template = getattr(tokenizer, "chat_template", None)
+      saved = SavedRun(cfg, tokenizer, state.params, 0, chat_template=template)
+      model = harness_lm.JaxstepLM(saved=saved, batch_size=e.harness_batch_size)
+    else:
+      model.set_params(state.params)
+    results = tasks.run_tasks(
+      model,
+      list(e.harness_tasks),
+      include_path=e.harness_include_path or None,
+      limit=e.harness_limit or None,
+    )
+    return {HARNESS_SET: results}
+
+  return evaluate

@@ -1,0 +1,262 @@
+"""jaxstep as an lm-evaluation-harness model: each request type equals an independent
+computation (the log-softmax of the model's logits; the harness's own HF model on the same
+folder; ``evaluate`` on the same text), tasks run offline only, and a run scores tasks at
+its cadence."""
+
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+from harness_helpers import llama_folder, local_tasks, per_request
+
+from jaxstep import models
+from jaxstep.errors import ConfigError
+from jaxstep.harness import lm as harness_lm
+from jaxstep.harness import register, require_harness, tasks
+from jaxstep.harness.scoring import width_bucket
+from jaxstep.trainer.config import loading
+
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  path = tmp_path_factory.mktemp("harness")
+  return llama_folder(path / "llama"), local_tasks(path)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+  register()
+  return harness_lm.JaxstepLM(path=str(folder[0]), batch_size=4, max_length=24)
+
+
+def model_logits(saved, ids, width: int = 24) -> np.ndarray:
+  """``[len(ids), V]`` float64 logits of one sequence, run padded to ``width`` (a causal
+  model: the padding changes no earlier position), so that one compiled shape serves all."""
+  apply_fn = jax.jit(models.decoder(saved.cfg.model).apply_fn)
+  padded = np.zeros((1, width), np.int32)
+  padded[0, : len(ids)] = ids
+  return np.asarray(apply_fn(saved.params, padded)[0, : len(ids)], np.float64)
+
+
+def reference_logp(saved, context, continuation, max_length):
+  """Σ log softmax of the continuation's ids, from one forward pass of the whole sequence,
+  summed in float64 on the host."""
+  whole = (list(context) + list(continuation))[-(max_length + 1) :]
+  logits = model_logits(saved, whole[:-1])
+  shifted = logits - logits.max(-1, keepdims=True)
+  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  at = np.arange(len(whole) - 1)[-len(continuation) :]
+  targets = np.asarray(whole[1:])[-len(continuation) :]
+  return logp[at, targets].sum(), bool(np.all(logits[at].argmax(-1) == targets))
+
+
+def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model):
+  rng = np.random.default_rng(0)
+  requests = []
+  for length, cont in [(3, 1), (9, 4), (30, 2), (1, 1), (17, 7), (5, 3)]:  # 30 + 2 > 24: cut
+    ids = rng.integers(3, 300, length + cont).tolist()
+    requests.append((None, ids[:length], ids[length:]))
+  got = model._loglikelihood_tokens(requests, disable_tqdm=True)
+  for (_, context, cont), (logp, greedy) in zip(requests, got, strict=True):
+    want, want_greedy = reference_logp(model.saved, context, cont, 24)
+    assert logp == pytest.approx(want, abs=1e-4) and greedy == want_greedy
+
+
+def test_the_greedy_flag_is_true_for_the_models_own_argmax(model):
+  context = [model.jax_tokenizer.BOS, 40, 41, 42]
+  ids = list(context)
+  for _ in range(3):
+    ids.append(int(np.argmax(model_logits(model.saved, ids)[-1])))
+  (logp, greedy), (_, other) = model._loglikelihood_tokens(
+    [(None, context, ids[4:]), (None, context, [*ids[4:6], (ids[6] + 1) % 300])], True
+  )
+  assert greedy and not other and logp < 0
+
+
+def test_rows_are_scored_alike_in_any_batch_and_width(folder, model):
+  one = harness_lm.JaxstepLM(path=str(folder[0]), batch_size=1, max_length=24)
+  rng = np.random.default_rng(1)
+  lengths = (2, 20, 7, 13, 5)
+  requests = [
+    (None, rng.integers(3, 300, n).tolist(), [int(rng.integers(3, 300))]) for n in lengths
+  ]
+  batched = model._loglikelihood_tokens(requests, True)
+  alone = one._loglikelihood_tokens(requests, True)
+  np.testing.assert_allclose([b[0] for b in batched], [a[0] for a in alone], atol=1e-5)
+  assert [width_bucket(n, 24) for n in (1, 16, 17, 30)] == [16, 16, 24, 24]
+
+
+def test_text_starts_with_bos_once_as_the_folders_tokenizer_starts_it(model):
+  tok = model.jax_tokenizer
+  assert model.tok_encode("one plus two")[0] == tok.BOS
+  assert model.tok_encode("<|begin_of_text|>one").count(tok.BOS) == 1  # written in the text
+  assert tok.BOS not in model.tok_encode("one", add_special_tokens=False)
+  assert model.prefix_token_id == tok.BOS
+
+
+def test_results_are_flat_metric_names_without_standard_errors():
+  results = {"t": {"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": "t", "em,strict": 1.0}}
+  assert tasks.flatten(results) == {"harness/t/acc": 0.5, "harness/t/em/strict": 1.0}
+
+
+def test_a_task_that_would_download_is_one_line_naming_it(tmp_path, model):
+  (tmp_path / "hub.yaml").write_text(
+    "task: hub_task\ndataset_path: someone/not_on_this_disk\noutput_type: multiple_choice\n"
+    "test_split: test\ndoc_to_text: q\ndoc_to_choice: '{{c}}'\ndoc_to_target: 0\n"
+  )
+  hub = "hub_task reads its data from the Hugging Face Hub .*--include-path"
+  with pytest.raises(ConfigError, match=hub):
+    tasks.run_tasks(model, ["hub_task"], include_path=str(tmp_path))
+
+
+def test_model_args_that_are_not_options_are_one_line(folder):
+  with pytest.raises(ConfigError, match="pretrained: not options of --model jaxstep"):
+    harness_lm.JaxstepLM(path=str(folder[0]), pretrained="gpt2")
+  with pytest.raises(ConfigError, match="the model takes 1 to 128 positions"):
+    harness_lm.JaxstepLM(path=str(folder[0]), max_length=4096)
+
+
+def test_without_the_harness_installed_the_error_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "lm_eval", None)
+  with pytest.raises(ConfigError, match=r"pip install 'jaxstep\[eval\]'"):
+    require_harness()
+
+
+def test_harness_tasks_in_a_config_are_a_list_of_names():
+  cfg = loading.load(None, ["eval.harness_tasks=[arc_easy, hellaswag]", "eval.harness_every=5"])
+  assert cfg.eval.harness_tasks == ("arc_easy", "hellaswag") and cfg.eval.harness_every == 5
+  assert loading.load(None, ["eval.harness_tasks=a,b"]).eval.harness_tasks == ("a", "b")
+  with pytest.raises(ConfigError, match="eval.harness_every must be >= 0"):
+    loading.load(None, ["eval.harness_every=-1"])
+
+
+@pytest.mark.slow
+def test_the_tasks_give_what_the_harness_hf_model_gives(folder):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+
+  path, task_dir = folder
+  register()
+  runs = {}
+  for name, args in (("hf", f"pretrained={path},dtype=float32"), ("jaxstep", f"path={path}")):
+    runs[name] = lm_eval.simple_evaluate(
+      model=name, model_args=args, tasks=["tiny_mc", "tiny_gen", "tiny_roll"], device="cpu",
+      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+      batch_size=8, log_samples=True,
+    )  # fmt: skip
+  hf, ours = (per_request(runs[n]["samples"]) for n in ("hf", "jaxstep"))
+  for task in ("tiny_mc", "tiny_roll"):
+    want = np.array([[r[0] if isinstance(r, list) else r for r in d] for d in hf[task]], float)
+    got = np.array([[r[0] if isinstance(r, list) else r for r in d] for d in ours[task]], float)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  assert ours["tiny_gen"] == hf["tiny_gen"] and any(d[0] for d in ours["tiny_gen"])
+  for metric in ("acc,none", "acc_norm,none"):
+    assert runs["jaxstep"]["results"]["tiny_mc"][metric] == runs["hf"]["results"]["tiny_mc"][metric]
+
+
+@pytest.mark.slow
+def test_a_rolling_loglikelihood_is_evaluate_with_windows_side_by_side(folder, tmp_path, capsys):
+  """The harness's disjoint windows of ``max_length`` are ``evaluate``'s plain windows of
+  that length for a text of whole windows (a last partial window of the harness's takes a
+  whole window of context); ``evaluate`` also scores the text's EOS, the harness not."""
+  from jaxstep.cli import evaluate
+
+  path, window = folder[0], 16
+  lm = harness_lm.JaxstepLM(path=str(path), max_length=window, add_bos_token=False)
+  long = " ".join(["one plus two is three", "four plus five is nine"] * 8)
+  text = next(
+    t for t in (long[:n].strip() for n in range(60, len(long)))
+    if len(lm.tok_encode(t)) % window == 0
+  )  # fmt: skip
+  (tmp_path / "t.txt").write_text(text)
+  assert evaluate.main([str(path), "--data", str(tmp_path / "t.txt"), "--seq-len", str(window),
+                        "--stride", str(window), "--json"]) == 0  # fmt: skip
+  scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+  class Request:
+    args = (text,)
+
+  rolling = lm.loglikelihood_rolling([Request()], disable_tqdm=True)[0]
+  ids = [lm.jax_tokenizer.BOS, *lm.tok_encode(text)]  # the document: BOS, text, EOS
+  eos, _ = lm._loglikelihood_tokens([(None, ids[-1:], [lm.eot_token_id])], True)[0]
+  assert scored["tokens"] == len(ids) and scored["windows"] == len(ids) // window + 1
+  assert -scored["loss"] * scored["tokens"] == pytest.approx(rolling + eos, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_a_run_scores_its_tasks_at_their_cadence(folder, tmp_path):
+  from conftest import SMALL_MODEL
+
+  from jaxstep.cli import train
+
+  task_dir = folder[1]
+  run_dir = tmp_path / "run"
+  args = ["--config", "tiny", *SMALL_MODEL, "train.max_steps=6", "train.eval_every=0",
+          "eval.harness_tasks=[tiny_mc, tiny_gen]", f"eval.harness_include_path={task_dir}",
+          "eval.harness_every=3", "eval.harness_limit=8", f"run_dir={run_dir}"]  # fmt: skip
+  assert train.main(args) == 0
+  lines = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+  harness = [x for x in lines if x["set"] == "harness"]
+  assert [x["step"] for x in harness] == [3, 6]
+  for record in harness:
+    assert 0 <= record["harness/tiny_mc/acc"] <= 1 and "harness/tiny_gen/exact_match" in record
+
+
+@pytest.mark.slow
+def test_a_run_with_a_task_it_cannot_score_stops_before_training(folder, tmp_path, capsys):
+  from jaxstep.cli import train
+
+  args = ["--config", "tiny", "eval.harness_tasks=[no_such_task]",
+          f"eval.harness_include_path={folder[1]}", f"run_dir={tmp_path / 'run'}"]  # fmt: skip
+  assert train.main(args) != 0
+  assert "no_such_task: not a task" in capsys.readouterr().err
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_the_harness_command_and_evaluate_tasks_print_the_results(folder, tmp_path):
+  import subprocess
+
+  path, task_dir = folder
+  common = ["--include_path", str(task_dir), "--tasks", "tiny_mc", "--limit", "8"]
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxstep", "harness", "--model_args", f"path={path}", *common],
+    capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "|tiny_mc|" in out.stdout and "acc" in out.stdout
+  out = subprocess.run(
+    [sys.executable, "-m", "jaxstep", "evaluate", str(path), "--tasks", "tiny_mc",
+     "--include-path", str(task_dir), "--limit", "8", "--json"],
+    capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert 0 <= result["harness/tiny_mc/acc"] <= 1
+
+
+@pytest.mark.slow
+def test_four_devices_score_what_one_device_scores(folder, tmp_path):
+  import os
+  import subprocess
+
+  script = (
+    "import sys, json; from jaxstep.harness import lm, register; register(); "
+    f"m = lm.JaxstepLM(path={str(folder[0])!r}, batch_size=6, max_length=24); "
+    "r = [(None, [m.jax_tokenizer.BOS] + list(range(5, 5 + n)), [7, 8]) for n in range(1, 10)]; "
+    "print(json.dumps([len(__import__('jax').devices()), m._loglikelihood_tokens(r, True)]))"
+  )
+  got = {}
+  for devices in (1, 4):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    command = [sys.executable, "-c", script]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, got[devices] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert count == devices
+  np.testing.assert_allclose([x[0] for x in got[4]], [x[0] for x in got[1]], atol=1e-5)
+  assert [x[1] for x in got[4]] == [x[1] for x in got[1]]
