@@ -177,7 +177,7 @@ class JaxstepLM(TemplateLM):
 
     order = Collator(requests, sort_fn=longest_first)
     out = []
-    bar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress, desc="loglikelihood requests")
+    bar = self._bar(len(requests), disable_tqdm, "loglikelihood requests")
     for chunk in order.get_batched(n=self._batch):
       answers = self.scorer.score([(ctx, cont) for _, ctx, cont in chunk])
       for (key, _, _), answer in zip(chunk, answers, strict=True):
@@ -216,7 +216,7 @@ class JaxstepLM(TemplateLM):
                      group_fn=lambda r: r[1])  # fmt: skip
     eos = self.jax_tokenizer.decode([self.eot_token_id]) or None
     out = []
-    bar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress, desc="generate_until requests")
+    bar = self._bar(len(requests), disable_tqdm, "generate_until requests")
     for chunk in order.get_batched(n=self._batch):
       contexts, settings = zip(*chunk, strict=True)
       texts = self._generate(list(contexts), dict(settings[0]), eos)
@@ -251,6 +251,9 @@ class JaxstepLM(TemplateLM):
     return [
       postprocess_generated_text(self.tok_decode(row), until, None) for row in ids[: len(prompts)]
     ]
+
+  def _bar(self, total: int, off: bool, what: str):
+    return tqdm(total=total, disable=off or not self.progress, desc=what)
 
   def get_model_info(self) -> dict:
     return {"model_path": self.path, "step": self.saved.step}
