@@ -15,6 +15,7 @@ import pathlib
 import time
 
 from benchmarks.data_bench import suite_data
+from benchmarks.eval_bench import suite_eval
 from benchmarks.generate_bench import suite_generate
 from benchmarks.harness import RESULTS, environment, quick_compiles, write
 from benchmarks.hf_bench import suite_hf
@@ -47,6 +48,7 @@ SUITES = {
   "rl": suite_rl,
   "tensor": suite_tensor,
   "optim": suite_optim,
+  "eval": suite_eval,
 }
 
 
@@ -90,6 +92,7 @@ QUICK_ORDER = (
   "rl",
   "tensor",
   "optim",
+  "eval",
   "fsdp_memory",
   "compile",
   "generate",

@@ -23,6 +23,7 @@ MODULES = (
   "torch_bench",
   "preference_bench",
   "rl_bench",
+  "eval_bench",
   "memory_bench",
   "loop_bench",
 )

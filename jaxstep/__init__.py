@@ -8,10 +8,11 @@ The package by layer:
 - ``jaxstep.models``: the bundled GPT, its CPU kernels, adapters for your own model.
 - ``jaxstep.data``: readers, tokenizer, samples with loss masks, global batches.
 - ``jaxstep.generation``: ``Generator`` (prompts → continuations, with a key/value cache).
+- ``jaxstep.lmeval``: a model as an lm-evaluation-harness ``LM``, tasks run offline.
 - ``jaxstep.trainer``: config, the update loop, checkpoints, resume, metrics, guards, a
   saved run read back, evaluation on any data.
 - ``jaxstep.cli``: the commands (``jaxstep train``, ``generate``, ``evaluate``, ``check``,
-  ``memory``, ``checkpoints``, ``plot``, ``prepare``); ``jaxstep/<command>.py`` lets
+  ``memory``, ``checkpoints``, ``plot``, ``prepare``, ``harness``); ``jaxstep/<command>.py`` lets
   ``python -m jaxstep.<command>`` run each one.
 
 This module is the public API: the names below are what docs and examples use. Each one
@@ -85,6 +86,7 @@ __all__ = [
   "models",
   "next_token_loss",
   "parallel",
+  "register_harness",
 ]
 
 # name -> (module, attribute; None: the module itself), imported on first use
@@ -112,6 +114,7 @@ _LAZY = {
   "Pretrained": ("jaxstep.models.pretrained", "Pretrained"),
   "load_pretrained": ("jaxstep.models.pretrained", "load_pretrained"),
   "config": ("jaxstep.trainer.config.loading", None),
+  "register_harness": ("jaxstep.trainer.saved_run.harness", "register"),
   # the subpackages
   "cli": ("jaxstep.cli", None),
   "core": ("jaxstep.core", None),
@@ -136,6 +139,7 @@ _NO_FUNCTION = {
   "check": "jaxstep.check_accumulation (your own loss) or the command `jaxstep check`",
   "generate": "jaxstep.Generator(...).generate or the command `jaxstep generate`",
   "memory": "jaxstep.trainer.plan.memory or the command `jaxstep memory`",
+  "harness": "jaxstep.register_harness() and lm_eval.simple_evaluate(model='jaxstep', …)",
 }
 
 

@@ -8,14 +8,16 @@ import json
 import random
 
 WORDS = "zero one two three four five six seven eight nine".split()
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>"]
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 
 
 def llama_folder(path):
   """A tiny random Llama (vocabulary 320, 128 positions) whose byte-level BPE tokenizer
-  starts every text with BOS, as Llama 3's does."""
+  starts every text with BOS, with Llama 3's chat template."""
   import torch
   import transformers
+  from test_hf_folder import LLAMA3_TEMPLATE
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
   tok = Tokenizer(models.BPE())
@@ -49,6 +51,7 @@ def llama_folder(path):
   specials = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[1], "pad_token": SPECIALS[2]}
   config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
   (path / "tokenizer_config.json").write_text(json.dumps(config))
+  (path / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
   return path
 
 

@@ -41,6 +41,8 @@ HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_read_floor_over_transformers",
   "llama_tokens_vs_pytorch",
   "llama_decode_vs_hf",
+  "harness_vs_hf_requests_per_s",  # the eval suite's
+  "folder_ppl_vs_transformers_rel_diff",
 }
 
 

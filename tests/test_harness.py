@@ -13,10 +13,11 @@ from harness_helpers import llama_folder, local_tasks, per_request
 
 from jaxstep import models
 from jaxstep.errors import ConfigError
-from jaxstep.harness import lm as harness_lm
-from jaxstep.harness import register, require_harness, tasks
-from jaxstep.harness.scoring import width_bucket
+from jaxstep.lmeval import require_harness, tasks
+from jaxstep.lmeval.scoring import width_bucket
 from jaxstep.trainer.config import loading
+from jaxstep.trainer.saved_run.harness import register, saved_run_model
+from jaxstep.trainer.saved_run.load import load_run
 
 pytest.importorskip("lm_eval")
 
@@ -27,10 +28,19 @@ def folder(tmp_path_factory):
   return llama_folder(path / "llama"), local_tasks(path)
 
 
+def harness_model(path, **options):
+  """What ``--model jaxstep --model_args path=…`` builds."""
+  return saved_run_model()(path=str(path), **options)
+
+
 @pytest.fixture(scope="module")
 def model(folder):
-  register()
-  return harness_lm.JaxstepLM(path=str(folder[0]), batch_size=4, max_length=24)
+  return harness_model(folder[0], batch_size=4, max_length=24)
+
+
+@pytest.fixture(scope="module")
+def saved(folder):
+  return load_run(folder[0])
 
 
 def model_logits(saved, ids, width: int = 24) -> np.ndarray:
@@ -54,7 +64,7 @@ def reference_logp(saved, context, continuation, max_length):
   return logp[at, targets].sum(), bool(np.all(logits[at].argmax(-1) == targets))
 
 
-def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model):
+def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model, saved):
   rng = np.random.default_rng(0)
   requests = []
   for length, cont in [(3, 1), (9, 4), (30, 2), (1, 1), (17, 7), (5, 3)]:  # 30 + 2 > 24: cut
@@ -62,15 +72,15 @@ def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model):
     requests.append((None, ids[:length], ids[length:]))
   got = model._loglikelihood_tokens(requests, disable_tqdm=True)
   for (_, context, cont), (logp, greedy) in zip(requests, got, strict=True):
-    want, want_greedy = reference_logp(model.saved, context, cont, 24)
+    want, want_greedy = reference_logp(saved, context, cont, 24)
     assert logp == pytest.approx(want, abs=1e-4) and greedy == want_greedy
 
 
-def test_the_greedy_flag_is_true_for_the_models_own_argmax(model):
+def test_the_greedy_flag_is_true_for_the_models_own_argmax(model, saved):
   context = [model.jax_tokenizer.BOS, 40, 41, 42]
   ids = list(context)
   for _ in range(3):
-    ids.append(int(np.argmax(model_logits(model.saved, ids)[-1])))
+    ids.append(int(np.argmax(model_logits(saved, ids)[-1])))
   (logp, greedy), (_, other) = model._loglikelihood_tokens(
     [(None, context, ids[4:]), (None, context, [*ids[4:6], (ids[6] + 1) % 300])], True
   )
@@ -78,7 +88,7 @@ def test_the_greedy_flag_is_true_for_the_models_own_argmax(model):
 
 
 def test_rows_are_scored_alike_in_any_batch_and_width(folder, model):
-  one = harness_lm.JaxstepLM(path=str(folder[0]), batch_size=1, max_length=24)
+  one = harness_model(folder[0], batch_size=1, max_length=24)
   rng = np.random.default_rng(1)
   lengths = (2, 20, 7, 13, 5)
   requests = [
@@ -87,7 +97,7 @@ def test_rows_are_scored_alike_in_any_batch_and_width(folder, model):
   batched = model._loglikelihood_tokens(requests, True)
   alone = one._loglikelihood_tokens(requests, True)
   np.testing.assert_allclose([b[0] for b in batched], [a[0] for a in alone], atol=1e-5)
-  assert [width_bucket(n, 24) for n in (1, 16, 17, 30)] == [16, 16, 24, 24]
+  assert [width_bucket(n, 100) for n in (1, 32, 33, 99, 130)] == [32, 32, 64, 100, 100]
 
 
 def test_text_starts_with_bos_once_as_the_folders_tokenizer_starts_it(model):
@@ -115,9 +125,9 @@ def test_a_task_that_would_download_is_one_line_naming_it(tmp_path, model):
 
 def test_model_args_that_are_not_options_are_one_line(folder):
   with pytest.raises(ConfigError, match="pretrained: not options of --model jaxstep"):
-    harness_lm.JaxstepLM(path=str(folder[0]), pretrained="gpt2")
+    harness_model(folder[0], pretrained="gpt2")
   with pytest.raises(ConfigError, match="the model takes 1 to 128 positions"):
-    harness_lm.JaxstepLM(path=str(folder[0]), max_length=4096)
+    harness_model(folder[0], max_length=4096)
 
 
 def test_without_the_harness_installed_the_error_says_how_to_install(monkeypatch):
@@ -135,27 +145,33 @@ def test_harness_tasks_in_a_config_are_a_list_of_names():
 
 
 @pytest.mark.slow
-def test_the_tasks_give_what_the_harness_hf_model_gives(folder):
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_tasks_give_what_the_harness_hf_model_gives(folder, chat):
+  """Every request's answer, and the accuracies, as the harness's HF model gives them; with
+  ``apply_chat_template`` each request is the folder's chat template rendered."""
   import lm_eval
   from lm_eval.tasks import TaskManager
 
   path, task_dir = folder
   register()
+  names = ["tiny_mc", "tiny_gen"] + ([] if chat else ["tiny_roll"])
   runs = {}
   for name, args in (("hf", f"pretrained={path},dtype=float32"), ("jaxstep", f"path={path}")):
     runs[name] = lm_eval.simple_evaluate(
-      model=name, model_args=args, tasks=["tiny_mc", "tiny_gen", "tiny_roll"], device="cpu",
+      model=name, model_args=args, tasks=names, device="cpu", apply_chat_template=chat,
       task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
       batch_size=8, log_samples=True,
     )  # fmt: skip
   hf, ours = (per_request(runs[n]["samples"]) for n in ("hf", "jaxstep"))
-  for task in ("tiny_mc", "tiny_roll"):
+  for task in names[:1] + names[2:]:
     want = np.array([[r[0] if isinstance(r, list) else r for r in d] for d in hf[task]], float)
     got = np.array([[r[0] if isinstance(r, list) else r for r in d] for d in ours[task]], float)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
   assert ours["tiny_gen"] == hf["tiny_gen"] and any(d[0] for d in ours["tiny_gen"])
   for metric in ("acc,none", "acc_norm,none"):
     assert runs["jaxstep"]["results"]["tiny_mc"][metric] == runs["hf"]["results"]["tiny_mc"][metric]
+  prompts = [d["arguments"] for d in runs["jaxstep"]["samples"]["tiny_gen"]]
+  assert chat == all("<|start_header_id|>" in str(p) for p in prompts)
 
 
 @pytest.mark.slow
@@ -166,7 +182,7 @@ def test_a_rolling_loglikelihood_is_evaluate_with_windows_side_by_side(folder, t
   from jaxstep.cli import evaluate
 
   path, window = folder[0], 16
-  lm = harness_lm.JaxstepLM(path=str(path), max_length=window, add_bos_token=False)
+  lm = harness_model(path, max_length=window, add_bos_token=False)
   long = " ".join(["one plus two is three", "four plus five is nine"] * 8)
   text = next(
     t for t in (long[:n].strip() for n in range(60, len(long)))
@@ -245,8 +261,8 @@ def test_four_devices_score_what_one_device_scores(folder, tmp_path):
   import subprocess
 
   script = (
-    "import sys, json; from jaxstep.harness import lm, register; register(); "
-    f"m = lm.JaxstepLM(path={str(folder[0])!r}, batch_size=6, max_length=24); "
+    "import sys, json; from jaxstep.trainer.saved_run.harness import saved_run_model; "
+    f"m = saved_run_model()(path={str(folder[0])!r}, batch_size=6, max_length=24); "
     "r = [(None, [m.jax_tokenizer.BOS] + list(range(5, 5 + n)), [7, 8]) for n in range(1, 10)]; "
     "print(json.dumps([len(__import__('jax').devices()), m._loglikelihood_tokens(r, True)]))"
   )

@@ -24,8 +24,19 @@ ALLOWED = {
   "data": {"errors"},
   "models": {"errors", "core", "data"},
   "generation": {"errors", "core", "models"},
-  "trainer": {"_version", "errors", "core", "parallel", "models", "data", "generation"},
-  "cli": {"_version", "errors", "core", "parallel", "models", "data", "generation", "trainer"},
+  "lmeval": {"errors", "core", "models", "data", "generation"},
+  "trainer": {"_version", "errors", "core", "parallel", "models", "data", "generation", "lmeval"},
+  "cli": {
+    "_version",
+    "errors",
+    "core",
+    "parallel",
+    "models",
+    "data",
+    "generation",
+    "lmeval",
+    "trainer",
+  },
 }
 
 # modules that pull in a heavy dependency: ``import jaxstep`` must import none of them

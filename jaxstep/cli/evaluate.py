@@ -26,6 +26,7 @@ not depend on the tokenizer, so runs with different vocabularies compare on one 
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 
 from jaxstep.cli._common import run_dir_command, run_dir_parser
@@ -98,12 +99,21 @@ def evaluate(args) -> int:
 
 
 def score_tasks(saved, args) -> None:
-  from jaxstep.harness import lm, register, tasks
+  from jaxstep.lmeval import model as lmeval_model
+  from jaxstep.lmeval import tasks
+  from jaxstep.trainer.saved_run.harness import register
   from jaxstep.trainer.store import records
 
+  logging.getLogger("datasets").setLevel(logging.WARNING)  # its import's notes
   register()
-  model = lm.JaxstepLM(
-    path=args.run_dir, saved=saved, batch_size=args.batch_size or lm.DEFAULT_BATCH
+  model = lmeval_model.JaxstepLM(
+    saved.cfg.model,
+    saved.params,
+    saved.tokenizer,
+    chat_template=saved.chat_template,
+    step=saved.step,
+    path=args.run_dir,
+    batch_size=args.batch_size or lmeval_model.DEFAULT_BATCH,
   )
   limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
   results = tasks.run_tasks(

@@ -7,13 +7,14 @@
 ``--model jaxstep`` is the default; every other option is the harness's own (``jaxstep
 harness run --help`` lists them). The harness finds no model outside its own package by
 itself, so its bare ``lm_eval`` command does not know ``jaxstep``: this command, or
-``jaxstep.harness.register()`` before ``lm_eval.simple_evaluate(model="jaxstep", …)`` in
+``jaxstep.register_harness()`` before ``lm_eval.simple_evaluate(model="jaxstep", …)`` in
 Python, registers it. The Hugging Face Hub is switched off: a task must read local files
 (or data already in the ``datasets`` cache). Needs ``pip install 'jaxstep[eval]'``.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from jaxstep.cli._common import report, setup_logging
@@ -36,27 +37,40 @@ def harness_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  from jaxstep import harness
+  from jaxstep.trainer.saved_run.harness import register
 
   setup_logging()
+  logging.getLogger("datasets").setLevel(logging.WARNING)  # its import's notes
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
-    harness.register()
+    register()
   except JaxstepError as e:
     return report(e)
-  from lm_eval.__main__ import cli_evaluate
+  from lm_eval._cli import HarnessCLI
 
-  from jaxstep.harness.tasks import offline
+  from jaxstep.lmeval.tasks import offline
 
+  cli = HarnessCLI()
+  cli._parser.prog = "jaxstep harness"
+  for name, parser in cli._subparsers.choices.items():
+    parser.prog = f"jaxstep harness {name}"
+    parser.usage = parser.usage and parser.usage.replace("lm-eval", "jaxstep harness")
+  for parser in (cli._parser, *cli._subparsers.choices.values()):
+    parser.error = _one_line  # a usage mistake: one line and exit 2, as every command's
+  if argv[:1] in (["-h"], ["--help"]):
+    print(__doc__)
   saved = sys.argv
   sys.argv = ["jaxstep harness", *harness_argv(argv)]
   try:
     with offline():
-      cli_evaluate()
+      cli.execute(cli.parse_args())
   except JaxstepError as e:
     return report(e)
-  except SystemExit as e:  # argparse's --help and usage errors
-    return e.code if isinstance(e.code, int) else 1
   finally:
     sys.argv = saved
   return 0
+
+
+def _one_line(message: str):
+  print(f"error: jaxstep harness: {message} (see jaxstep harness --help)", file=sys.stderr)
+  sys.exit(2)

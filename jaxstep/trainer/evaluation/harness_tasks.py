@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks scored during training: ``eval.harness_tasks`` every
 ``eval.harness_every`` update steps (0: ``train.eval_every``) and once at the end, on the
-params of that step, offline (``jaxstep.harness.tasks``). Each run is one ``eval.jsonl``
+params of that step, offline (``jaxstep.lmeval.tasks``). Each run is one ``eval.jsonl``
 record of set ``harness`` whose keys are ``harness/<task>/<metric>``, the names the
 trackers show it under.
 
@@ -23,9 +23,9 @@ def check_tasks(eval_cfg) -> None:
   task it does not know or whose data is not local, several processes)."""
   if not eval_cfg.harness_tasks:
     return
-  from jaxstep.harness import register, tasks
+  from jaxstep.lmeval import require_harness, tasks
 
-  register()
+  require_harness()
   if jax.process_count() > 1:
     raise ConfigError(
       f"eval.harness_tasks runs in one process; this job has {jax.process_count()}: score "
@@ -43,9 +43,8 @@ def harness_evaluation(cfg, tokenizer):
   e = cfg.eval
   if not e.harness_tasks:
     return None
-  from jaxstep.harness import lm as harness_lm
-  from jaxstep.harness import tasks
-  from jaxstep.trainer.saved_run.load import SavedRun
+  from jaxstep.lmeval import tasks
+  from jaxstep.lmeval.model import JaxstepLM
 
   model = None
 
@@ -53,8 +52,9 @@ def harness_evaluation(cfg, tokenizer):
     nonlocal model
     if model is None:
       template = getattr(tokenizer, "chat_template", None)
-      saved = SavedRun(cfg, tokenizer, state.params, 0, chat_template=template)
-      model = harness_lm.JaxstepLM(saved=saved, batch_size=e.harness_batch_size)
+      model = JaxstepLM(
+        cfg.model, state.params, tokenizer, chat_template=template, batch_size=e.harness_batch_size
+      )
     else:
       model.set_params(state.params)
     results = tasks.run_tasks(

@@ -1,4 +1,4 @@
-"""jaxstep as an lm-evaluation-harness model: ``--model jaxstep --model_args path=…``.
+"""A jaxstep model as an lm-evaluation-harness ``LM`` (``--model jaxstep``).
 
 The three request types, each as the harness's own HF model (``--model hf``) answers it, so
 the two give the same numbers on the same folder:
@@ -37,36 +37,47 @@ from tqdm import tqdm
 from jaxstep import models
 from jaxstep.errors import ConfigError
 from jaxstep.generation import Generator
-from jaxstep.harness.scoring import Scorer, width_bucket
+from jaxstep.lmeval.scoring import Scorer, width_bucket
 
 DEFAULT_BATCH = 8
 DEFAULT_GEN_TOKS = 256  # the harness's HF model's default max_gen_toks
 
 
 class JaxstepLM(TemplateLM):
-  """A saved run (or a Hugging Face model folder) as an lm-evaluation-harness ``LM``.
+  """A model's params and tokenizer as an lm-evaluation-harness ``LM``.
+
+  ``--model jaxstep`` is the subclass that reads a run directory or a model folder
+  (``jaxstep.trainer.saved_run.harness``); this class takes the parts themselves, e.g. a
+  training run's.
 
   Args:
-    path: a run directory or a model folder (what ``jaxstep evaluate`` reads).
-    step: the run's checkpoint (default: its newest).
-    batch_size: rows per compiled batch (the harness's ``--batch_size``; "auto" = 8).
+    model: a ``GPTConfig`` or ``LlamaConfig``.
+    params: its params.
+    tokenizer: a ``jaxstep.data`` tokenizer (a model folder's: its special ids).
+    chat_template: the model's chat template (``--apply_chat_template``), if any.
+    step: the update step the params are of (reported with the results).
+    path: where the model was read from (reported with the results).
+    batch_size: requests per compiled batch (the harness's ``--batch_size``; "auto" = 8).
     max_length: the most positions a request takes (default: the model's context).
     max_gen_toks: the default tokens a ``generate_until`` request may add.
     add_bos_token: True/False overrides whether a text starts with BOS.
     seed: the seed of sampled generations (greedy ones need none).
-    saved: a ``SavedRun`` already read (instead of ``path``), e.g. the run being trained.
   """
 
   def __init__(
     self,
-    path: str | None = None,
-    step: int | None = None,
+    model,
+    params,
+    tokenizer,
+    *,
+    chat_template: str | None = None,
+    step: int = 0,
+    path: str = "",
     batch_size: int | str = DEFAULT_BATCH,
     max_length: int | None = None,
     max_gen_toks: int = DEFAULT_GEN_TOKS,
     add_bos_token: bool | None = None,
     seed: int = 1234,
-    saved=None,
     **unused,
   ):
     super().__init__()
@@ -77,15 +88,8 @@ class JaxstepLM(TemplateLM):
         f"--model_args {', '.join(sorted(unused))}: not options of --model jaxstep (it takes "
         f"path, step, batch_size, max_length, max_gen_toks, add_bos_token, seed)"
       )
-    if saved is None:
-      from jaxstep.trainer.saved_run.load import load_run
-
-      if not path:
-        raise ConfigError("--model jaxstep needs --model_args path=RUN_DIR_OR_MODEL_FOLDER")
-      saved = load_run(path, None if step in (None, "") else int(step))
-    self.saved, self.path = saved, str(path or "")
-    self.jax_tokenizer, self.template = saved.tokenizer, saved.chat_template
-    model = saved.cfg.model
+    self.path, self.step = str(path), int(step)
+    self.jax_tokenizer, self.template = tokenizer, chat_template
     self._max_length = int(max_length or model.max_seq_len)
     if not 1 <= self._max_length <= model.max_seq_len:
       raise ConfigError(
@@ -97,12 +101,12 @@ class JaxstepLM(TemplateLM):
     self.progress = True  # progress bars (the harness's command line); off inside a run
     self.scorer = Scorer(
       models.decoder(model).apply_fn,
-      saved.params,
+      params,
       rows=self._batch,
       max_length=self._max_length,
-      pad_id=self.jax_tokenizer.PAD,
+      pad_id=tokenizer.PAD,
     )
-    self.generator = Generator(model, saved.params, self.jax_tokenizer, ban_specials=False)
+    self.generator = Generator(model, params, tokenizer, ban_specials=False)
 
   def set_params(self, params) -> None:
     """Scores and generates with ``params`` from now on (a training run's newer step): the
@@ -256,7 +260,7 @@ class JaxstepLM(TemplateLM):
     return tqdm(total=total, disable=off or not self.progress, desc=what)
 
   def get_model_info(self) -> dict:
-    return {"model_path": self.path, "step": self.saved.step}
+    return {"model_path": self.path, "step": self.step}
 
 
 def _bool(value) -> bool | None:

@@ -11,9 +11,11 @@ over the continuation's positions, and whether every one of its tokens is the ar
 (the harness's ``is_greedy``). Only those two numbers per row leave the device, never the
 ``[rows, S, V]`` log-probs.
 
-Rows are right-padded to a width bucket (a power of two from 16, at most ``max_length``)
-and batches to ``rows`` rows, so that a handful of compiled shapes serves any request
-mix; a causal model never lets a padded position change an earlier one. With several
+Rows are right-padded to a width bucket (the next multiple of ``WIDTH_STEP`` positions, at
+most ``max_length``) and batches to ``rows`` rows, so that a handful of compiled shapes
+serves a task (its requests' lengths fall in a few buckets) while a row pays for at most
+``WIDTH_STEP − 1`` padded positions; a causal model never lets a padded position change an
+earlier one. With several
 local devices the rows are split over them (the params replicated).
 """
 
@@ -25,14 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SMALLEST_WIDTH = 16
+WIDTH_STEP = 32
 
 
 def width_bucket(length: int, max_length: int) -> int:
-  """The compiled width a row of ``length`` inputs is padded to: the next power of two
-  (at least ``SMALLEST_WIDTH``), at most ``max_length``."""
-  width = max(SMALLEST_WIDTH, 1 << max(0, length - 1).bit_length())
-  return min(width, max_length)
+  """The compiled width a row of ``length`` inputs is padded to: the next multiple of
+  ``WIDTH_STEP``, at most ``max_length``."""
+  return min(-(-max(length, 1) // WIDTH_STEP) * WIDTH_STEP, max_length)
 
 
 def request_row(context: Sequence[int], continuation: Sequence[int], max_length: int):

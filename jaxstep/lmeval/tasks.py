@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 
 from jaxstep.errors import ConfigError
-from jaxstep.harness import require_harness
+from jaxstep.lmeval import require_harness
 
 LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow", "pandas")
 log = logging.getLogger("jaxstep")
