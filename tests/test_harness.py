@@ -276,3 +276,27 @@ def test_four_devices_score_what_one_device_scores(folder, tmp_path):
     assert count == devices
   np.testing.assert_allclose([x[0] for x in got[4]], [x[0] for x in got[1]], atol=1e-5)
   assert [x[1] for x in got[4]] == [x[1] for x in got[1]]
+
+
+@pytest.mark.slow
+def test_the_documented_training_hook_reports_the_tasks(folder, model, saved):
+  import pathlib
+  import re
+  import types
+
+  import jaxstep
+
+  doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "evaluation.md").read_text()
+  (snippet,) = [s for s in re.findall(r"```python\n(.*?)```", doc, re.S) if "HarnessHook" in s]
+  space = {"jaxstep": jaxstep}
+  exec(snippet, space)
+  hook = space["HarnessHook"](model, ["tiny_mc"], str(folder[1]))
+  reported = []
+  loop = types.SimpleNamespace(
+    step=500,
+    state=types.SimpleNamespace(params=saved.params),
+    report_eval=lambda *a: reported.append(a),
+  )
+  hook.on_step(loop)
+  ((name, record),) = reported
+  assert name == "harness" and record["step"] == 500 and 0 <= record["harness/tiny_mc/acc"] <= 1
