@@ -51,9 +51,59 @@ def suite_optim(quick: bool) -> dict:
       "≤ 0.1",
     )
   ]
+  from benchmarks.optim_training import training_comparison
+
+  trained = training_comparison(quick)
+  best = trained["best_lr"]
+  sweeps = "; ".join(f"{o} {', '.join(lrs)}" for o, lrs in trained["sweep_final_loss"].items())
+  times, time_rows = step_times(quick)
+  rows += [
+    (
+      f"update steps to held-out loss {trained['target_loss']:.3f}, Muon (lr {best['muon']}) ÷ "
+      f"AdamW (lr {best['adamw']}) (small config, {trained['steps']} updates, median of 3 "
+      f"seeds, lr the best of {sweeps})",
+      f"{trained['muon_steps_to_loss_over_adamw']:.3f}",
+      "≤ 0.8",
+    ),
+    (
+      f"held-out loss after {trained['steps']} updates, WSD ÷ cosine (AdamW lr {best['adamw']},"
+      f" median over 3 seeds)",
+      f"{trained['wsd_final_loss_over_cosine']:.3f}",
+      "≤ 1.0",
+    ),
+  ]
+  rows += time_rows
+  summary = {
+    **{f"step_time_over_adamw_{n}": v["median"] for n, v in times.items()},
+    "adafactor_state_over_adamw": ratio,
+    "muon_steps_to_loss_over_adamw": trained["muon_steps_to_loss_over_adamw"],
+    "wsd_final_loss_over_cosine": trained["wsd_final_loss_over_cosine"],
+  }
   return {
     "model": model,
     "bytes": b,
+    "training": trained,
+    "step_time_over_adamw": times,
     "rows": rows,
-    "summary": {"adafactor_state_over_adamw": ratio},
+    "summary": summary,
   }
+
+
+def step_times(quick: bool) -> tuple[dict, list]:
+  """Each optimizer's update step time ÷ AdamW's, the small config's run loop in
+  interleaved rounds (``loop`` workers, one per optimizer)."""
+  from benchmarks.harness import fmt, measure, ratio_stats
+  from benchmarks.loop_suites import QUICK_TINY
+
+  names = ("adamw", "muon", "adafactor", "lion", "sgd")
+  base = {"kind": "loop", "config": "tiny" if quick else "small", "steps": 2 if quick else 6}
+  extra = QUICK_TINY if quick else []
+  specs = {n: {**base, "overrides": [*extra, f"optim.name={n}"]} for n in names}
+  res, _, _ = measure(specs, rounds=1 if quick else 5)
+  step = {n: [r["median_step"] for r in rounds] for n, rounds in res.items()}
+  times = {n: ratio_stats(step[n], step["adamw"]) for n in names[1:]}
+  rows = [
+    (f"update step time, {n} ÷ AdamW (the small config's loop, G = 64 × 128, K = 8)", fmt(v), "")
+    for n, v in times.items()
+  ]
+  return times, rows

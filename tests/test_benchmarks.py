@@ -34,6 +34,9 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "prefill_tokens_per_s_b8",
   "ttft_ms_b8",
   "samples_over_step",
+  "muon_steps_to_loss_over_adamw",  # the optim suite's training comparisons
+  "wsd_final_loss_over_cosine",
+  "step_time_over_adamw_muon",
 }
 HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_import_over_transformers",
