@@ -191,6 +191,7 @@ def test_check_sets_returns_a_plain_dict_in_order():
     ({"": "a.txt"}, "''"),
     ({"a/b": "a.txt"}, "'a/b'"),
     ({HELDOUT: "a.txt"}, "'heldout'"),
+    ({"harness": "a.txt"}, "'harness' is eval.harness_tasks' results"),
     ({"wiki": ""}, "eval.sets.wiki"),
     ({"wiki": "  "}, "eval.sets.wiki"),
     ({"wiki": 3}, "eval.sets.wiki"),

@@ -4,6 +4,7 @@ folder; ``evaluate`` on the same text), tasks run offline only, and a run scores
 its cadence."""
 
 import json
+import os
 import sys
 
 import jax
@@ -87,14 +88,16 @@ def test_the_greedy_flag_is_true_for_the_models_own_argmax(model, saved):
   assert greedy and not other and logp < 0
 
 
-def test_rows_are_scored_alike_in_any_batch_and_width(folder, model):
-  one = harness_model(folder[0], batch_size=1, max_length=24)
+def test_rows_are_scored_alike_in_any_batch_and_width(folder):
+  """Rows of 3 to 60 inputs fall in width buckets 32 and 64; each row's answer is the same
+  alone in a batch of one."""
+  many, one = (harness_model(folder[0], batch_size=b, max_length=64) for b in (4, 1))
   rng = np.random.default_rng(1)
-  lengths = (2, 20, 7, 13, 5)
+  lengths = (2, 59, 7, 40, 13, 33, 5)
   requests = [
     (None, rng.integers(3, 300, n).tolist(), [int(rng.integers(3, 300))]) for n in lengths
   ]
-  batched = model._loglikelihood_tokens(requests, True)
+  batched = many._loglikelihood_tokens(requests, True)
   alone = one._loglikelihood_tokens(requests, True)
   np.testing.assert_allclose([b[0] for b in batched], [a[0] for a in alone], atol=1e-5)
   assert [width_bucket(n, 100) for n in (1, 32, 33, 99, 130)] == [32, 32, 64, 100, 100]
@@ -118,9 +121,61 @@ def test_a_task_that_would_download_is_one_line_naming_it(tmp_path, model):
     "task: hub_task\ndataset_path: someone/not_on_this_disk\noutput_type: multiple_choice\n"
     "test_split: test\ndoc_to_text: q\ndoc_to_choice: '{{c}}'\ndoc_to_target: 0\n"
   )
-  hub = "hub_task reads its data from the Hugging Face Hub .*--include-path"
+  hub = "task hub_task: its data is on the Hugging Face Hub .*--include-path"
   with pytest.raises(ConfigError, match=hub):
     tasks.run_tasks(model, ["hub_task"], include_path=str(tmp_path))
+
+
+def test_model_args_win_over_the_harness_settings_they_repeat(folder):
+  from jaxstep.lmeval.model import JaxstepLM
+
+  cls = saved_run_model()
+  harness_settings = {"batch_size": 1, "device": "cpu"}
+  given = cls.create_from_arg_string(f"path={folder[0]},batch_size=6", harness_settings)
+  assert given.batch_size == 6 and issubclass(cls, JaxstepLM)
+  assert cls.create_from_arg_string(f"path={folder[0]}", {"batch_size": 3}).batch_size == 3
+
+
+def test_each_batch_of_sampled_generations_draws_anew(model):
+  settings = {"until": ["."], "max_gen_toks": 8, "do_sample": True, "temperature": 1.0}
+  first, second = (model._generate(["one plus two is"] * 2, dict(settings), None) for _ in range(2))
+  assert first != second  # a task's repeats are samples, not copies
+  with pytest.raises(ConfigError, match="num_beams: not supported by --model jaxstep"):
+    model._generate(["one"], {**settings, "num_beams": 4}, None)
+
+
+def test_a_continuation_longer_than_a_request_is_one_line(model):
+  with pytest.raises(ConfigError, match="continuation is 30 tokens, longer than the 24"):
+    model._loglikelihood_tokens([(None, [5], list(range(5, 35)))], True)
+
+
+def test_a_chat_without_a_generation_prompt_stops_after_its_final_message(model):
+  """transformers' ``continue_final_message``, as the harness asks for a task's
+  ``gen_prefix``; and without the system turn when the template refuses one."""
+  chat = [
+    {"role": "user", "content": "one plus two"},
+    {"role": "assistant", "content": "The answer:"},
+  ]
+  open_turn = model.apply_chat_template(chat, add_generation_prompt=False)
+  assert open_turn.endswith("The answer:") and open_turn.count("<|eot_id|>") == 1
+  strict = harness_model(model.path, max_length=24)
+  strict.template = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+    "{% endif %}{{ m['content'] }}{% endfor %}"
+  )
+  assert (
+    strict.apply_chat_template([{"role": "system", "content": "s"}, *chat[:1]]) == "one plus two"
+  )
+
+
+def test_offline_restores_what_it_switched_off(monkeypatch):
+  import datasets.config
+
+  monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+  before = datasets.config.HF_HUB_OFFLINE
+  with tasks.offline():
+    assert datasets.config.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+  assert datasets.config.HF_HUB_OFFLINE == before and "HF_HUB_OFFLINE" not in os.environ
 
 
 def test_model_args_that_are_not_options_are_one_line(folder):
@@ -268,7 +323,8 @@ def test_four_devices_score_what_one_device_scores(folder, tmp_path):
   )
   got = {}
   for devices in (1, 4):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-c", script]
     out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

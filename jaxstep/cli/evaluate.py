@@ -99,13 +99,16 @@ def evaluate(args) -> int:
 
 
 def score_tasks(saved, args) -> None:
+  from jaxstep.lmeval import require_harness
+
+  require_harness()  # one line saying how to install it, not an ImportError
   from jaxstep.lmeval import model as lmeval_model
   from jaxstep.lmeval import tasks
-  from jaxstep.trainer.saved_run.harness import register
   from jaxstep.trainer.store import records
 
   logging.getLogger("datasets").setLevel(logging.WARNING)  # its import's notes
-  register()
+  names = [n.strip() for n in args.tasks.split(",") if n.strip()]
+  manager = tasks.check_tasks(names, args.include_path)  # before any model work
   model = lmeval_model.JaxstepLM(
     saved.cfg.model,
     saved.params,
@@ -118,11 +121,12 @@ def score_tasks(saved, args) -> None:
   limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
   results = tasks.run_tasks(
     model,
-    args.tasks.split(","),
+    names,
     include_path=args.include_path,
     limit=limit,
     num_fewshot=args.num_fewshot,
     apply_chat_template=args.apply_chat_template,
+    manager=manager,
   )
   if args.json:
     print(records.dumps({"step": saved.step, "tasks": args.tasks, **results}))

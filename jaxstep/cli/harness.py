@@ -4,7 +4,8 @@
     jaxstep harness --model_args path=RUN_DIR_OR_MODEL_FOLDER[,step=N,batch_size=B] \\
         --tasks hellaswag,arc_easy [--include_path MY_TASKS] [--apply_chat_template] …
 
-``--model jaxstep`` is the default; every other option is the harness's own (``jaxstep
+``--model jaxstep`` and ``--batch_size 8`` are the defaults (``batch_size=`` in
+``--model_args`` wins); every other option is the harness's own (``jaxstep
 harness run --help`` lists them). The harness finds no model outside its own package by
 itself, so its bare ``lm_eval`` command does not know ``jaxstep``: this command, or
 ``jaxstep.register_harness()`` before ``lm_eval.simple_evaluate(model="jaxstep", …)`` in
@@ -21,6 +22,7 @@ from jaxstep.cli._common import report, setup_logging
 from jaxstep.errors import JaxstepError
 
 SUBCOMMANDS = ("run", "ls", "validate")
+DEFAULT_BATCH = 8  # requests per compiled batch unless --batch_size (or batch_size=) says
 
 
 def harness_argv(argv: list[str]) -> list[str]:
@@ -30,9 +32,11 @@ def harness_argv(argv: list[str]) -> list[str]:
     command, rest = argv[0], argv[1:]
   else:
     command, rest = "run", argv
-  named = any(a == "--model" or a.startswith("--model=") for a in rest)
-  if command == "run" and not named and not {"-h", "--help"} & set(rest):
+  given = lambda flag: any(a == flag or a.startswith(f"{flag}=") for a in rest)  # noqa: E731
+  if command == "run" and not given("--model") and not {"-h", "--help"} & set(rest):
     rest = ["--model", "jaxstep", *rest]
+    if not given("--batch_size") and not given("-b"):
+      rest += ["--batch_size", str(DEFAULT_BATCH)]  # the harness's own default is 1
   return [command, *rest]
 
 
@@ -48,7 +52,7 @@ def main(argv=None) -> int:
     return report(e)
   from lm_eval._cli import HarnessCLI
 
-  from jaxstep.lmeval.tasks import offline
+  from jaxstep.lmeval.tasks import check_tasks, offline
 
   cli = HarnessCLI()
   cli._parser.prog = "jaxstep harness"
@@ -62,8 +66,11 @@ def main(argv=None) -> int:
   saved = sys.argv
   sys.argv = ["jaxstep harness", *harness_argv(argv)]
   try:
+    args = cli.parse_args()
+    if getattr(args, "command", None) == "run" and args.tasks:
+      check_tasks(args.tasks, args.include_path)  # data the Hub holds: before any model work
     with offline():
-      cli.execute(cli.parse_args())
+      cli.execute(args)
   except JaxstepError as e:
     return report(e)
   finally:

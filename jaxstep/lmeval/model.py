@@ -23,6 +23,8 @@ the text (a rendered chat template's) are their ids. The prefix token is BOS, el
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from lm_eval import utils as harness_utils
 from lm_eval.api.model import TemplateLM
@@ -35,12 +37,14 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from jaxstep import models
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, DataError
 from jaxstep.generation import Generator
 from jaxstep.lmeval.scoring import Scorer, width_bucket
 
 DEFAULT_BATCH = 8
 DEFAULT_GEN_TOKS = 256  # the harness's HF model's default max_gen_toks
+# what a task's generation_kwargs may hold (after the harness's normalize_gen_kwargs)
+GENERATION_SETTINGS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks"}
 
 
 class JaxstepLM(TemplateLM):
@@ -99,6 +103,7 @@ class JaxstepLM(TemplateLM):
     self._batch = DEFAULT_BATCH if str(batch_size).startswith("auto") else int(batch_size)
     self._bos = _bool(add_bos_token)
     self.progress = True  # progress bars (the harness's command line); off inside a run
+    self._batches = itertools.count()  # generate_until batches so far: their seeds differ
     self.scorer = Scorer(
       models.decoder(model).apply_fn,
       params,
@@ -108,9 +113,23 @@ class JaxstepLM(TemplateLM):
     )
     self.generator = Generator(model, params, tokenizer, ban_specials=False)
 
+  @classmethod
+  def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+    """``--model_args`` (``k=v,…``) and the harness's own settings (``--batch_size``,
+    ``--device``), a setting in ``--model_args`` winning over the harness's."""
+    return cls.create_from_arg_obj(
+      harness_utils.simple_parse_args_string(arg_string), additional_config
+    )
+
+  @classmethod
+  def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+    given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+    return cls(**{**given, **arg_dict})
+
   def set_params(self, params) -> None:
     """Scores and generates with ``params`` from now on (a training run's newer step): the
-    compiled programs are kept."""
+    compiled programs are kept. None lets go of them (and of their copies on other
+    devices) until the next call."""
     self.scorer.set_params(params)
     self.generator.params = params
 
@@ -121,7 +140,10 @@ class JaxstepLM(TemplateLM):
 
   @property
   def prefix_token_id(self) -> int:
-    return self.jax_tokenizer.BOS  # a folder without BOS: its EOS (as HF's bos or eos)
+    """The declared BOS (even where texts do not start with it), else EOS, as the HF model."""
+    tok = self.jax_tokenizer
+    bos = getattr(tok, "bos_id", tok.BOS)  # a folder's declared BOS, or None
+    return tok.EOS if bos is None else bos
 
   @property
   def max_length(self) -> int:
@@ -143,21 +165,39 @@ class JaxstepLM(TemplateLM):
     return self.template if chat_template not in (False, None) else None
 
   def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True):
-    from jaxstep.data.chat_template import render_chat
-
+    """``chat_history`` rendered as the HF model renders it: transformers'
+    ``apply_chat_template`` with ``continue_final_message`` when no generation prompt is
+    asked for (a task's ``gen_prefix``: the text stops right after the final message), and
+    once more without the system turn when the template refuses it."""
     if self.template is None:
       raise ConfigError(
         f"{self.path or 'this model'} has no chat template: drop --apply_chat_template"
       )
+    try:
+      return self._render(chat_history, add_generation_prompt)
+    except DataError:
+      if not any(m.get("role") == "system" for m in chat_history):
+        raise
+      return self._render(
+        [m for m in chat_history if m.get("role") != "system"], add_generation_prompt
+      )
+
+  def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    from jaxstep.data.chat_template import render_chat
+
     tokens = getattr(self.jax_tokenizer, "template_tokens", {})
-    return render_chat(
+    text = render_chat(
       self.template,
-      chat_history,
+      messages,
       bos_token=tokens.get("bos_token"),
       eos_token=tokens.get("eos_token"),
       add_generation_prompt=add_generation_prompt,
       **{k: v for k, v in tokens.items() if k not in ("bos_token", "eos_token")},
     )
+    final = str(messages[-1].get("content", "")).strip() if messages else ""
+    if add_generation_prompt or not final or final not in text:
+      return text
+    return text[: text.rindex(final) + len(final)]  # transformers' continue_final_message
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
     tok = self.jax_tokenizer
@@ -233,6 +273,12 @@ class JaxstepLM(TemplateLM):
 
   def _generate(self, contexts: list[str], settings: dict, eos: str | None) -> list[str]:
     kwargs = normalize_gen_kwargs(settings, self._max_gen_toks)
+    unknown = sorted(set(kwargs) - GENERATION_SETTINGS)
+    if unknown:
+      raise ConfigError(
+        f"a task's generation_kwargs {', '.join(unknown)}: not supported by --model jaxstep "
+        f"(it takes {', '.join(sorted(GENERATION_SETTINGS))})"
+      )
     until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
     new_tokens = int(kwargs.pop("max_gen_toks"))
     room = self._max_length - new_tokens
@@ -249,7 +295,7 @@ class JaxstepLM(TemplateLM):
       temperature=float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
       top_k=int(kwargs.get("top_k") or 0),
       top_p=float(kwargs.get("top_p") or 1.0),
-      seed=self.seed,
+      seed=self.seed + next(self._batches),  # each batch its own draws (a task's repeats)
       prefill_to=width_bucket(max(map(len, prompts)), room),
     )
     return [

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.errors import ConfigError
+
 WIDTH_STEP = 32
 
 
@@ -79,13 +81,19 @@ class Scorer:
   def set_params(self, params) -> None:
     """The params the next batches are scored with (on every device when there are several:
     a run's sharded params are gathered)."""
-    if self._replicated is not None:
+    if self._replicated is not None and params is not None:
       params = jax.device_put(params, self._replicated)
     self.params = params
 
   def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]):
     """One batch of at most ``rows`` requests → ``[(float, bool)]`` in their order."""
     assert 0 < len(requests) <= self.rows, (len(requests), self.rows)
+    longest = max(len(continuation) for _, continuation in requests)
+    if longest > self.max_length:
+      raise ConfigError(
+        f"a request's continuation is {longest} tokens, longer than the {self.max_length} "
+        f"positions a request takes: raise max_length (at most the model's context)"
+      )
     made = [request_row(c, t, self.max_length) for c, t in requests]
     width = width_bucket(max(len(inputs) for inputs, _, _ in made), self.max_length)
     inputs = np.full((self.rows, width), self.pad_id, np.int32)

@@ -4,8 +4,9 @@
 Hugging Face Hub switched off (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``): a task whose
 data is a local file (``dataset_path: json`` + ``dataset_kwargs.data_files``, in a folder
 of task YAMLs given as ``include_path``) runs, and one that would download its data is
-one ``ConfigError`` line naming it and saying how to point it at local files. Data the
-``datasets`` cache already holds is read from there.
+one ``ConfigError`` line naming it and saying how to point it at local files (``check_tasks``
+loads every task first, a group's members too). Data the ``datasets`` cache already holds
+is read from there.
 
 Results come back flat, as the trackers and ``eval.jsonl`` take them:
 ``harness/<task>/<metric>`` (``…/<metric>/<filter>`` for a filter other than ``none``),
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 from jaxstep.errors import ConfigError
 from jaxstep.lmeval import require_harness
 
-LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow", "pandas")
 log = logging.getLogger("jaxstep")
 
 
@@ -33,15 +33,14 @@ def offline():
   """The Hub switched off for ``datasets``/``huggingface_hub`` inside the block (their
   settings read when they are imported, and their live flags), restored after it."""
   names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+  flags = []
+  for where in ("datasets.config", "huggingface_hub.constants"):  # imported first: their
+    with contextlib.suppress(ImportError):  # own values are the ones to restore
+      module = importlib.import_module(where)
+      flags.append((module, "HF_HUB_OFFLINE", module.HF_HUB_OFFLINE))
+      module.HF_HUB_OFFLINE = True
   before = {n: os.environ.get(n) for n in names}
   os.environ.update(dict.fromkeys(names, "1"))
-  flags = []
-  for where in ("datasets.config", "huggingface_hub.constants"):
-    name = "HF_HUB_OFFLINE"
-    with contextlib.suppress(ImportError):
-      module = importlib.import_module(where)
-      flags.append((module, name, getattr(module, name)))
-      setattr(module, name, True)
   try:
     yield
   finally:
@@ -67,7 +66,7 @@ def task_manager(names: Sequence[str], include_path: str | None = None):
     manager = TaskManager(include_path=include_path, include_defaults=False)
   if manager is None or any(n not in manager.task_index for n in names):
     manager = TaskManager(include_path=include_path)
-  unknown = [n for n in names if n not in manager.task_index]
+  unknown = [n for n in names if n not in manager.task_index and not _path_or_glob(n)]
   if unknown:
     where = f" nor in {include_path}" if include_path else ""
     raise ConfigError(
@@ -77,36 +76,31 @@ def task_manager(names: Sequence[str], include_path: str | None = None):
   return manager
 
 
-def refuse_hub_tasks(manager, names: Sequence[str]) -> None:
-  """``ConfigError`` naming the first task whose YAML reads a Hub dataset that is not in the
-  local ``datasets`` cache either."""
-  for name in names:
-    cfg = manager.task_index[name].cfg or {}
-    path = cfg.get("dataset_path")
-    if path is None or path in LOCAL_BUILDERS or os.path.isdir(str(path)):
-      continue
-    if not _cached(path, cfg.get("dataset_name")):
-      raise ConfigError(hub_message(name, path))
+def _path_or_glob(name: str) -> bool:
+  """A task named by its YAML file or a glob, as the harness also takes them."""
+  return os.path.exists(name) or any(c in name for c in "*?[")
 
 
-def hub_message(name: str, path: str) -> str:
+def check_tasks(names: Sequence[str], include_path: str | None = None):
+  """The ``TaskManager`` of ``names`` once every task (a group's members too) has loaded
+  offline: ``ConfigError`` for a name the harness does not know or a task whose data is
+  neither local nor in the ``datasets`` cache. Loads each task's data, as running it will."""
+  require_harness()
+  with offline():
+    manager = task_manager(names, include_path)
+    try:
+      manager.load(list(names))
+    except ConnectionError as e:  # datasets, offline, for data it would download
+      raise ConfigError(hub_message(", ".join(names), str(e))) from None
+  return manager
+
+
+def hub_message(names: str, why: str) -> str:
   return (
-    f"task {name} reads its data from the Hugging Face Hub ({path}) and jaxstep never "
-    f"downloads: save the data as local files and point a task YAML at them (dataset_path: "
-    f"json, dataset_kwargs: {{data_files: …}}) in a folder given with --include-path"
+    f"task {names}: its data is on the Hugging Face Hub ({why}) and jaxstep never downloads: "
+    f"save the data as local files and point a task YAML at them (dataset_path: json, "
+    f"dataset_kwargs: {{data_files: …}}) in a folder given with --include-path"
   )
-
-
-def _cached(path: str, name: str | None) -> bool:
-  """Whether ``datasets`` holds ``path`` (config ``name``) in its local cache."""
-  try:
-    import datasets
-
-    with offline():
-      datasets.load_dataset_builder(path, name)
-  except Exception:  # noqa: BLE001 - any failure offline means: not usable offline
-    return False
-  return True
 
 
 def run_tasks(
@@ -117,20 +111,23 @@ def run_tasks(
   limit: int | float | None = None,
   num_fewshot: int | None = None,
   apply_chat_template: bool = False,
+  manager=None,
 ) -> dict[str, float]:
-  """The harness's results of ``names`` on ``lm`` (a ``JaxstepLM``), flat (see the module)."""
+  """The harness's results of ``names`` on ``lm`` (a ``JaxstepLM``), flat (see the module);
+  ``manager``: what ``check_tasks`` returned for them (else it runs here)."""
   require_harness()
   import lm_eval
 
   names = [n.strip() for n in names if n.strip()]
   if not names:
     raise ConfigError("give one or more task names (e.g. --tasks hellaswag,arc_easy)")
-  logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task notes: not a run's log
+  manager = manager or check_tasks(names, include_path)
+  harness_log = logging.getLogger("lm_eval")
+  level, progress = harness_log.level, lm.progress
+  harness_log.setLevel(logging.WARNING)  # its per-task notes: not a run's log
   lm.progress = False
-  with offline():
-    manager = task_manager(names, include_path)
-    refuse_hub_tasks(manager, names)
-    try:
+  try:
+    with offline():
       results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(names),
@@ -139,9 +136,13 @@ def run_tasks(
         num_fewshot=num_fewshot,
         apply_chat_template=apply_chat_template,
         log_samples=False,
+        random_seed=None,  # the process's own generators are left as they are
+        numpy_random_seed=None,
+        torch_random_seed=None,
       )
-    except ConnectionError as e:  # a group's member task that reads the Hub
-      raise ConfigError(hub_message(", ".join(names), str(e))) from None
+  finally:
+    harness_log.setLevel(level)
+    lm.progress = progress
   return flatten(results["results"])
 
 

@@ -354,7 +354,13 @@ def _evaluation(run: Run) -> assembly.Evaluation:
     def evaluate_all(state) -> dict:
       return {name: scorer(state.params, split) for name, split in splits.items()}
 
-    return assembly.Evaluation(evaluate_all if splits else None, next(iter(splits), None), None)
+    return assembly.Evaluation(
+      evaluate_all if splits else None,
+      next(iter(splits), None),
+      None,
+      harness_evaluation(run.cfg, run.dataset.tokenizer),
+      run.cfg.eval.harness_every,
+    )
 
   def evaluate_all(state) -> dict:
     return {

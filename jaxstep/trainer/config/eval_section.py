@@ -38,10 +38,9 @@ def check_eval_sets(sets: Mapping[str, str]) -> dict[str, str]:
         f"eval.sets name {name!r}: use letters, digits, '_', '.' and '-', starting with a "
         f"letter or digit"
       )
-    if name == HELDOUT:
-      raise ConfigError(
-        f"eval.sets name {HELDOUT!r} is the run's own held-out split; choose another name"
-      )
+    if name in (HELDOUT, HARNESS_SET):
+      what = "the run's own held-out split" if name == HELDOUT else "eval.harness_tasks' results"
+      raise ConfigError(f"eval.sets name {name!r} is {what}; choose another name")
     if not isinstance(path, str) or not path.strip():
       raise ConfigError(f"eval.sets.{name} must be a non-empty data path, got {path!r}")
   return dict(sets)

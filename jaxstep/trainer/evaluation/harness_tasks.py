@@ -31,10 +31,7 @@ def check_tasks(eval_cfg) -> None:
       f"eval.harness_tasks runs in one process; this job has {jax.process_count()}: score "
       f"the tasks after training with jaxstep evaluate RUN_DIR --tasks …"
     )
-  names = list(eval_cfg.harness_tasks)
-  with tasks.offline():
-    manager = tasks.task_manager(names, eval_cfg.harness_include_path or None)
-    tasks.refuse_hub_tasks(manager, names)
+  tasks.check_tasks(list(eval_cfg.harness_tasks), eval_cfg.harness_include_path or None)
 
 
 def harness_evaluation(cfg, tokenizer):
@@ -57,12 +54,15 @@ def harness_evaluation(cfg, tokenizer):
       )
     else:
       model.set_params(state.params)
-    results = tasks.run_tasks(
-      model,
-      list(e.harness_tasks),
-      include_path=e.harness_include_path or None,
-      limit=e.harness_limit or None,
-    )
+    try:
+      results = tasks.run_tasks(
+        model,
+        list(e.harness_tasks),
+        include_path=e.harness_include_path or None,
+        limit=e.harness_limit or None,
+      )
+    finally:
+      model.set_params(None)  # no second copy of the params held between evaluations
     return {HARNESS_SET: results}
 
   return evaluate
