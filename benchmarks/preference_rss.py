@@ -52,8 +52,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 WORDS = "the cat sat on the mat a quick fox jumped over it".split()  # the BPE's own words
 # jaxstep settings that move its peak, each run as one more contender of the DPO job
 JAX_VARIANTS = {
-  "one_device": ["mesh.cpu_devices=1"],
-  "scanned": ["mesh.cpu_devices=1", "model.scan_layers=true"],
+  "two_devices": ["mesh.cpu_devices=2"],  # the CPU split a frozen base no longer gets
+  "scanned": ["model.scan_layers=true"],
 }
 
 

@@ -33,6 +33,25 @@ def test_auto_splits_as_if_k_were_one():
   assert cpu_device_count(6, split_k(cfg.train), 4) == 3
 
 
+@pytest.mark.parametrize(
+  "overrides, cpu_devices",
+  [
+    ([], 0),  # the split: one device per core that fits the batch
+    (["model.lora.rank=8"], 1),  # a frozen base is held once, not once per device
+    (["optim.trainable=[head]"], 1),
+    (["model.lora.rank=8", "mesh.cpu_devices=2"], 2),  # the user's choice
+    (["model.lora.rank=8", "mesh.fsdp=2"], 0),  # a mesh asked for: its devices
+  ],
+)
+def test_a_frozen_base_runs_on_one_cpu_device_unless_told(monkeypatch, overrides, cpu_devices):
+  import jaxstep.parallel.cpu_devices as cpu
+
+  seen = {}
+  monkeypatch.setattr(cpu, "configure_cpu_defaults", lambda *a, **kw: seen.update(kw))
+  configure_devices(config_lib.load(None, overrides))
+  assert seen["cpu_devices"] == cpu_devices
+
+
 def test_nothing_changes_once_the_backend_runs(monkeypatch):
   import jax
 

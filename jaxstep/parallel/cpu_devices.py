@@ -104,7 +104,7 @@ def configure_cpu_defaults(
     os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
   jax.config.update("jax_num_cpu_devices", n)
   log.info(
-    "CPU: %d devices (one per core that divides the batch); XLA_FLAGS %r",
+    "CPU: %d device(s); XLA_FLAGS %r",
     n,
     os.environ.get("XLA_FLAGS", ""),
   )

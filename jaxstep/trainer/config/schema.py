@@ -133,7 +133,7 @@ class MeshConfig:
   coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
-  cpu_devices: int = 0  # CLI on a CPU-only host: virtual devices (0 = per core that fits G/K)
+  cpu_devices: int = 0  # CPU-only CLI: devices (0: a core each that fits G/K; 1: frozen base)
   initialization_timeout: int = 300  # seconds to wait for the coordinator and all processes
 
   def __post_init__(self):

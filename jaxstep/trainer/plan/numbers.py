@@ -67,16 +67,23 @@ def split_k(train_cfg: TrainConfig) -> int:
 
 
 def configure_devices(cfg: config_lib.Config) -> None:
-  """The CPU device split for ``cfg`` (a no-op on accelerators or once JAX has started)."""
+  """The CPU device split for ``cfg`` (a no-op on accelerators or once JAX has started).
+
+  A run with a frozen base (LoRA, ``optim.trainable``) on a mesh left to the split gets one
+  device: every virtual device would hold its own replica of the frozen weights, which
+  train on nothing, so the split's speed costs the base's bytes again (measured in
+  docs/performance.md); ``mesh.cpu_devices`` chooses otherwise."""
   from jaxstep.parallel.cpu_devices import configure_cpu_defaults
 
   m = cfg.mesh
+  frozen = bool(cfg.model.lora.rank or cfg.optim.trainable)
+  automatic = m.data == -1 and m.fsdp == 1 and m.tensor == 1
   configure_cpu_defaults(
     cfg.train.global_batch_size,
     split_k(cfg.train),
     data=m.data,
     fsdp=m.fsdp,
-    cpu_devices=m.cpu_devices,
+    cpu_devices=m.cpu_devices or (1 if frozen and automatic else 0),
     tensor=m.tensor,
   )
 
