@@ -51,6 +51,7 @@ def test_transformers_starts_a_text_with_bos_and_then_its_bytes(byte_folder):
   assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (257, 258, 256)
 
 
+@pytest.mark.slow
 def test_an_export_of_a_byte_run_is_a_folder_a_run_starts_from(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=1", "train.global_batch_size=8"))
   out = tmp_path / "hf"

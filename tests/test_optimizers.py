@@ -96,7 +96,10 @@ def test_muon_takes_the_hidden_matrices_and_leaves_the_rest_to_adamw():
   assert muon_dims(stacked)["blocks"]["q_proj"]["kernel"] == MuonDimensionNumbers(1, 2)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(
+  "name",
+  [n if n in ("adamw", "muon") else pytest.param(n, marks=pytest.mark.slow) for n in OPTIMIZERS],
+)
 def test_k_micro_batches_give_one_batchs_update_with_each_optimizer(name, np_rng):
   apply_fn, params = models.build(LLAMA, 0)
   batches = [lm_batch(np_rng, 16, 8, 32) for _ in range(2)]

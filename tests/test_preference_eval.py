@@ -31,6 +31,7 @@ def _records(run_dir, name):
   return [r for r in read_lines(run_dir / "eval.jsonl") if r.get("set") == name]
 
 
+@pytest.mark.slow
 def test_an_eval_set_of_pairs_is_scored_whole_as_one_big_batch(tmp_path):
   """11 pairs, scored in global batches of 8 (the second padded): the record's means equal
   the same loss over all 11 pairs in one batch, computed from the final params."""
@@ -56,6 +57,7 @@ def test_an_eval_set_of_pairs_is_scored_whole_as_one_big_batch(tmp_path):
     np.testing.assert_allclose(record[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_precomputed_reference_scores_eval_sets_as_a_live_copy_does(tmp_path):
   sets = f"eval.sets={{sums: {_eval_file(tmp_path)}}}"
   """Both the held-out pairs (whose log-probs are in the stored file) and an eval set."""

@@ -38,6 +38,7 @@ def _by_hand(cfg, params, pairs) -> np.ndarray:
   return out
 
 
+@pytest.mark.slow
 def test_precomputed_log_probs_are_the_starting_weights_and_train_as_a_live_copy(tmp_path):
   """The file holds every pair's reference log-probs under the starting weights (checked
   pair by pair against an independent computation) with the key of those weights and the
@@ -126,6 +127,7 @@ def test_an_interrupted_computation_continues_from_its_parts(tmp_path, monkeypat
   assert np.array_equal(reference_logps.read(path, key), whole)
 
 
+@pytest.mark.slow
 def test_check_and_the_memory_ledger_take_a_precompute_config(tmp_path, capsys):
   from jaxstep.cli import check as check_cli
   from jaxstep.cli import memory as memory_cli

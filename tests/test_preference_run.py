@@ -151,6 +151,7 @@ def test_check_compares_k_micro_batches_of_pairs_with_one(tmp_path, capsys):
   assert "PASS: accumulation is exact" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_check_of_full_fine_tuning_dpo_passes(tmp_path, capsys):
   """With a live reference every parameter trains. At the first update the policy is its
   reference and the gradients agree (K = 2 vs 1); entries whose gradient is rounding noise
@@ -166,6 +167,7 @@ def test_check_of_full_fine_tuning_dpo_passes(tmp_path, capsys):
   assert "leave out" in table and "entries whose gradient" in table
 
 
+@pytest.mark.slow
 def test_a_dpo_run_exports_and_generates_as_a_supervised_run_does(tmp_path, capsys):
   """A LoRA DPO run is a LoRA run: its merged export is a GPT-2 folder, its adapters a
   PEFT folder, and generate decodes from the run dir with the tokenizer it kept."""
@@ -236,6 +238,7 @@ def test_a_dpo_run_killed_with_sigkill_resumes_bitwise(tmp_path):
   assert [r["loss"] for r in logged(straight)] == [r["loss"] for r in logged(killed)]
 
 
+@pytest.mark.slow
 def test_the_trainer_takes_the_preference_loss_with_pairs_as_its_unit(tmp_path):
   """From Python: ``preference_loss`` and ``pair_units`` plug into ``jaxstep.Trainer`` with
   batches of pairs; K = 2 trains as K = 1, and the first DPO loss of LoRA is ln 2."""
@@ -337,6 +340,7 @@ def test_the_memory_ledger_counts_pairs_and_names_the_reference(tmp_path, capsys
 FULL = ["preference.loss=dpo", "preference.beta=0.5"]  # no LoRA: a live reference
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_dpo_keeps_a_frozen_copy_and_starts_at_ln2(tmp_path):
   """Without LoRA the reference is a frozen copy of the starting weights in the state: the
   first loss is ln 2, K = 2 trains as K = 1, and the copy never moves while the params do."""
@@ -357,6 +361,7 @@ def test_full_fine_tuning_dpo_keeps_a_frozen_copy_and_starts_at_ln2(tmp_path):
   assert any(not np.array_equal(x, y) for x, y in zip(moved, initial, strict=True))
 
 
+@pytest.mark.slow
 def test_a_bf16_reference_copy_halves_its_bytes_and_still_trains(tmp_path, capsys):
   from jaxstep.cli import memory as memory_cli
 

@@ -80,7 +80,9 @@ def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
   assert record["eval_prompts"] == 27 and 0 <= record["eval_reward"] <= 1  # 2 % of 1,000, by hash
 
 
-@pytest.mark.parametrize("norm", ["tokens", "sequences", "constant"])
+@pytest.mark.parametrize(
+  "norm", ["tokens", *(pytest.param(n, marks=pytest.mark.slow) for n in ("sequences", "constant"))]
+)
 def test_k_micro_batches_give_one_batchs_updates(tmp_path, norm):
   """K = 1 and K = 4 from the same start: the same rewards (the same rollouts), losses and
   gradient norms at every update — each rollout after the first samples with the updated
@@ -140,6 +142,7 @@ def test_a_run_killed_between_passes_over_a_rollout_resumes_bitwise(tmp_path, mo
   assert rewards[0] == rewards[1]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_between_passes_continues_with_the_same_rollout(tmp_path):
   """rl.iterations=2: a run stopped after update 3 (the first pass over rollout 2) and
   continued to 6 reads that rollout back from the run dir and equals a run of 6."""
@@ -161,7 +164,7 @@ def test_a_run_stopped_between_passes_continues_with_the_same_rollout(tmp_path):
   assert rewards[0] == rewards[1]
 
 
-@pytest.mark.parametrize("reference", ["adapters", "live"])
+@pytest.mark.parametrize("reference", ["adapters", pytest.param("live", marks=pytest.mark.slow)])
 def test_the_kl_reference_is_the_start_and_the_kl_grows_from_zero(tmp_path, reference):
   """With the LoRA base (adapters off) or a frozen copy as the reference, the policy is its
   reference at the first update (KL exactly 0) and moves away after; only the live
@@ -206,6 +209,7 @@ def test_check_compares_k_micro_batches_on_the_first_rollout(tmp_path, capsys):
   assert "K=4 micro-steps vs K=1" in out and "PASS: accumulation is exact" in out
 
 
+@pytest.mark.slow
 def test_an_rl_run_exports_and_generates_as_a_supervised_run_does(tmp_path):
   from jaxstep.cli import export as export_cli
   from jaxstep.cli import generate as generate_cli
@@ -245,6 +249,7 @@ def test_the_grpo_hf_config_tunes_a_model_folder_on_chat_prompts_and_exports(
   assert (tmp_path / "hf" / "chat_template.jinja").is_file()
 
 
+@pytest.mark.slow
 def test_the_memory_ledger_names_an_rl_runs_reference(tmp_path, capsys):
   from jaxstep.cli import memory as memory_cli
 
@@ -268,6 +273,7 @@ def test_a_bf16_reference_copy_halves_its_bytes_and_its_kl_starts_near_zero(tmp_
   assert 0.0 <= kl < 1e-3  # the copy's rounding only
 
 
+@pytest.mark.slow
 def test_a_resume_between_passes_without_its_rollout_file_is_one_line(tmp_path, capsys):
   """The checkpoint says the next update is the second pass over a rollout; without the
   kept rollout the run cannot continue it and says what to do instead."""

@@ -61,6 +61,7 @@ def test_k_micro_batches_give_one_big_batchs_run(tmp_path):
       assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.slow
 def test_a_run_stopped_between_passes_resumes_to_the_bit(tmp_path):
   """Two passes per rollout: the run stopped after update 3 holds rollout 1 half-used; the
   resumed run reads it back and ends where the straight run does, records included."""
@@ -143,6 +144,7 @@ def test_rows_in_memory_encode_as_a_prompts_file_does(tmp_path):
   assert all(np.array_equal(x, y) for x, y in zip(a.ids, b.ids, strict=True))
 
 
+@pytest.mark.slow
 def test_the_docs_example_runs(tmp_path):
   import pathlib
   import re
