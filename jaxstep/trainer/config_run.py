@@ -343,35 +343,27 @@ def _device_part(batch: dict) -> dict:
 
 
 def _evaluation(run: Run) -> assembly.Evaluation:
-  """The CLI run's evaluation: every set of ``eval_splits`` with the jitted eval step, and
-  text samples of ``train.sample_prompts`` when ``train.sample_every`` is set."""
+  """The CLI run's evaluation: every set of ``eval_splits`` with the jitted eval step (an RL
+  run's held-out prompts decoded and scored), text samples of ``train.sample_prompts`` when
+  ``train.sample_every`` is set, and ``eval.harness_tasks``."""
   t = run.cfg.train
   splits = eval_splits(run)
-
+  harness = (harness_evaluation(run.cfg, run.dataset.tokenizer), run.cfg.eval.harness_every)
   if run.cfg.rl.rewards:
     scorer = rl_evaluate.scorer(run)
 
     def evaluate_all(state) -> dict:
       return {name: scorer(state.params, split) for name, split in splits.items()}
 
-    return assembly.Evaluation(
-      evaluate_all if splits else None,
-      next(iter(splits), None),
-      None,
-      harness_evaluation(run.cfg, run.dataset.tokenizer),
-      run.cfg.eval.harness_every,
-    )
+    samples = None
+  else:
 
-  def evaluate_all(state) -> dict:
-    return {
-      name: evaluate(run, state.params, split, state.model_state) for name, split in splits.items()
-    }
+    def evaluate_all(state) -> dict:
+      return {
+        name: evaluate(run, state.params, split, state.model_state)
+        for name, split in splits.items()
+      }
 
-  samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
-  return assembly.Evaluation(
-    evaluate_all if splits else None,
-    next(iter(splits), None),
-    samples,
-    harness_evaluation(run.cfg, run.dataset.tokenizer),
-    run.cfg.eval.harness_every,
-  )
+    samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
+  first = next(iter(splits), None)
+  return assembly.Evaluation(evaluate_all if splits else None, first, samples, *harness)
