@@ -268,6 +268,7 @@ print("ok", len(leaves))
 """
 
 
+@pytest.mark.slow
 def test_a_four_device_fsdp_import_equals_one_device_and_is_sharded(folder, tmp_path):  # noqa: F811
   path, _ = folder
   env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}

@@ -142,6 +142,7 @@ def test_a_preference_config_that_cannot_run_is_one_line_and_exit_2(
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_check_compares_k_micro_batches_of_pairs_with_one(tmp_path, capsys):
   from jaxstep.cli import check as check_cli
 

@@ -201,6 +201,7 @@ def test_an_rl_run_on_four_devices_equals_one_device(tmp_path, monkeypatch):
         np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{name} {key}")
 
 
+@pytest.mark.slow
 def test_check_compares_k_micro_batches_on_the_first_rollout(tmp_path, capsys):
   from jaxstep.cli import check as check_cli
 

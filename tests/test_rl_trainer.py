@@ -50,6 +50,7 @@ def records(run_dir) -> list[dict]:
   ]
 
 
+@pytest.mark.slow
 def test_k_micro_batches_give_one_big_batchs_run(tmp_path):
   trainer(tmp_path / "k1").fit()
   trainer(tmp_path / "k4", train={"grad_accum_steps": 4}).fit()
