@@ -104,7 +104,8 @@ def configure_cpu_defaults(
     os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
   jax.config.update("jax_num_cpu_devices", n)
   log.info(
-    "CPU: %d device(s); XLA_FLAGS %r",
+    "CPU: %d device%s; XLA_FLAGS %r",
     n,
+    "" if n == 1 else "s",
     os.environ.get("XLA_FLAGS", ""),
   )
