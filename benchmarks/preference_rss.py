@@ -50,10 +50,12 @@ QUICK_FOLDER |= {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_valu
 SEQ, BATCH, STEPS, RANK, ALPHA = 128, 8, 3, 8, 16.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WORDS = "the cat sat on the mat a quick fox jumped over it".split()  # the BPE's own words
-# jaxstep settings that move its peak, each run as one more contender of the DPO job
+# jaxstep settings that move its peak, each run as one more contender of both jobs (the
+# default for a folder under LoRA: scanned blocks with remat)
 JAX_VARIANTS = {
   "two_devices": ["mesh.cpu_devices=2"],  # the CPU split a frozen base no longer gets
-  "scanned": ["model.scan_layers=true"],
+  "no_remat": ["model.remat=none"],  # scanned, every activation kept
+  "unrolled": ["model.scan_layers=false", "model.remat=none"],  # as a from-scratch run walks
 }
 
 

@@ -124,7 +124,7 @@ def _rss_rows(quick: bool) -> tuple[dict, list, dict]:
   else:  # torch is imported only in processes of its own
     folder = in_fresh_process("folder", json.dumps(shape))
   names = ["jax_dpo", "trl_dpo"]  # quick: one pair of runs, the smoke of both paths
-  if not quick:  # and where jaxstep's memory goes: the CPU split, the unscanned layers
+  if not quick:  # and where jaxstep's memory goes: the CPU split, remat, scanned layers
     names += ["jax_sft", "peft_sft"]
     names += [f"jax_{job}_{v}" for job in ("sft", "dpo") for v in JAX_VARIANTS]
   steps = 1 if quick else STEPS

@@ -207,3 +207,27 @@ def test_a_missing_init_from_folder_is_named_before_the_tokenizer_it_also_is(tmp
   saved.write_text(f"model:\n  init_from: {gone}\ndata:\n  tokenizer: {gone}\n")
   with pytest.raises(ConfigError, match="model.init_from .* is not a folder"):
     config_lib.load(saved)
+
+
+@pytest.mark.parametrize(
+  "given, depth",
+  [
+    (["model.lora.rank=4"], (True, "block")),
+    (["optim.trainable=lora_"], (True, "block")),
+    (["model.lora.rank=4", "model.remat=none"], (True, "none")),
+    (["model.lora.rank=4", "model.scan_layers=false"], (False, "block")),
+    ([], (False, "none")),  # full fine-tuning keeps the plain defaults
+  ],
+)
+def test_a_folder_under_a_frozen_base_gets_scanned_blocks_with_remat(tmp_path, given, depth):
+  """``model.init_from`` with LoRA or ``optim.trainable``: ``scan_layers`` true and ``remat``
+  block unless the config names them; the file's own setting wins like an override's."""
+  cfg = config_lib.load(None, [f"model.init_from={tmp_path}", *given])
+  assert (cfg.model.scan_layers, cfg.model.remat) == depth
+  file = tmp_path / "run.yaml"
+  file.write_text(f"model:\n  init_from: {tmp_path}\n  remat: dots\n  lora: {{rank: 2}}\n")
+  assert (config_lib.load(file).model.scan_layers, config_lib.load(file).model.remat) == (
+    True,
+    "dots",
+  )
+  assert config_lib.load(None, ["model.lora.rank=4"]).model.remat == "none"  # no folder

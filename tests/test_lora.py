@@ -151,7 +151,8 @@ def test_lora_on_an_imported_model_keeps_its_weights_and_exports_them_merged(
   cfg = run_cfg(tmp_path, path, "model.lora.rank=4", "train.max_steps=2", "optim.lr=1e-2")
   trainer.train(cfg)
   saved = jaxstep.load_run(tmp_path / "run")
-  base = names(jaxstep.load_pretrained(path).params)
+  assert saved.cfg.model.scan_layers and saved.cfg.model.remat == "block"  # a frozen base's
+  base = names(jaxstep.load_pretrained(path, scan_layers=True).params)
   for name, leaf in names(saved.params).items():
     assert ("/lora/" in name) or np.array_equal(leaf, base[name]), name
   assert run_command("export", [str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
