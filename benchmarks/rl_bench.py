@@ -13,8 +13,8 @@ its sampling and its train step. Headline keys (goals in the rows): ``rl_rollout
   Tokens/s is new tokens ÷ the call's wall time (ids back on the host); jaxstep's greedy
   tokens/s (the same loop, argmax in place of the draw) shows what the draw costs.
 - Update overhead (``rl_run``): a whole ``jaxstep train`` run (``config_run.train``, in
-  process) of ``grpo-arith``'s settings (8 prompts × 8 completions of ``bundled:sums``, 5 new
-  tokens, K=2) on the ``tiny`` config's GPT with random weights. A ``Hook`` stamps each
+  process) of ``grpo-arith``'s settings (32 prompts × 8 completions of ``bundled:sums``, 5
+  new tokens, K=4) on the ``tiny`` config's GPT with random weights. A ``Hook`` stamps each
   update's start (``before_step``, just before the batch's transfer and the dispatch), blocks
   on the new state in ``after_step`` (the step: transfer, dispatch and device run) and wraps
   the rollout's ``sample_ids``. Update i's wall time is ``before_step(i)`` →
@@ -52,14 +52,14 @@ RUN = [
   "rl.num_generations=8",
   "rl.max_new_tokens=5",
   "rl.temperature=1.0",
-  "train.global_batch_size=64",
-  "train.grad_accum_steps=2",
+  "train.global_batch_size=256",
+  "train.grad_accum_steps=4",
   "train.seq_len=16",
   "train.eval_every=0",
   "train.sample_every=0",
   "train.progress=false",
   "checkpoint.every=0",
-  "optim.lr=1e-4",
+  "optim.lr=3e-4",
   "optim.warmup_steps=0",
 ]
 QUICK_RUN = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2"]
@@ -294,7 +294,7 @@ def _overhead_rows(quick: bool) -> tuple[dict, list, dict]:
   rows = [
     (
       "RL update overhead: (update wall − sampling − train step) ÷ update wall, `jaxstep "
-      "train` of grpo-arith's settings (8 prompts × 8, 5 new tokens, K=2) on the tiny GPT, "
+      "train` of grpo-arith's settings (32 prompts × 8, 5 new tokens, K=4) on the tiny GPT, "
       f"median over updates {SKIP}…{updates - 1} of each run ({ms('wall')} per update: step "
       f"{ms('step')}, sampling {ms('sampling')})",
       fmt(stats["overhead"]),

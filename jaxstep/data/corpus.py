@@ -1,8 +1,10 @@
 """Generates the bundled corpus (``jaxstep/data/corpus/``) so the default config needs no files.
 
 Text with learnable structure: paragraphs of two-digit arithmetic (``17 + 25 = 42``) and of
-sentences from a small grammar; plus a tiny chat set of arithmetic questions, and the same
-two tasks as preference pairs (the right answer chosen, a near miss rejected). Deterministic:
+sentences from a small grammar; plus a tiny chat set of arithmetic questions, the same two
+tasks as preference pairs (the right answer chosen, a near miss rejected), sums as RL prompts
+with their answers, and the other two-digit sums one per document (supervised data for the
+RL demo's start). Deterministic:
 ``python -m jaxstep.data.corpus`` rewrites the same bytes.
 """
 
@@ -85,6 +87,16 @@ def sum_prompt_records(n: int = 1000, seed: int = 4) -> list[dict]:
   ]
 
 
+def sum_documents(seed: int = 6) -> list[str]:
+  """Every two-digit sum ``a + b = c`` whose prompt is not one of ``sum_prompt_records``',
+  each its own document, shuffled: supervised data that teaches the tiny model to add
+  without showing it any prompt RL trains or evaluates on (``configs/sft-sums.yaml``)."""
+  held = {row["prompt"] for row in sum_prompt_records()}
+  sums = [(a, b) for a in range(100) for b in range(100) if f"{a} + {b} = " not in held]
+  random.Random(seed).shuffle(sums)
+  return [f"{a} + {b} = {a + b}" for a, b in sums]
+
+
 def chat_sum_prompt_records(n: int = 400, seed: int = 5) -> list[dict]:
   """Sums asked in a chat, answered with the number alone: RL prompts for a chat model."""
   r = random.Random(seed)
@@ -121,6 +133,7 @@ def main() -> None:
   BUNDLED_PATHS["bundled:chat-pairs"].write_text(_jsonl(chat_pair_records()))
   BUNDLED_PATHS["bundled:sums"].write_text(_jsonl(sum_prompt_records()))
   BUNDLED_PATHS["bundled:chat-sums"].write_text(_jsonl(chat_sum_prompt_records()))
+  BUNDLED_PATHS["bundled:sum-docs"].write_text("\n\n".join(sum_documents()) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ BUNDLED_PATHS = {
   "bundled:chat-pairs": BUNDLED / "chat_pairs.jsonl",
   "bundled:sums": BUNDLED / "sums.jsonl",  # RL prompts with answers (jaxstep.data.prompt_rows)
   "bundled:chat-sums": BUNDLED / "chat_sums.jsonl",  # the same, as chat prompts
+  "bundled:sum-docs": BUNDLED / "sum_docs.txt",  # the other two-digit sums, one per document
 }
 ROLES = ("system", "user", "assistant")
 # txt: documents split at blank lines; file: each file one document; auto: by extension
