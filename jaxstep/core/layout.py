@@ -84,6 +84,17 @@ def constrain_sequence(x):
   return jax.lax.with_sharding_constraint(x, PartitionSpec(None, TENSOR, None))
 
 
+def gather_sequence(x):
+  """``x`` ``[B, S, D]`` entering a column-parallel layer under sequence parallelism: whole
+  on S on every tensor device (Megatron-SP's all-gather, once, where the layer starts), so
+  the compiler does not carry the position split into attention and reshard keys and
+  values there; else ``x``."""
+  tensor = _IN_STEP.get()
+  if tensor <= 1 or RULES.get("seq") != TENSOR or x.ndim != 3 or x.shape[1] % tensor:
+    return x
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(None, None, None))
+
+
 def name_axes(pattern: str, names: tuple[str | None, ...]) -> None:
   """Names the dimensions of your model's leaves whose path (``jax.tree_util.keystr``, e.g.
   ``['mlp']['w_in']``) ends with ``pattern`` (a regex), for tensor parallelism."""

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstep.core import layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers, lora
 from jaxstep.models.cpu_kernels import LayerNorm, dense_dot_general
@@ -159,9 +160,10 @@ class Block(nnx.Module):
     del positions
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
-      attn = self.attention(self.ln1(x), segment_ids)
+      # sequence parallelism (layout): whole positions into each tensor-parallel layer
+      attn = self.attention(layout.gather_sequence(self.ln1(x)), segment_ids)
       x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
-      mlp = self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+      mlp = self.out(jax.nn.gelu(self.fc(layout.gather_sequence(self.ln2(x)))))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstep.core import layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers, lora
 from jaxstep.models.gpt import platform_kernels
@@ -213,9 +214,11 @@ class LlamaBlock(nnx.Module):
     (``DecoderStack.__call__``)."""
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
-      attn = self.attention(self.input_layernorm(x), segment_ids, positions)
+      # sequence parallelism (layout): whole positions into each tensor-parallel layer
+      h = layout.gather_sequence(self.input_layernorm(x))
+      attn = self.attention(h, segment_ids, positions)
       x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
-      mlp = self.mlp(self.post_attention_layernorm(x))
+      mlp = self.mlp(layout.gather_sequence(self.post_attention_layernorm(x)))
     return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
 
 

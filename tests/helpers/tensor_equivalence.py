@@ -70,9 +70,15 @@ def errors(state, ref):
   return max(me.rel(a, b) for a, b in pairs)
 
 
+COLLECTIVE = re.compile(
+  r"= [^=]*? (?:all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(?:-start)?\("
+)
+
+
 def sequence_buffers(name: str, tensor: int = 4) -> dict:
   """Whether the compiled step holds the residual stream split over positions: the count
-  of fp32 buffers shaped [rows, S / tensor, d_model], without and with sequence parallelism."""
+  of fp32 buffers shaped [rows, S / tensor, d_model], without and with sequence parallelism;
+  and the count of collectives in each compiled step."""
   cfg = MODELS[name]
   out = {"sequence_hlo": name}
   for sp in (False, True):
@@ -86,6 +92,7 @@ def sequence_buffers(name: str, tensor: int = 4) -> dict:
     layout.split_rules()
     shape = f"f32[{me.G},{me.S // tensor},{cfg.d_model}]"
     out["sp" if sp else "plain"] = hlo.count(shape)
+    out["sp_collectives" if sp else "plain_collectives"] = len(COLLECTIVE.findall(hlo))
   return out
 
 
