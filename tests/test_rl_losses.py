@@ -240,7 +240,8 @@ def trl_grpo(torch, loss_type, logits, batch, prompt, *, beta, eps_low, eps_high
   }
   loss = GRPOTrainer._compute_loss(stub, None, inputs)
   loss.backward()
-  return float(loss), {k: v[0] for k, v in stub._metrics["train"].items()}, leaf.grad.numpy()
+  metrics = {k: v[0] for k, v in stub._metrics["train"].items()}
+  return float(loss.detach()), metrics, leaf.grad.numpy()
 
 
 @pytest.mark.slow
