@@ -221,13 +221,14 @@ def test_a_missing_init_from_folder_is_named_before_the_tokenizer_it_also_is(tmp
 )
 def test_a_folder_under_a_frozen_base_gets_scanned_blocks_with_remat(tmp_path, given, depth):
   """``model.init_from`` with LoRA or ``optim.trainable``: ``scan_layers`` true and ``remat``
-  block unless the config names them; the file's own setting wins like an override's."""
+  block unless the config names them."""
   cfg = config_lib.load(None, [f"model.init_from={tmp_path}", *given])
   assert (cfg.model.scan_layers, cfg.model.remat) == depth
+
+
+def test_a_config_files_depth_settings_win_and_no_folder_keeps_the_defaults(tmp_path):
   file = tmp_path / "run.yaml"
   file.write_text(f"model:\n  init_from: {tmp_path}\n  remat: dots\n  lora: {{rank: 2}}\n")
-  assert (config_lib.load(file).model.scan_layers, config_lib.load(file).model.remat) == (
-    True,
-    "dots",
-  )
+  model = config_lib.load(file).model
+  assert (model.scan_layers, model.remat) == (True, "dots")
   assert config_lib.load(None, ["model.lora.rank=4"]).model.remat == "none"  # no folder

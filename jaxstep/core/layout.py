@@ -73,13 +73,19 @@ def inside_step(mesh: Mesh):
     _IN_STEP.reset(token)
 
 
+def _splits_sequence(x) -> bool:
+  """Whether ``x`` ``[B, S, D]`` is traced inside the train step with sequence parallelism
+  on and S divisible by the tensor size."""
+  tensor = _IN_STEP.get()
+  return tensor > 1 and RULES.get("seq") == TENSOR and x.ndim == 3 and x.shape[1] % tensor == 0
+
+
 def constrain_sequence(x):
   """``x`` ``[B, S, D]`` between tensor-parallel regions: split on S over ``tensor`` when
   ``RULES["seq"]`` says so (sequence parallelism: norms, residual adds and dropout work on
   1/tensor of the positions; the compiler all-gathers before a column-parallel layer and
   reduce-scatters after a row-parallel one), inside the train step only; else ``x``."""
-  tensor = _IN_STEP.get()
-  if tensor <= 1 or RULES.get("seq") != TENSOR or x.ndim != 3 or x.shape[1] % tensor:
+  if not _splits_sequence(x):
     return x
   return jax.lax.with_sharding_constraint(x, PartitionSpec(None, TENSOR, None))
 
@@ -89,8 +95,7 @@ def gather_sequence(x):
   on S on every tensor device (Megatron-SP's all-gather, once, where the layer starts), so
   the compiler does not carry the position split into attention and reshard keys and
   values there; else ``x``."""
-  tensor = _IN_STEP.get()
-  if tensor <= 1 or RULES.get("seq") != TENSOR or x.ndim != 3 or x.shape[1] % tensor:
+  if not _splits_sequence(x):
     return x
   return jax.lax.with_sharding_constraint(x, PartitionSpec(None, None, None))
 

@@ -212,7 +212,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     cfg = build_section(Config(), tree)
   except TypeError as e:  # a dataclass refused a value coerce let through
     raise ConfigError(str(e)) from None
-  return _expand_paths(_frozen_base_depth(cfg, model if isinstance(model, dict) else {}))
+  return _expand_paths(_frozen_base_depth(cfg, model or {}))  # model: a mapping, or absent
 
 
 # A pretrained folder under a frozen base (LoRA, optim.trainable): the depth settings the
@@ -224,10 +224,15 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
 FROZEN_BASE_DEPTH = {"scan_layers": True, "remat": "block"}
 
 
+def frozen_base(cfg: Config) -> bool:
+  """Whether only part of the model trains: LoRA adapters or ``optim.trainable``."""
+  return bool(cfg.model.lora.rank or cfg.optim.trainable)
+
+
 def _frozen_base_depth(cfg: Config, given: dict) -> Config:
   """``cfg`` with ``FROZEN_BASE_DEPTH`` for each key the model section does not set, when
   the run starts from ``model.init_from`` with a frozen base."""
-  if not cfg.model.init_from or not (cfg.model.lora.rank or cfg.optim.trainable):
+  if not cfg.model.init_from or not frozen_base(cfg):
     return cfg
   depth = {k: v for k, v in FROZEN_BASE_DEPTH.items() if k not in given}
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **depth))

@@ -76,7 +76,7 @@ def configure_devices(cfg: config_lib.Config) -> None:
   from jaxstep.parallel.cpu_devices import configure_cpu_defaults
 
   m = cfg.mesh
-  frozen = bool(cfg.model.lora.rank or cfg.optim.trainable)
+  frozen = config_lib.frozen_base(cfg)
   automatic = m.data == -1 and m.fsdp == 1 and m.tensor == 1
   configure_cpu_defaults(
     cfg.train.global_batch_size,
