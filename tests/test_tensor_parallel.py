@@ -227,11 +227,14 @@ def test_the_logits_are_never_whole_under_a_vocab_parallel_cross_entropy(equival
 def test_sequence_parallelism_splits_the_residual_stream_over_positions(equivalence):
   """Tensor 4, 8 positions: buffers shaped [rows, 2, d_model] appear only with it on, for a
   few more collectives: the all-gathers into the tensor-parallel layers (a block's input
-  gathered once, not keys and values resharded between the position and the head split)."""
+  gathered once, not keys and values resharded between the position and the head split).
+  Without it, nothing is moved between splits: the GPT's head-major fused q/k/v columns
+  split over tensor into whole heads (in GPT-2's [q | k | v] order: 11 such collectives)."""
   _, _, hlo = equivalence
   assert [r["sequence_hlo"] for r in hlo] == ["gpt", "llama"]
   for r in hlo:
     assert r["plain"] == 0 and r["sp"] > 0, r
+    assert r["plain_reshards"] == 0, r
     assert r["sp_collectives"] - r["plain_collectives"] <= 12, r  # without the gathers: 24, 17
 
 

@@ -1,6 +1,9 @@
 """A decoder-only transformer (GPT) in Flax NNX.
 
-Pre-LayerNorm blocks; one fused QKV projection; causal attention by the kernel
+Pre-LayerNorm blocks; one fused QKV projection whose output columns are head-major,
+``[heads, 3, head_dim]`` (``head_major``: GPT-2 checkpoints store ``[q | k | v]`` and are
+permuted on the way in and out), so a tensor-parallel split of the columns hands each
+device whole heads with their q, k and v together; causal attention by the kernel
 ``model.attention`` selects (``backends.py``: on CPU a blocked kernel with a hand-written
 backward, on a GPU cuDNN's flash attention); on CPU every projection and LayerNorm uses a
 backward ordered for XLA:CPU (``cpu_kernels.py``); learned position embeddings; tied or
@@ -134,8 +137,7 @@ class Block(nnx.Module):
 
   def attention(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     b, s, d = x.shape  # [B, S, D]
-    h = self.n_heads
-    q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * h, d // h), 3, axis=2)  # [B, S, H, Dh]
+    q, k, v = split_heads(self.qkv(x), self.n_heads)  # [B, S, H, Dh] each
     out = backends.causal_attention(q, k, v, self.attention_kernel, segment_ids=segment_ids)
     return self.proj(out.reshape(b, s, d))
 
@@ -145,7 +147,7 @@ class Block(nnx.Module):
     (keys transposed, so both attention dots read the cache as it lies)."""
     b, s, d = x.shape
     h = self.n_heads
-    q, k, v = jnp.split(self.qkv(self.ln1(x)).reshape(b, s, 3 * h, d // h), 3, axis=2)
+    q, k, v = split_heads(self.qkv(self.ln1(x)), h)
     rows, heads, at = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], positions[:, None]
     kt, vc = cache  # the index arrays select [B, H, S] slots; each takes a [Dh] vector
     kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
@@ -197,6 +199,31 @@ class GPT(DecoderStack):
 
   def _cache_heads(self) -> tuple[int, int]:
     return self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads
+
+
+def split_heads(qkv: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The fused projection's output ``[B, S, 3·D]`` (head-major columns) as ``q, k, v``,
+  each ``[B, S, H, Dh]``."""
+  b, s, width = qkv.shape
+  heads = qkv.reshape(b, s, n_heads, 3, width // (3 * n_heads))
+  return heads[:, :, :, 0], heads[:, :, :, 1], heads[:, :, :, 2]
+
+
+def head_major(x, n_heads: int):
+  """Columns ``[q | k | v]`` (GPT-2's ``c_attn``: the last axis is ``3·H·Dh``, heads
+  contiguous inside each of q, k, v) in the fused projection's order ``[H, 3, Dh]``. Works
+  on numpy and jax arrays of any leading shape (a kernel, a bias, a LoRA ``B``, a stacked
+  layer axis); ``qkv_major`` is its inverse."""
+  *lead, width = x.shape
+  split = x.reshape(*lead, 3, n_heads, width // (3 * n_heads))
+  return split.swapaxes(-3, -2).reshape(*lead, width)
+
+
+def qkv_major(x, n_heads: int):
+  """Head-major columns ``[H, 3, Dh]`` back in GPT-2's order ``[q | k | v]``."""
+  *lead, width = x.shape
+  split = x.reshape(*lead, n_heads, 3, width // (3 * n_heads))
+  return split.swapaxes(-3, -2).reshape(*lead, width)
 
 
 def attention_over_cache(q, kt, v, positions):

@@ -5,7 +5,8 @@ plus ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors`` and
 ``from_pretrained`` reads.
 
 The inverse of ``hf_config`` + ``hf_weights``: tensor names are ``hf_weights.hf_names``',
-kernels are transposed back to PyTorch's ``[out, in]``, norms' ``scale`` is ``weight``.
+kernels are transposed back to PyTorch's ``[out, in]``, norms' ``scale`` is ``weight``, the
+GPT's fused q/k/v columns go back to GPT-2's order (``hf_gpt2.columns``).
 Params may be in either layout (per block or stacked by ``model.scan_layers``) and may be
 jax arrays sharded over devices: each tensor is gathered to the host on its own (a stacked
 leaf one layer at a time), so host memory holds at most one shard file's tensors
@@ -213,7 +214,7 @@ def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict) -> list[Tensor]:
   _check_leaves(params, shapes, stacked)
   out = []
   for path, name, transposed in hf_names(cfg):
-    fetch = fetcher(params, path, stacked)
+    fetch = fetcher(params, path, stacked, hf_gpt2.columns(cfg, path, to_hf=True))
     shape = leaf_shape(params, path, stacked)
     if shape != shapes[path]:
       raise ConfigError(f"params{spell(path)} has shape {shape}, the config needs {shapes[path]}")
@@ -262,11 +263,17 @@ def leaf_shape(params: dict, path: tuple, stacked: bool) -> tuple:
   return shape[1:] if stored_path(path, stacked)[1] is not None else shape
 
 
-def fetcher(params: dict, path: tuple, stacked: bool) -> Callable[[], object]:
+def fetcher(params: dict, path: tuple, stacked: bool, columns=None) -> Callable[[], object]:
   """A function returning the tensor at ``path`` (a stacked leaf sliced to its layer only
-  when called, so one layer's copy exists at a time)."""
+  when called, so one layer's copy exists at a time), its last axis reordered by
+  ``columns`` (``hf_gpt2.columns``) on the host when given."""
   leaf, (_, layer) = _lookup(params, path, stacked), stored_path(path, stacked)
-  return (lambda: leaf) if layer is None else (lambda: leaf[layer])
+  fetch = (lambda: leaf) if layer is None else (lambda: leaf[layer])
+  if columns is None:
+    return fetch
+  import jax
+
+  return lambda: columns(np.asarray(jax.device_get(fetch())))
 
 
 def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:

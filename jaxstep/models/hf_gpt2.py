@@ -1,7 +1,9 @@
 """Hugging Face's ``GPT2LMHeadModel`` as the bundled GPT, both ways.
 
 The bundled GPT is GPT-2's network: learned position embeddings, pre-LayerNorm blocks with
-one fused q/k/v projection laid out ``[q | k | v]`` (heads contiguous inside each), the
+one fused q/k/v projection (GPT-2 lays its columns out ``[q | k | v]``, heads contiguous
+inside each; the GPT holds them head-major, ``[heads, 3, head_dim]``, so ``columns``
+permutes the columns of ``c_attn``'s weight, bias and LoRA ``B``), the
 tanh-approximated GELU (GPT-2's ``gelu_new``), biases on every projection and LayerNorm, a
 final LayerNorm and a head tied to the token embeddings. GPT-2's ``Conv1D`` stores its
 weights ``[in, out]`` as flax does, so no kernel is transposed; only an untied
@@ -17,10 +19,11 @@ written. Settings this network does not compute (another activation,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 from jaxstep.errors import ConfigError
-from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.gpt import GPTConfig, head_major, qkv_major
 from jaxstep.models.hf_fields import integer, real
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -81,6 +84,21 @@ def hf_names(cfg: GPTConfig, prefix: str = PREFIX) -> Iterator[tuple[tuple, str,
   yield ("ln_f", "bias"), f"{prefix}ln_f.bias", False
   if not cfg.tie_embeddings:
     yield ("head", "kernel"), "lm_head.weight", True
+
+
+def permuted(path: tuple) -> bool:
+  """Whether the leaf at params ``path`` has the fused projection's columns on its last
+  axis: ``c_attn``'s kernel, its bias and its LoRA ``B``."""
+  return "qkv" in path and path[-1] in ("kernel", "bias", "lora_b")
+
+
+def columns(cfg, path: tuple, *, to_hf: bool) -> Callable | None:
+  """How the leaf at params ``path`` of ``cfg``'s model reorders its last axis between
+  GPT-2's file and the GPT: ``head_major`` on the way in, ``qkv_major`` on the way out
+  (``to_hf``); None for every other leaf and every other model."""
+  if not isinstance(cfg, GPTConfig) or not permuted(path):
+    return None
+  return functools.partial(qkv_major if to_hf else head_major, n_heads=cfg.n_heads)
 
 
 def prefix_of(names) -> str:

@@ -6,7 +6,8 @@ Names map one to one (``hf_name``): ``model.layers.{i}.self_attn.q_proj.weight``
 ``params["blocks"][i]["q_proj"]["kernel"]``, transposed, since PyTorch's ``Linear`` stores
 ``[out, in]`` and flax's ``[in, out]``; norms' ``weight`` is ``scale``; a tied model has no
 ``lm_head.weight``. Tensors are read one at a time, each a block of rows at a time (copied
-out of the file, then cast and transposed into place: no whole-tensor intermediate) into
+out of the file, then cast and transposed, or for the GPT's fused q/k/v column-permuted
+(``hf_gpt2.columns``), into place: no whole-tensor intermediate) into
 its final layout and dtype, and handed to ``place`` (e.g. ``jax.device_put`` onto its
 target sharding) before the next is read. Each tensor opens its file anew, so the mapped
 file's pages leave the process as soon as the tensor is copied: host memory holds what
@@ -274,7 +275,8 @@ def read_params(
     needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
     hasher = None if digest is None else new_hasher()
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
-      array, finite = _read(f, file, name, needed, transposed, dtype, hasher)
+      columns = hf_gpt2.columns(cfg, path, to_hf=False)
+      array, finite = _read(f, file, name, needed, transposed, dtype, hasher, columns)
     if digest is not None:
       digest.tensor(file, name, hasher)
     if not finite:
@@ -291,9 +293,10 @@ def read_params(
   return params
 
 
-def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dtype, hasher=None):
+def _read(f, file, name: str, needed: tuple, transposed: bool, dtype, hasher=None, columns=None):
   """``(array, finite)``: tensor ``name`` of the open file, checked against ``needed`` (the
-  file's layout) and a float dtype, cast to ``dtype`` and transposed if asked, into a new
+  file's layout) and a float dtype, cast to ``dtype`` and transposed if asked (or its last
+  axis reordered by ``columns``, block by block; a vector is one block), into a new
   64-byte-aligned array, a block of rows (about ``BLOCK_BYTES``) at a time: besides the
   result only one block is ever held, and a CPU ``jax.device_put`` adopts the aligned
   result instead of copying it. ``finite``: no NaN or infinity in it, checked per block.
@@ -312,6 +315,8 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
     )
   out = _aligned_empty(shape[::-1] if transposed else shape, dtype)
   rows = max(1, BLOCK_BYTES // max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:]))))
+  if columns is not None and len(shape) == 1:
+    rows = shape[0]  # a vector's columns are its rows
   finite = True
   try:
     for i in range(0, shape[0], rows):
@@ -320,13 +325,17 @@ def _read(f, file: pathlib.Path, name: str, needed: tuple, transposed: bool, dty
       stored_rows = source[i:end]  # a contiguous copy of the file's bytes
       if hasher is not None:
         hasher.update(stored_rows)
-      block[...] = stored_rows.T if transposed else stored_rows
+      block[...] = stored_rows.T if transposed else (columns or _same)(stored_rows)
       finite = finite and bool(np.isfinite(block).all())
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - the data cannot be read or cast
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
   return out, finite
+
+
+def _same(x):
+  return x
 
 
 def _aligned_empty(shape: tuple, dtype, alignment: int = 64) -> np.ndarray:

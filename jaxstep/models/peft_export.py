@@ -8,8 +8,10 @@ The math is the same on both sides: an adapted projection computes ``y = x·W + 
 (α/r)·(x·A)·B`` (jaxstep, ``A`` ``[in, r]``, ``B`` ``[r, out]``), which is PEFT's ``y =
 base(x) + (lora_alpha/r)·lora_B(lora_A(x))`` with ``lora_A.weight = Aᵀ`` ``[r, in]`` and
 ``lora_B.weight = Bᵀ`` ``[out, r]`` (PyTorch's ``Linear`` stores ``[out, in]``). So each
-adapter leaf is transposed on the way out and nothing else changes; ``lora_alpha`` is
-``model.lora.alpha`` and ``r`` is ``model.lora.rank`` (no rsLoRA, no DoRA).
+adapter leaf is transposed on the way out and nothing else changes, but for the GPT's
+``qkv`` ``B``, whose columns are head-major here and ``[q | k | v]`` in GPT-2
+(``hf_gpt2.columns``); ``lora_alpha`` is ``model.lora.alpha`` and ``r`` is
+``model.lora.rank`` (no rsLoRA, no DoRA).
 
 Tensors are named ``base_model.model.<module>.lora_A.weight`` / ``…lora_B.weight``, where
 ``<module>`` is the projection's module in the transformers model: ``hf_weights.hf_names``'
@@ -36,7 +38,7 @@ from collections.abc import Iterable
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, gpt, hf_export, layers, llama
+from jaxstep.models import export_folder, gpt, hf_export, hf_gpt2, layers, llama
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_weights import hf_names
 from jaxstep.models.llama import LlamaConfig
@@ -113,7 +115,7 @@ def adapter_tensors(cfg: LlamaConfig | GPTConfig, params: dict) -> list[hf_expor
           f"params{hf_export.spell(where)} has shape {got}, the config needs {shape}"
         )
       stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
-      fetch = hf_export.fetcher(params, where, stacked)
+      fetch = hf_export.fetcher(params, where, stacked, hf_gpt2.columns(cfg, where, to_hf=True))
       out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, True, shape[::-1]))
   _check_all_written(params, stored)
   return out

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxstep import TrainState, make_train_step, models, parallel
 from jaxstep.core.losses import next_token_loss
 from jaxstep.core.optim import OptimConfig, make_optimizer
+from jaxstep.models import gpt
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.scaling import COMPUTATION, loop_computations  # noqa: E402
@@ -85,8 +86,8 @@ def adamw_leaf_errors(params, ref):
   d = CFG.d_model
 
   def keep(path, x):
-    if "qkv" in jax.tree_util.keystr(path) and np.ndim(x) == 1:
-      return np.delete(np.asarray(x), np.s_[d : 2 * d])
+    if "qkv" in jax.tree_util.keystr(path) and np.ndim(x) == 1:  # head-major: to [q | k | v]
+      return np.delete(gpt.qkv_major(np.asarray(x), CFG.n_heads), np.s_[d : 2 * d])
     return x
 
   a = jax.tree_util.tree_map_with_path(keep, params)

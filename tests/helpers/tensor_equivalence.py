@@ -22,6 +22,8 @@ from jaxstep import make_train_step, models, parallel  # noqa: E402
 from jaxstep.core import freeze, layout  # noqa: E402
 from jaxstep.core.losses import next_token_loss  # noqa: E402
 from jaxstep.models import lora  # noqa: E402
+from jaxstep.trainer.config.schema import MeshConfig  # noqa: E402
+from jaxstep.trainer.plan import tensor_split  # noqa: E402
 
 MODELS = {
   "gpt": models.GPTConfig(vocab_size=32, max_seq_len=8, d_model=32, n_layers=1, n_heads=4),
@@ -73,12 +75,14 @@ def errors(state, ref):
 COLLECTIVE = re.compile(
   r"= [^=]*? (?:all-to-all|collective-permute|all-gather|all-reduce|reduce-scatter)(?:-start)?\("
 )
+RESHARD = re.compile(r"= [^=]*? (?:all-to-all|collective-permute)(?:-start)?\(")
 
 
 def sequence_buffers(name: str, tensor: int = 4) -> dict:
   """Whether the compiled step holds the residual stream split over positions: the count
   of fp32 buffers shaped [rows, S / tensor, d_model], without and with sequence parallelism;
-  and the count of collectives in each compiled step."""
+  the count of collectives in each compiled step; and the all-to-alls and
+  collective-permutes of the one without (an activation moved between two splits)."""
   cfg = MODELS[name]
   out = {"sequence_hlo": name}
   for sp in (False, True):
@@ -86,13 +90,16 @@ def sequence_buffers(name: str, tensor: int = 4) -> dict:
     mesh = parallel.make_mesh(1, 1, jax.devices()[:tensor], tensor=tensor)
     loss = next_token_loss(apply_fn)
     step = make_train_step(loss, me.make_opt("sgd"), grad_accum_steps=1, mesh=mesh)
-    layout.split_rules(seq="tensor" if sp else None)
+    # the CLI's rules: the two key/value heads stay whole over tensor 4
+    tensor_split.check(cfg, MeshConfig(tensor=tensor, sequence_parallel=sp), me.S)
     batch = parallel.put_batch(me.batches()[0], parallel.batch_sharding(mesh))
     hlo = jax.jit(step).lower(step.init(params, 0), batch).compile().as_text()
     layout.split_rules()
     shape = f"f32[{me.G},{me.S // tensor},{cfg.d_model}]"
     out["sp" if sp else "plain"] = hlo.count(shape)
     out["sp_collectives" if sp else "plain_collectives"] = len(COLLECTIVE.findall(hlo))
+    if not sp:
+      out["plain_reshards"] = len(RESHARD.findall(hlo))
   return out
 
 

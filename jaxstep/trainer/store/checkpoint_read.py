@@ -6,7 +6,9 @@ A step folder ``<directory>/<update step>/`` is usable when every item is there 
 ``run``, ``verify`` and orbax's commit marker), the arrays read back fit the target, the
 checksums recorded in ``verify`` match both the arrays (``integrity.checksums``) and the
 run-state JSON (``integrity.json_checksum``), and the params and optimizer state are finite.
-A step that is not usable comes back with the reason, never with its contents.
+A step that is not usable comes back with the reason, never with its contents. A usable
+step comes back in the target's layout: its blocks stacked or not (``block_layout``), a
+GPT written by an older jaxstep with its q/k/v columns permuted (``param_layout``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import CheckpointError, first_line
-from jaxstep.trainer.store import block_layout, integrity
+from jaxstep.trainer.store import block_layout, integrity, param_layout
 from jaxstep.trainer.store.orbax_echoes import drop_closed_loop_echoes
 
 log = logging.getLogger("jaxstep")
@@ -226,6 +228,7 @@ def _read(reader, path, step, target, params_only, arrays) -> StepRead:
   problem = integrity.mismatch(state, expected) or integrity.nonfinite(checked)
   if problem:
     return StepRead(step, path, run=run, problem=problem)
+  state = param_layout.upgrade(state, run)
   if _fields(abstract) is not None and not params_only:
     state = abstract.replace(**state)
   if abstract is not wanted:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxstep.trainer.store.param_layout import PARAM_LAYOUT
+
 
 @dataclasses.dataclass(frozen=True)
 class RunState:
@@ -29,6 +31,8 @@ class RunState:
       at every start because its checkpoints hold only the trainable parameters; else {}.
     trackers: ``{tracker: run id}`` of the external trackers (MLflow, W&B), so a resumed
       run continues the same tracker runs.
+    param_layout: the bundled models' parameter layout (``param_layout.PARAM_LAYOUT``; a
+      run state without it: 1, read by ``param_layout.upgrade``).
   """
 
   step: int = 0
@@ -46,6 +50,7 @@ class RunState:
   trainable: list = dataclasses.field(default_factory=list)
   base: dict = dataclasses.field(default_factory=dict)
   trackers: dict = dataclasses.field(default_factory=dict)
+  param_layout: int = PARAM_LAYOUT
 
   def advanced(self, *, steps_per_epoch: int) -> RunState:
     """The position after consuming one global batch (one update step)."""
