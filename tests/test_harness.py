@@ -300,14 +300,17 @@ def test_the_harness_command_and_evaluate_tasks_print_the_results(folder, tmp_pa
   )  # fmt: skip
   assert out.returncode == 0, out.stderr[-2000:]
   assert "|tiny_mc|" in out.stdout and "acc" in out.stdout
-  out = subprocess.run(
-    [sys.executable, "-m", "jaxstep", "evaluate", str(path), "--tasks", "tiny_mc",
-     "--include-path", str(task_dir), "--limit", "8", "--json"],
-    capture_output=True, text=True, timeout=600,
-  )  # fmt: skip
-  assert out.returncode == 0, out.stderr[-2000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
-  assert 0 <= result["harness/tiny_mc/acc"] <= 1
+  results = []
+  for tensor in ("1", "2"):  # 2: the model split over two devices, the same scores
+    out = subprocess.run(
+      [sys.executable, "-m", "jaxstep", "evaluate", str(path), "--tasks", "tiny_mc",
+       "--include-path", str(task_dir), "--limit", "8", "--json", "--tensor", tensor],
+      capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  assert 0 <= results[0]["harness/tiny_mc/acc"] <= 1
+  assert results[1]["harness/tiny_mc/acc"] == results[0]["harness/tiny_mc/acc"]
 
 
 @pytest.mark.slow

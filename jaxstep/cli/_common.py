@@ -127,11 +127,27 @@ def run_dir_parser(prog: str, doc: str) -> argparse.ArgumentParser:
   return p
 
 
+def add_tensor_arg(parser: argparse.ArgumentParser) -> None:
+  """``--tensor N``: the model split over N local devices (a CPU-only host: N virtual ones)."""
+  parser.add_argument(
+    "--tensor",
+    type=int,
+    default=1,
+    help="split the model over this many local devices, the way mesh.tensor splits it in "
+    "training (a model one device does not hold); default 1",
+  )
+
+
 def run_dir_command(action, args) -> int:
   """Runs ``action(args) -> exit code`` of a command that reads a trained run; a jaxstep
-  error prints one ``error:`` line and sets the exit code."""
+  error prints one ``error:`` line and sets the exit code. A ``--tensor`` over 1 on a
+  CPU-only host splits the CPU into that many devices first."""
   setup_logging()
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notices on reading a run
+  if getattr(args, "tensor", 1) > 1:
+    from jaxstep.parallel import cpu_devices
+
+    cpu_devices.configure_cpu_defaults(1, 1, cpu_devices=args.tensor)
   try:
     return action(args)
   except JaxstepError as e:

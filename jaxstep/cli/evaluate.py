@@ -5,7 +5,8 @@ length, packing and loss masks, and raw input read in the run's data format unle
 ``--format`` says otherwise.
 
 ``PATH`` is a run directory (``--step N`` picks a checkpoint) or a model folder
-(``config.json`` and no ``config.yaml``): its weights and tokenizer. Windows are
+(``config.json`` and no ``config.yaml``): its weights and tokenizer, on one device or split
+over ``--tensor N``. Windows are
 ``--seq-len`` tokens: by default a run's ``train.seq_len``, and a model folder's whole
 context (as long as one window fits the device). ``--stride S`` scores sliding windows S
 apart, each token once with up to ``seq_len − S`` tokens of context (the transformers
@@ -29,7 +30,7 @@ import argparse
 import logging
 import pathlib
 
-from jaxstep.cli._common import run_dir_command, run_dir_parser
+from jaxstep.cli._common import add_tensor_arg, run_dir_command, run_dir_parser
 from jaxstep.errors import ConfigError
 
 
@@ -78,6 +79,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num-fewshot", type=_count, default=None, help="examples in each task's prompt")
   p.add_argument("--apply-chat-template", action="store_true", help="prompts in the chat template")
   p.add_argument("--json", action="store_true", help="print one JSON object")
+  add_tensor_arg(p)
   return p
 
 
@@ -90,7 +92,7 @@ def evaluate(args) -> int:
 
   if not args.data and not args.tasks:
     raise ConfigError("give --data (text to score) or --tasks (lm-evaluation-harness tasks)")
-  saved = load_run(args.run_dir, args.step)
+  saved = load_run(args.run_dir, args.step, tensor=args.tensor)
   if args.data:
     score_data(saved, args)
   if args.tasks:

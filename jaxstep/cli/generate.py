@@ -4,7 +4,8 @@ trained run's model or a Hugging Face model folder's.
 ``PATH`` is a run directory (its ``config.yaml``, its tokenizer and the params of its newest
 valid checkpoint, ``--step N`` for another) or a model folder (``config.json`` and no
 ``config.yaml``: its weights, tokenizer and chat template; no ``--step``), read onto this
-process's first device. Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (one
+process's first device (``--tensor N``: split over its first N, as training's tensor axis
+splits it). Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (one
 per line) or, with neither, ``train.sample_prompts``. Each prompt starts a document (BOS
 first, as in training, unless the model's tokenizer starts texts with none); with ``--chat``
 each is one user message rendered by the model's chat template with the assistant's turn
@@ -21,7 +22,7 @@ import pathlib
 import sys
 import time
 
-from jaxstep.cli._common import run_dir_command, run_dir_parser
+from jaxstep.cli._common import add_tensor_arg, run_dir_command, run_dir_parser
 from jaxstep.errors import ConfigError, PromptError
 
 log = logging.getLogger("jaxstep")
@@ -43,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--chat", action="store_true", help="each prompt is a user message for the chat template"
   )
+  add_tensor_arg(p)
   return p
 
 
@@ -99,7 +101,7 @@ def generate(args) -> int:
   from jaxstep.trainer.saved_run.load import load_run
 
   check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.num_samples)
-  saved = load_run(args.run_dir, args.step)
+  saved = load_run(args.run_dir, args.step, tensor=args.tensor)
   prompts = read_prompts(args, saved.cfg.train.sample_prompts)
   encoded = chat_prompt_ids(saved, prompts, args.run_dir) if args.chat else None
   dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -22,6 +23,19 @@ def device_memory_bytes(device=None) -> int:
   (a CPU's virtual devices share it, so this is generous for each)."""
   limit = gpu_bytes_limit(device)
   return limit if limit is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of ``tree``'s arrays on one device: each leaf's shard (the whole leaf unless it
+  is split over devices, as a tensor mesh splits the params)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+      total += getattr(x, "nbytes", 0)
+    else:
+      total += math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  return total
 
 
 def _gib(num_bytes: int) -> str:

@@ -153,6 +153,15 @@ def tree_shardings(tree, mesh: Mesh):
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec), tree_specs(tree, mesh))
 
 
+def leaf_sharding(path: tuple, shape: tuple, mesh: Mesh) -> NamedSharding:
+  """Where the leaf at ``path`` (keys, e.g. ``("blocks", 0, "qkv", "kernel")``) goes, as
+  ``tree_shardings`` places it: for a tensor read one at a time onto its final place."""
+  fsdp, tensor = mesh.shape["fsdp"], dict(mesh.shape).get(TENSOR, 1)
+  keys = "".join(f"[{k!r}]" for k in path)  # jax.tree_util.keystr's spelling
+  names = logical_names(keys, len(shape)) if tensor > 1 else None
+  return NamedSharding(mesh, leaf_spec(tuple(shape), fsdp, names, tensor))
+
+
 def manual_spec(spec: PartitionSpec) -> PartitionSpec:
   """``spec`` on the step's manual axes only (``tensor`` entries dropped: that axis is left
   to the compiler inside the step's ``shard_map``)."""

@@ -211,7 +211,7 @@ class Generator:
     per_sample = generation_bytes(
       len(encoded), prefill, width, self._vocab or 0, itemsize, self._cache_model
     )
-    params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(self.params))
+    params = device_memory.bytes_per_device(self.params)
     what = f"{len(encoded) * num_samples:,} rows of up to {width} tokens, and the params"
     memory = device_memory.device_memory_bytes()
     device_memory.refuse_count_over_memory(option, num_samples, per_sample, params, memory, what)

@@ -16,7 +16,9 @@ most ``max_length``) and batches to ``rows`` rows, so that a handful of compiled
 serves a task (its requests' lengths fall in a few buckets) while a row pays for at most
 ``WIDTH_STEP − 1`` padded positions; a causal model never lets a padded position change an
 earlier one. With several
-local devices the rows are split over them (the params replicated).
+local devices the rows are split over them (the params replicated), unless the params are
+split over a tensor axis (``jaxstep evaluate --tensor``): they then stay split, and the
+compiler partitions each batch's model work over their devices.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from jaxstep.core.layout import TENSOR
 from jaxstep.errors import ConfigError
 
 WIDTH_STEP = 32
+
+
+def tensor_split(params) -> bool:
+  """Whether ``params`` lie split over a tensor axis (``core.layout``'s)."""
+  shardings = (getattr(x, "sharding", None) for x in jax.tree.leaves(params))
+  return any(isinstance(s, NamedSharding) and TENSOR in s.mesh.axis_names for s in shardings)
 
 
 def width_bucket(length: int, max_length: int) -> int:
@@ -57,7 +67,7 @@ class Scorer:
   """
 
   def __init__(self, apply_fn, params, *, rows: int, max_length: int, pad_id: int):
-    devices = jax.local_devices()
+    devices = jax.local_devices()[: 1 if tensor_split(params) else None]
     self.rows = -(-rows // len(devices)) * len(devices)  # a whole number of rows per device
     self.max_length, self.pad_id = max_length, pad_id
     self._place = self._replicated = None

@@ -74,10 +74,8 @@ def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
   fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
   from jaxstep.models.pretrained import load_pretrained
 
-  fsdp = mesh.shape["fsdp"]
-
-  def place(path, array):
-    return jax.device_put(array, NamedSharding(mesh, layout.leaf_spec(array.shape, fsdp)))
+  def place(path, array):  # a tensor mesh's split too: no device ever holds the whole tensor
+    return jax.device_put(array, layout.leaf_sharding(path, array.shape, mesh))
 
   scanned = model_cfg.scan_layers
   options = {k: getattr(model_cfg, k) for k in ("dropout", "attention", "remat")}  # no lora

@@ -78,7 +78,7 @@ def default_seq_len(saved: SavedRun) -> int:
   cfg = saved.cfg
   if not saved.model_folder:
     return cfg.train.seq_len
-  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  params = device_memory.bytes_per_device(saved.params)
   room = device_memory.device_memory_bytes() - params
   per_position = eval_bytes(cfg.model, 1, 1)
   return int(max(1, min(cfg.model.max_seq_len, room // max(per_position, 1))))
@@ -145,7 +145,7 @@ def refuse_batch_that_cannot_fit(
   cfg = saved.cfg
   rows = batch_size or cfg.train.global_batch_size
   seq_len = seq_len or cfg.train.seq_len
-  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  params = device_memory.bytes_per_device(saved.params)
   device_memory.refuse_count_over_memory(
     option,
     rows,
@@ -159,7 +159,7 @@ def refuse_batch_that_cannot_fit(
 def fitting_batch(saved: SavedRun, seq_len: int) -> int:
   """The most windows of ``seq_len`` one batch holds: ``train.global_batch_size``, or fewer
   when those would not fit one device beside the params (at least 1)."""
-  params = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved.params))
+  params = device_memory.bytes_per_device(saved.params)
   room = device_memory.device_memory_bytes() - params
   fits = room // max(eval_bytes(saved.cfg.model, 1, seq_len), 1)
   return int(max(1, min(saved.cfg.train.global_batch_size, fits)))

@@ -3,9 +3,10 @@ use: its config, its tokenizer, its chat template and the params of one checkpoi
 ``jaxstep generate`` and ``jaxstep evaluate`` need.
 
 Only the ``params`` of the checkpoint are read (``checkpoint_read`` with ``params_only``:
-the optimizer state stays on disk), onto this process's first device, whatever mesh wrote
-them, and verified as a resume would (checksums, finiteness); the source is never written
-to. The tokenizer
+the optimizer state stays on disk), onto this process's first device — or, with ``tensor``
+> 1, split over its first ``tensor`` devices the way a tensor-parallel run splits them, for a
+model one device does not hold — whatever mesh wrote them, and verified as a resume would
+(checksums, finiteness); the source is never written to. The tokenizer
 is the copy ``train`` leaves in the run directory (``tokenizer.json`` / ``tokenizer.model``;
 none for bytes; a model folder's tokenizer files in ``tokenizer/``), so a deleted data cache
 does not orphan a run.
@@ -19,14 +20,16 @@ and chat template are its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pathlib
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxstep import data, models
-from jaxstep.core import freeze
+from jaxstep.core import freeze, layout
 from jaxstep.errors import CheckpointError, ConfigError, RunDirError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan import steps
@@ -41,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer", "tokenizer.json", "tokenizer.model")  # "tokeniz
 class SavedRun:
   cfg: config_lib.Config  # the run's config.yaml (the vocabulary resolved)
   tokenizer: Any
-  params: Any  # on this process's first device
+  params: Any  # on this process's first device, or split over a tensor mesh's
   step: int  # the update step of the checkpoint read (0: a model folder's weights)
   chat_template: str | None = None  # the model folder's (or a run's copy of it), if any
   model_folder: bool = False  # read from a Hugging Face model folder, not a run directory
@@ -122,10 +125,36 @@ def is_model_folder(path: str | pathlib.Path) -> bool:
   return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
 
 
-def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
+def tensor_mesh(model_cfg, tensor: int) -> Mesh | None:
+  """None for ``tensor`` 1 (one device); else a mesh of this process's first ``tensor``
+  devices on a tensor axis, once the model is checked to split over it (``ConfigError``
+  naming the numbers otherwise; key/value heads that do not split stay whole)."""
+  from jaxstep import parallel
+  from jaxstep.trainer.config.schema import MeshConfig
+  from jaxstep.trainer.plan import tensor_split
+
+  if tensor < 1:
+    raise ConfigError(f"--tensor must be >= 1, got {tensor}")
+  if tensor == 1:
+    return None
+  have = jax.local_device_count()
+  if tensor > have:
+    raise ConfigError(
+      f"--tensor {tensor} splits the model over {tensor} devices; this process has {have}"
+    )
+  try:
+    tensor_split.check(model_cfg, MeshConfig(tensor=tensor), seq_len=tensor)
+  except ConfigError as e:  # named as this command spells it
+    raise ConfigError(str(e).replace("mesh.tensor=", "--tensor ")) from None
+  log.info("the model split over %d devices on a tensor axis (heads, MLP, vocabulary)", tensor)
+  return parallel.make_mesh(1, 1, devices=jax.local_devices()[:tensor], tensor=tensor)
+
+
+def load_run(run_dir: str | pathlib.Path, step: int | None = None, *, tensor: int = 1) -> SavedRun:
   """The run's config, tokenizer and the params of update step ``step`` (default: the
-  newest checkpoint that restores; a newer damaged one is skipped with a warning). A model
-  folder is read by ``load_model_folder`` (it has no steps: ``step`` must be None)."""
+  newest checkpoint that restores; a newer damaged one is skipped with a warning), on one
+  device or split over ``tensor`` devices (``tensor_mesh``). A model folder is read by
+  ``load_model_folder`` (it has no steps: ``step`` must be None)."""
   run_dir = pathlib.Path(run_dir)
   if is_model_folder(run_dir):
     if step is not None:
@@ -133,7 +162,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
         f"{run_dir} is a Hugging Face model folder (config.json, no config.yaml): it has no "
         f"checkpoints to pick a step from; drop --step"
       )
-    return load_model_folder(run_dir)
+    return load_model_folder(run_dir, tensor=tensor)
   if run_dir.is_dir() and not (run_dir / "config.yaml").is_file():
     raise RunDirError(
       f"{run_dir} has neither config.yaml (a run directory: train into it first) nor "
@@ -141,12 +170,14 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
     )
   cfg = read_config(run_dir)
   tokenizer = run_tokenizer(run_dir, cfg)
+  mesh = tensor_mesh(cfg.model, tensor)
   kept = steps.stored(cfg)  # a LoRA run's checkpoints hold its adapters; its base: the folder
+  cast = functools.partial(steps.frozen_cast, cfg)
   params, found, run = restore_params(
-    run_dir / "checkpoints", cfg.model, step, stored=kept, cast=lambda p: steps.frozen_cast(cfg, p)
+    run_dir / "checkpoints", cfg.model, step, stored=kept, cast=cast, mesh=mesh
   )
   if kept is not None:
-    params = with_base(cfg, params, kept, run)
+    params = with_base(cfg, params, kept, run, mesh)
   folder = run_dir / "tokenizer"  # a model folder's tokenizer files, template included
   template = None
   if folder.is_dir():
@@ -156,12 +187,13 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> SavedRun:
   return SavedRun(cfg, tokenizer, params, found, chat_template=template)
 
 
-def load_model_folder(path: str | pathlib.Path) -> SavedRun:
+def load_model_folder(path: str | pathlib.Path, *, tensor: int = 1) -> SavedRun:
   """A Hugging Face model folder as a ``SavedRun``: the config a run started from it would
   record (``model.init_from`` resolved; ``data.tokenizer`` the folder; ``train`` at its
   defaults, ``train.seq_len`` at most the positions the model takes), its fp32 weights on
-  this process's first device (step 0), its tokenizer and chat template. ``ConfigError``
-  for a folder ``load_pretrained`` refuses (no config.json, another architecture, …)."""
+  this process's first device (step 0; or each tensor split over ``tensor`` devices as it
+  is read), its tokenizer and chat template. ``ConfigError`` for a folder
+  ``load_pretrained`` refuses (no config.json, another architecture, …)."""
   from jaxstep.models import hf_config
   from jaxstep.models.pretrained import load_pretrained
   from jaxstep.trainer.plan import init_from
@@ -175,10 +207,16 @@ def load_model_folder(path: str | pathlib.Path) -> SavedRun:
   cfg = init_from.resolve(dataclasses.replace(cfg, model=model, train=train))
   model = dataclasses.replace(cfg.model, max_seq_len=longest)
   cfg = dataclasses.replace(cfg, model=model)
-  device = jax.local_devices()[0]
+  mesh, device = tensor_mesh(model, tensor), jax.local_devices()[0]
+
+  def place(path, array):
+    return jax.device_put(
+      array, device if mesh is None else layout.leaf_sharding(path, array.shape, mesh)
+    )
+
   pre = load_pretrained(
     folder,
-    place=lambda _, array: jax.device_put(array, device),
+    place=place,
     max_seq_len=longest,
     attention=model.attention,
   )
@@ -194,17 +232,17 @@ def _usable_positions(hf: dict, model_cfg) -> int:
   return model_cfg.max_seq_len
 
 
-def with_base(cfg, params, kept, run: dict | None):
+def with_base(cfg, params, kept, run: dict | None, mesh: Mesh | None = None):
   """``params`` (the stored part) completed by the frozen leaves of ``model.init_from``'s
   weights, once the folder is checked to hold the weights the run was trained on (the
   fingerprint of the read that loads them against the run's; an older run's sampled one
-  by ``hf_weights.matches``)."""
+  by ``hf_weights.matches``), placed on ``mesh`` (None: the first device)."""
   from jaxstep import parallel
   from jaxstep.models import hf_weights
   from jaxstep.trainer.plan import init_from
 
   folder = cfg.model.init_from
-  mesh = parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  mesh = mesh or parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
   base, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed)
   recorded = ((run or {}).get("base") or {}).get("fingerprint")
   if recorded and not hf_weights.matches(recorded, folder, fingerprint)[0]:
@@ -218,22 +256,27 @@ def with_base(cfg, params, kept, run: dict | None):
 
 
 def restore_params(
-  directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None, cast=None
+  directory: pathlib.Path, model_cfg, step: int | None = None, *, stored=None, cast=None, mesh=None
 ):
   """``(params, step, run-state JSON)`` from the newest usable (or exactly ``step``)
   checkpoint, read-only; ``stored``: the checkpoint holds only those params leaves (the
-  others come back None); ``cast``: the params' dtypes as the run keeps them (abstract)."""
+  others come back None); ``cast``: the params' dtypes as the run keeps them (abstract);
+  ``mesh``: a tensor mesh to split them over (None: the first device)."""
   directory = directory.resolve()
   if not any(step is None or s == step for s, _ in checkpoint_read.step_dirs(directory)):
     what = f"no checkpoint of update step {step}" if step is not None else "no checkpoint"
     raise RunDirError(f"{directory} holds {what} (see: jaxstep checkpoints RUN_DIR)")
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-    jax.eval_shape(lambda: models.build(model_cfg, 0)[1]),
-  )
+  abstract = jax.eval_shape(lambda: models.build(model_cfg, 0)[1])
   if cast is not None:
     abstract = cast(abstract)
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    places = jax.tree.map(lambda _: device, abstract)
+  else:
+    places = layout.tree_shardings(abstract, mesh)
+  abstract = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, places
+  )
   if stored is not None:
     abstract = freeze.partition(abstract, stored)[0]
   read, skipped = checkpoint_read.newest(directory, abstract, step=step, params_only=True)
