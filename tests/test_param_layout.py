@@ -2,6 +2,7 @@
 of the columns keeps each head whole; checkpoints an older jaxstep wrote with GPT-2's
 ``[q | k | v]`` order are permuted as they are read, and resume as if never written so."""
 
+import hashlib
 import shutil
 
 import chex
@@ -88,12 +89,44 @@ def test_an_older_gpt_checkpoint_restores_head_major_with_its_moments(tmp_path, 
   if lora:
     b = restored.state.params["blocks"][0]["qkv"]["lora"]["lora_b"]
     assert b.shape == (2, 3 * CFG.d_model)
-  # written now, or another model: read as stored
-  for name, run in (("new", run_state(param_layout=PARAM_LAYOUT)), ("llama", {"model": {}})):
-    run["model"] = {**run["model"], "family": "gpt" if name == "new" else "llama"}
+  # a Python-API trainer's (no model named): the reader that knows its model upgrades it
+  with Checkpointer(tmp_path / "api", async_save=False) as ckpt:
+    ckpt.save(1, old, {"trainer": {"seed": 0}})
+  known = Checkpointer(tmp_path / "api", model=run_state()["model"]).restore(state)
+  chex.assert_trees_all_equal(known.state, state)
+  # written now, another model, or a model nobody names: read as stored
+  for name, run in (
+    ("new", run_state(param_layout=PARAM_LAYOUT)),
+    ("llama", {"model": {"family": "llama"}}),
+    ("unnamed", {"trainer": {"seed": 0}}),
+  ):
     with Checkpointer(tmp_path / name, async_save=False) as ckpt:
       ckpt.save(1, old, run)
     chex.assert_trees_all_equal(Checkpointer(tmp_path / name).restore(state).state, old)
+
+
+def older_digest(params) -> str:
+  """The key of precomputed reference log-probs before: every leaf's path, dtype, shape and
+  bytes."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    value = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape}".encode())
+    h.update(value.tobytes())
+  return h.hexdigest()[:16]
+
+
+def test_an_older_precomputed_reference_file_does_not_pass_for_these_weights():
+  """The digest that keys a DPO run's precomputed reference log-probs hashes the GPT's
+  column order too: a file an older jaxstep keyed for the same bytes is refused (a Llama's
+  key is unchanged)."""
+  from jaxstep.trainer.plan import reference_logps
+
+  params = models.build(CFG, 0)[1]
+  assert reference_logps.weights_digest(params) != older_digest(params)
+  llama = models.LlamaConfig(vocab_size=32, max_seq_len=16, d_model=24, n_layers=1, n_heads=4)
+  params = models.build(llama, 0)[1]
+  assert reference_logps.weights_digest(params) == older_digest(params)
 
 
 def test_only_a_gpt_run_state_without_the_layout_needs_the_upgrade():
@@ -102,6 +135,7 @@ def test_only_a_gpt_run_state_without_the_layout_needs_the_upgrade():
   assert not needs_upgrade(run_state(param_layout=PARAM_LAYOUT))
   assert not needs_upgrade({"model": {"family": "llama"}})
   assert not needs_upgrade({"step": 3})  # a Python-API checkpoint names no model
+  assert needs_upgrade({"step": 3}, run_state()["model"])  # unless its reader knows it
   assert not needs_upgrade(None)
 
 

@@ -13,6 +13,7 @@ import jaxstep
 from jaxstep import data, models
 from jaxstep.data.readers import BUNDLED_PATHS
 from jaxstep.errors import ConfigError, RewardError
+from jaxstep.trainer.store.param_layout import PARAM_LAYOUT
 
 TIMING = ("tokens_per_sec", "step_time", "mfu", "rollout_s", "rollout_tokens_per_s")
 ROWS = [json.loads(x) for x in BUNDLED_PATHS["bundled:sums"].read_text().splitlines()[:40]]
@@ -42,6 +43,14 @@ def trainer(run_dir, *, train=(), rl=(), rewards=(digits,), model=CFG, prompts=R
     train={**settings, "progress": False, **dict(train)},
     **kwargs,
   )
+
+
+def checkpoint_run(run_dir) -> dict:
+  """The run-state JSON of the run's newest checkpoint."""
+  from jaxstep.trainer.store import checkpoint_read
+
+  (_, newest), *_ = checkpoint_read.step_dirs(run_dir / "checkpoints")
+  return checkpoint_read.read_step(newest, arrays=False).run
 
 
 def records(run_dir) -> list[dict]:
@@ -99,6 +108,9 @@ def test_eval_prompts_hooks_and_the_live_reference(tmp_path):
   assert result.last_record["step"] == 4
   saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
   assert saved["rl"]["rewards"] == ["digits"] and saved["rl"]["beta"] == 0.1
+  # a checkpoint names its bundled model and the params' layout, for a later layout to read
+  run = checkpoint_run(tmp_path / "run")
+  assert run["param_layout"] == PARAM_LAYOUT and run["model"]["n_heads"] == CFG.n_heads
 
 
 def test_any_apply_fn_samples_and_trains_with_agreeing_log_probs(tmp_path):
@@ -109,6 +121,8 @@ def test_any_apply_fn_samples_and_trains_with_agreeing_log_probs(tmp_path):
   got = records(tmp_path / "run")
   assert [r["logp_gap_excess"] for r in got] == [0.0, 0.0, 0.0]
   assert got[0]["logp_gap"] < 1e-4
+  run = checkpoint_run(tmp_path / "run")  # a model of your own: not named, the layout is
+  assert run["param_layout"] == PARAM_LAYOUT and "model" not in run
 
 
 @pytest.mark.parametrize(

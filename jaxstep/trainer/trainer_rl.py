@@ -102,6 +102,7 @@ class RLTrainer(Trainer):
   ):
     r = _rl_config(rl)
     self.r, self.tokenizer = r, tokenizer
+    self.model_cfg = model if _is_config(model) else None
     self.rewards = load_rewards(list(rewards), reward_weights)
     self.prompts = _prompts(prompts, tokenizer, "prompts")
     self.eval_prompts = {k: _prompts(v, tokenizer, k) for k, v in (eval_prompts or {}).items()}
@@ -158,6 +159,9 @@ class RLTrainer(Trainer):
   def config(self) -> dict:
     rewards = {"rewards": [x.name for x in self.rewards]}
     return {**super().config(), "rl": {**config_lib.to_dict(self.r), **rewards}}
+
+  def _model_section(self) -> dict | None:
+    return None if self.model_cfg is None else config_lib.to_dict(self.model_cfg)
 
   def _source(self) -> trainer_data.TrainBatches:
     return trainer_data.TrainBatches(self.rollouts, self.train_cfg.global_batch_size, (HOST,))

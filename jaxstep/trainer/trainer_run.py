@@ -40,6 +40,7 @@ from jaxstep.trainer.loop.loop import Loop, LoopResult
 from jaxstep.trainer.plan import steps
 from jaxstep.trainer.store import resume as resume_lib
 from jaxstep.trainer.store import run_dir as run_dir_lib
+from jaxstep.trainer.store.param_layout import PARAM_LAYOUT
 from jaxstep.trainer.tracking import trackers as trackers_lib
 from jaxstep.trainer.trainer_eval import Evaluator, check_first_batches
 
@@ -172,6 +173,16 @@ class Trainer:
     put = lambda b: parallel.put_batch(b, batch_sh, self.train_cfg.global_batch_size)  # noqa: E731
     return steps.jit_step(step, shardings, self.mesh), put
 
+  def _model_section(self) -> dict | None:
+    """The bundled model's config section, when this trainer knows its model is one."""
+    return None
+
+  def _layout(self) -> dict:
+    """What a checkpoint records of the params' layout (``param_layout``): its version, and
+    the model when known, so that a later layout reads it."""
+    model = self._model_section()
+    return {"param_layout": PARAM_LAYOUT, **({"model": model} if model else {})}
+
   def _identity(self) -> dict:
     """What a checkpoint of this run records besides the data position."""
     return {
@@ -216,10 +227,11 @@ class Trainer:
         fits=lambda restored: self._fits(restored, source),
         way_out=WAY_OUT,
         resume=resume,
+        model=self._model_section(),
       )
       _say_how_data_resumes(source)
       state, start = begun.state, int(begun.state.step)
-      run_info = begun.fitted or {"trainer": self._identity(), "trackers": {}}
+      run_info = begun.fitted or {"trainer": self._identity(), "trackers": {}, **self._layout()}
       if start >= self.train_cfg.max_steps:
         begun.ckpt.close()
         position = source.position(source.mark())
@@ -243,7 +255,8 @@ class Trainer:
       way_out=WAY_OUT,
     )
     source.restore(restored.metadata)
-    return {"trainer": ours, "trackers": dict(restored.metadata.get("trackers") or {})}
+    trackers = dict(restored.metadata.get("trackers") or {})
+    return {"trainer": ours, "trackers": trackers, **self._layout()}
 
   def _config_yaml(self) -> str:
     """``config.yaml``: the settings, hyper-parameters as plain JSON values."""

@@ -63,13 +63,17 @@ def reference_params(cfg: config_lib.Config, params):
 
 
 def weights_digest(params) -> str:
-  """sha256 over every leaf's path, dtype, shape and bytes (gathered across hosts)."""
+  """sha256 over every leaf's path, dtype, shape and bytes (gathered across hosts); the
+  GPT's fused q/k/v leaves also hash their column order (head-major), so that log-probs an
+  older jaxstep computed with ``[q | k | v]`` columns do not pass for these weights'."""
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     if not getattr(leaf, "is_fully_addressable", True):
       leaf = multihost_utils.process_allgather(leaf, tiled=True)
     value = np.ascontiguousarray(np.asarray(leaf))
-    h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape}".encode())
+    name = jax.tree_util.keystr(path)
+    order = ":head-major" if "['qkv']" in name else ""
+    h.update(f"{name}:{value.dtype}:{value.shape}{order}".encode())
     h.update(value.tobytes())
   return h.hexdigest()[:16]
 

@@ -87,6 +87,8 @@ class Checkpointer:
     read_only: only restore (someone else's directory); never write or delete.
     stored: ``(name, leaf) -> bool`` on the params of a ``TrainState``: only those leaves
       are saved; at restore the others come from the target (None: every leaf).
+    model: the bundled model's config section the state holds, for a checkpoint whose
+      metadata names none (``param_layout``: an older one is converted as it is read).
 
   Example:
     >>> with Checkpointer("ckpt", keep=2) as ckpt:
@@ -103,10 +105,11 @@ class Checkpointer:
     async_save: bool = True,
     read_only: bool = False,
     stored: freeze.Trainable | None = None,
+    model: dict | None = None,
   ):
     drop_closed_loop_echoes()  # a failed background write echoes from threads
     self.directory = pathlib.Path(directory).resolve()
-    self.stored = stored
+    self.stored, self.model = stored, model
     self.read_only = read_only
     self.pending: int | None = None  # the step of a background save not yet waited for
     if read_only:
@@ -243,7 +246,8 @@ class Checkpointer:
     """
     if step is not None and not any(s == step for s, _ in step_dirs(self.directory)):
       raise CheckpointError(f"no checkpoint for update step {step} in {self.directory}")
-    read, skipped = checkpoint_read.newest(self.directory, self._stored_part(target), step=step)
+    wanted = self._stored_part(target)
+    read, skipped = checkpoint_read.newest(self.directory, wanted, step=step, model=self.model)
     if read is not None:
       self._quarantine(skipped)
       state = read.state

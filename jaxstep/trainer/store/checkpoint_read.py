@@ -164,7 +164,9 @@ def _request(saved, abstract, params_only: bool):
   return fields, None
 
 
-def read_step(path, target=None, *, params_only: bool = False, arrays: bool = True) -> StepRead:
+def read_step(
+  path, target=None, *, params_only: bool = False, arrays: bool = True, model: dict | None = None
+) -> StepRead:
   """Reads the step folder ``path`` into ``target``'s layout and verifies every item.
 
   Args:
@@ -175,6 +177,8 @@ def read_step(path, target=None, *, params_only: bool = False, arrays: bool = Tr
     params_only: read only ``params`` (the optimizer state stays on disk).
     arrays: False checks the items, the metadata and the run-state JSON only, reading no
       array (``state`` stays None).
+    model: the model's config section, for a run state that names none
+      (``param_layout.upgrade``).
 
   Returns:
     A ``StepRead``: the state and run-state JSON, or the reason the step is not usable.
@@ -184,10 +188,10 @@ def read_step(path, target=None, *, params_only: bool = False, arrays: bool = Tr
   step = int(path.name)
   if problem := layout_problem(path):
     return StepRead(step, path, problem=problem)
-  return _read(_state_reader(), path, step, target, params_only, arrays)
+  return _read(_state_reader(), path, step, target, params_only, arrays, model)
 
 
-def _read(reader, path, step, target, params_only, arrays) -> StepRead:
+def _read(reader, path, step, target, params_only, arrays, model=None) -> StepRead:
   """``read_step`` past the layout check: metadata, the JSON items and their checksum, then
   the arrays, their checksums and finiteness."""
   try:
@@ -228,7 +232,7 @@ def _read(reader, path, step, target, params_only, arrays) -> StepRead:
   problem = integrity.mismatch(state, expected) or integrity.nonfinite(checked)
   if problem:
     return StepRead(step, path, run=run, problem=problem)
-  state = param_layout.upgrade(state, run)
+  state = param_layout.upgrade(state, run, model)
   if _fields(abstract) is not None and not params_only:
     state = abstract.replace(**state)
   if abstract is not wanted:
@@ -242,6 +246,7 @@ def newest(
   *,
   step: int | None = None,
   params_only: bool = False,
+  model: dict | None = None,
 ) -> tuple[StepRead | None, list[StepRead]]:
   """The newest usable step of ``directory`` (or exactly ``step``), read by ``read_step``.
 
@@ -263,7 +268,7 @@ def newest(
   for s, path in step_dirs(directory):
     if step is not None and s != step:
       continue
-    read = read_step(path, target, params_only=params_only)
+    read = read_step(path, target, params_only=params_only, model=model)
     if read.misfit:
       of_model = read.problem.startswith(tuple(MODEL_FIELDS.values()))
       raise CheckpointError(

@@ -228,6 +228,7 @@ def start(
   resume: bool = True,
   resume_from: str | None = None,
   current: RunState | None = None,
+  model: dict | None = None,
 ) -> Start:
   """The one resume both clients call: fresh, from ``run_dir``'s newest valid checkpoint,
   or from another run's (``resume_from``, only read).
@@ -238,7 +239,9 @@ def start(
   --no-resume to start over"). ``checkpoint`` is the ``checkpoint`` config section;
   ``stored`` the predicate of the leaves a checkpoint holds (a LoRA run's: its adapters);
   ``current`` the run's ``RunState``, which lets a checkpoint that does not fit be blamed on
-  the config key that changed. ``resume=False`` sets an earlier run aside first. Nothing is
+  the config key that changed; ``model`` the bundled model's config section when the
+  checkpoints' metadata may not name it (a Python-API trainer's: ``param_layout``).
+  ``resume=False`` sets an earlier run aside first. Nothing is
   written before the checks pass except moving a corrupt checkpoint of this run aside."""
   if not resume:
     archive_previous(run_dir)
@@ -251,11 +254,15 @@ def start(
         f"run_dir (or --no-resume to set them aside)"
       )
     directory, step = _locate(resume_from)
-    source = Checkpointer(directory, read_only=True, stored=stored)
+    source = Checkpointer(directory, read_only=True, stored=stored, model=model)
     restored = _restore(source, state, step, current, way_out="")
   elif resume and step_dirs(own):
     restored = _restore(
-      Checkpointer(own, keep=checkpoint.keep, stored=stored), state, None, current, way_out
+      Checkpointer(own, keep=checkpoint.keep, stored=stored, model=model),
+      state,
+      None,
+      current,
+      way_out,
     )
     if restored is None:  # every step vanished while it was read
       raise CheckpointError(f"{own} holds no checkpoint that restores{way_out}")
