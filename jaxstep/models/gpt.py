@@ -129,6 +129,9 @@ class Block(nnx.Module):
     self.ln1 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
     linear = functools.partial(lora.linear, cfg.lora, **dense, rngs=rngs)
     self.qkv = linear("qkv", d, 3 * d)
+    # drawn in GPT-2's column order, then laid head-major: a seed gives the same function
+    # it gave when the columns were [q | k | v] (the bias starts at zero either way)
+    self.qkv.kernel[...] = head_major(self.qkv.kernel[...], cfg.n_heads)
     self.proj = linear("proj", d, d)
     self.ln2 = layer_norm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
     self.fc = linear("fc", d, cfg.mlp_ratio * d)
