@@ -294,10 +294,6 @@ class Loop:
     except run_dir_lib.RemovedError as removed:
       error = removed
     if isinstance(error, run_dir_lib.RemovedError):
-      try:  # a save under way lands (or fails) before what it left is described
-        self.ckpt.wait()
-      except Exception:  # noqa: BLE001 - its failure is this removal's echo
-        pass
       return _removed(error, run_dir)
     if isinstance(error, RunIOError):
       what = str(error)
