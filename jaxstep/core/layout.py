@@ -139,14 +139,16 @@ def leaf_spec(
 
 def tree_specs(tree, mesh: Mesh):
   """``leaf_spec`` for every array leaf of ``tree`` (params, opt_state, a whole TrainState)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: _named_spec(jax.tree_util.keystr(path), np.shape(x), mesh), tree
+  )
+
+
+def _named_spec(path: str, shape: tuple, mesh: Mesh) -> PartitionSpec:
+  """``leaf_spec`` of the leaf at ``path`` (``jax.tree_util.keystr``'s spelling) on ``mesh``."""
   fsdp, tensor = mesh.shape["fsdp"], dict(mesh.shape).get(TENSOR, 1)
-
-  def spec(path, x):
-    shape = np.shape(x)
-    names = logical_names(jax.tree_util.keystr(path), len(shape)) if tensor > 1 else None
-    return leaf_spec(shape, fsdp, names, tensor)
-
-  return jax.tree_util.tree_map_with_path(spec, tree)
+  names = logical_names(path, len(shape)) if tensor > 1 else None
+  return leaf_spec(tuple(shape), fsdp, names, tensor)
 
 
 def tree_shardings(tree, mesh: Mesh):
@@ -156,10 +158,8 @@ def tree_shardings(tree, mesh: Mesh):
 def leaf_sharding(path: tuple, shape: tuple, mesh: Mesh) -> NamedSharding:
   """Where the leaf at ``path`` (keys, e.g. ``("blocks", 0, "qkv", "kernel")``) goes, as
   ``tree_shardings`` places it: for a tensor read one at a time onto its final place."""
-  fsdp, tensor = mesh.shape["fsdp"], dict(mesh.shape).get(TENSOR, 1)
   keys = "".join(f"[{k!r}]" for k in path)  # jax.tree_util.keystr's spelling
-  names = logical_names(keys, len(shape)) if tensor > 1 else None
-  return NamedSharding(mesh, leaf_spec(tuple(shape), fsdp, names, tensor))
+  return NamedSharding(mesh, _named_spec(keys, shape, mesh))
 
 
 def manual_spec(spec: PartitionSpec) -> PartitionSpec:
