@@ -192,6 +192,43 @@ def test_a_write_failing_because_run_dir_went_away_says_so(tmp_path):
     t.fit()
 
 
+def test_a_failed_save_under_way_when_run_dir_went_away_is_named_not_denied(tmp_path):
+  """orbax stops waiting for a save at its first failed write while the save's other writes
+  go on: when the save under way failed, the line says its files may still land, and never
+  that nothing more was written (here one lands just after the checkpointer is closed)."""
+  import shutil
+  import threading
+
+  from jaxstep.errors import RunIOError
+
+  late = []
+
+  def remove_while_saving(loop):
+    if loop.step != 5:
+      return
+    loop.ckpt.wait()  # step 4's save has landed: the straggler below is the only late write
+    real_close = loop.ckpt.close
+
+    def close_with_a_straggler():
+      real_close()
+      lands = tmp_path / "run" / "checkpoints" / "4.orbax-checkpoint-tmp"
+      late.append(threading.Timer(0.2, lambda: lands.mkdir(parents=True)))
+      late[0].start()
+      raise RunIOError("writing the checkpoint of update step 4 failed (FileNotFoundError)")
+
+    loop.ckpt.close, loop.ckpt.pending = close_with_a_straggler, 4
+    shutil.move(loop.run_dir, tmp_path / "moved")
+
+  t = trainer(tmp_path)
+  t.add_hook(remove_while_saving, every=1)
+  with pytest.raises(RunIOError, match="was removed or replaced during the run") as raised:
+    t.fit()
+  late[0].join()
+  message = str(raised.value)
+  assert "nothing more was written" not in message or not (tmp_path / "run").exists(), message
+  assert "the checkpoint save of update step 4 that was under way failed" in message
+
+
 def _records(run_dir: pathlib.Path) -> list[dict]:
   lines = (run_dir / "metrics.jsonl").read_text().splitlines()
   return [{k: v for k, v in json.loads(x).items() if k not in TIMING} for x in lines]

@@ -200,9 +200,9 @@ class Loop:
     except BaseException as e:  # a halt or an error: keep the state it got to, re-raise
       self._close_quietly(self.sink)
       if isinstance(e, OSError):
-        self._close_quietly(self.ckpt)  # a save in flight finishes; another would fail too
+        straggler = self._close_after_failure()  # a save in flight finishes (or fails)
         self._close_hooks(failed=True)
-        raise self._io_failure(e, started_in) from e
+        raise self._io_failure(e, started_in, straggler) from e
       if self.step > self.start_step:  # nothing new to keep before the first update: a
         self._final_save(quiet=True)  # run failing there leaves no checkpoint 0 behind
       else:
@@ -213,9 +213,9 @@ class Loop:
       run_dir_lib.check_still_there(self.run_dir, started_in)
       self._final_save()  # always: at the end and on a signal
     except RunIOError as e:
-      self._close_quietly(self.ckpt)
+      straggler = self._close_after_failure()
       self._close_hooks(failed=True)
-      raise self._io_failure(e, started_in) from e
+      raise self._io_failure(e, started_in, straggler) from e
     self._close_hooks(failed=False)  # trackers upload after the checkpoint is safe
     if self.stopped_by is not None:
       name = signal.Signals(self.stopped_by).name
@@ -285,16 +285,33 @@ class Loop:
       return
     self.ckpt.close()
 
-  def _io_failure(self, error: OSError, started_in: int | None) -> RunIOError:
+  def _close_after_failure(self) -> int | None:
+    """Closes the checkpointer while a failure is on its way up, waiting for a save in
+    flight; returns that save's update step if it failed. orbax stops waiting for a save
+    at its first failed write while the save's other writes (tensorstore's threads) go on,
+    so files of a failed save may still appear after this returns; of a save that
+    completed, or of none, nothing more will."""
+    step = self.ckpt.pending
+    try:
+      self.ckpt.close()
+    except Exception as e:  # noqa: BLE001 - the error being raised says what went wrong
+      log.debug("closing the checkpointer after an error failed too: %s", e)
+      return step
+    return None
+
+  def _io_failure(
+    self, error: OSError, started_in: int | None, straggler: int | None = None
+  ) -> RunIOError:
     """A failed write as one ``RunIOError`` naming what failed and the checkpoint to resume
-    from; a write that failed because ``run_dir`` itself went away says that instead."""
+    from; a write that failed because ``run_dir`` itself went away says that instead
+    (``straggler``: the update step of a failed save whose writes may still land)."""
     run_dir = self.run_dir
     try:
       run_dir_lib.check_still_there(run_dir, started_in)
     except run_dir_lib.RemovedError as removed:
       error = removed
     if isinstance(error, run_dir_lib.RemovedError):
-      return _removed(error, run_dir)
+      return _removed(error, run_dir, straggler)
     if isinstance(error, RunIOError):
       what = str(error)
     else:  # a write here, or TensorBoard's writer thread (which names no file)
@@ -324,9 +341,18 @@ def closed_on_error():
     parts.pop_all()  # the block built the Loop: it closes them from now on
 
 
-def _removed(error: RunIOError, run_dir: pathlib.Path) -> RunIOError:
+def _removed(error: RunIOError, run_dir: pathlib.Path, straggler: int | None) -> RunIOError:
   """The run stopped writing when it found ``run_dir`` gone; an asynchronous save already
-  under way may still have written its step there (orbax creates missing folders)."""
+  under way may have written its step there (orbax creates missing folders). When that
+  save failed (``straggler``: its update step), its remaining writes may still land after
+  this line, so the line says that instead of describing the folder as it is now."""
+  if straggler is not None:
+    return RunIOError(
+      f"{error}; the checkpoint save of update step {straggler} that was under way failed, "
+      f"and its writer threads may still re-create {run_dir / 'checkpoints'} with that "
+      f"step's temporary files (not a checkpoint: delete them); nothing else was written. "
+      f"Restore run_dir to resume, or re-run"
+    )
   if not run_dir.exists():
     return RunIOError(f"{error}; nothing more was written. Restore it to resume, or re-run")
   if [p.name for p in run_dir.iterdir()] != ["checkpoints"]:
