@@ -14,15 +14,29 @@ import jax
 import numpy as np
 import pytest
 
+from jaxstep import models, trainer
+from jaxstep.cli import run as run_command
+from jaxstep.data.byte_folder import write_byte_tokenizer
+from jaxstep.data.tokenizer import ByteTokenizer
 from jaxstep.errors import ConfigError, RunIOError
-from jaxstep.models import export_folder, hf_config, hf_export, hf_weights, layers
+from jaxstep.models import (
+  GPTConfig,
+  export_folder,
+  hf_config,
+  hf_export,
+  hf_weights,
+  layers,
+  safetensors_out,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import make_cfg  # noqa: E402
 from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits  # noqa: E402
 
 MARKER = export_folder.MARKER
+GENERATION = hf_export.GENERATION
 IDS = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
 
 
@@ -149,7 +163,7 @@ def test_shards_are_split_as_huggingface_hub_splits_them():
     dict(sizes), get_storage_size=lambda n: n, filename_pattern="m{suffix}", max_shard_size=10
   )
   want = sorted(sorted(names) for names in split.filename_to_tensors.values())
-  assert sorted(hf_export.plan_shards(sizes, 10)) == want
+  assert sorted(safetensors_out.plan_shards(sizes, 10)) == want
 
 
 def test_a_scanned_params_tree_exports_the_same_files(tmp_path):
@@ -218,7 +232,7 @@ def test_an_export_replaces_only_a_folder_jaxstep_wrote(tmp_path, kind):
     marker = json.loads((out / MARKER).read_text())
     assert marker["files"] == sorted(p.name for p in out.iterdir() if p.name != MARKER)
     assert marker["step"] == 3 and marker["kind"] == "model"
-    assert sorted(marker["files"]) == ["config.json", "model.safetensors"]  # old shards gone
+    assert marker["files"] == ["config.json", GENERATION, "model.safetensors"]  # shards gone
   else:
     with pytest.raises(ConfigError, match=f"{out}.*nothing was written"):
       export(tmp_path / "src", out)
@@ -256,7 +270,7 @@ def test_the_tokenizer_files_arrive_with_the_weights_in_one_rename(tmp_path, mon
 
   monkeypatch.setattr(os, "rename", rename)
   export(tmp_path / "src", tmp_path / "out", extra_files=[tmp_path / "tokenizer.json"])
-  names = ["config.json", MARKER, "model.safetensors", "tokenizer.json"]
+  names = ["config.json", GENERATION, MARKER, "model.safetensors", "tokenizer.json"]
   assert renamed == [sorted(names)]
 
 
@@ -281,7 +295,7 @@ def test_a_failure_midway_leaves_no_folder(tmp_path, monkeypatch):
       raise OSError("disk full")
     return np.zeros(tensor.shape, dtype)
 
-  monkeypatch.setattr(hf_export, "host", failing)
+  monkeypatch.setattr(safetensors_out, "host", failing)
   with pytest.raises(OSError, match="disk full"):
     export(tmp_path / "src", tmp_path / "out", max_shard_bytes=20_000)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -294,7 +308,7 @@ def test_a_full_disk_midway_is_exit_74s_error_with_nothing_left(tmp_path, monkey
   def full(tensor, dtype):
     raise OSError(code, os.strerror(code))
 
-  monkeypatch.setattr(hf_export, "host", full)
+  monkeypatch.setattr(safetensors_out, "host", full)
   with pytest.raises(RunIOError, match=f"writing {tmp_path / 'out'} failed .*nothing was left"):
     export(tmp_path / "src", tmp_path / "out")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -306,6 +320,167 @@ def test_a_read_only_filesystem_is_exit_74s_error(tmp_path, tmpfs):
   tmpfs.read_only(point)
   with pytest.raises(RunIOError, match="Read-only file system"):
     export(tmp_path / "src", point / "out")
+  assert not any(point.iterdir())
+
+
+def test_a_weights_file_that_fills_the_disk_is_exit_74s_error_with_nothing_left(tmp_path, tmpfs):
+  """The safetensors write itself meets the full disk (the first file written, larger than
+  the filesystem): the export's exit-74 error, not the safetensors library's own."""
+  save_tiny(tmp_path / "src", "llama")
+  point = tmpfs("64k")
+  assert (tmp_path / "src" / hf_weights.SINGLE).stat().st_size > 64 * 1024
+  with pytest.raises(RunIOError, match=f"writing {point / 'out'} failed .No space left on device"):
+    export(tmp_path / "src", point / "out")
+  assert not any(point.iterdir())
+
+
+def generated(folder, prompt: list[int], likeliest: int) -> list[int]:
+  """The ids transformers' plain greedy ``generate`` adds to ``prompt`` (6 at most), with
+  ``likeliest`` made the likeliest next token at every step (``sequence_bias``): the first
+  new id, and the only one if ``generate`` stops there."""
+  model = loaded(folder)
+  bias = {(likeliest,): 100.0}
+  out = model.generate(torch.tensor([prompt]), max_new_tokens=6, sequence_bias=bias)
+  return out[0].tolist()[len(prompt) :]
+
+
+def assert_no_dropout(folder, ids) -> None:
+  """Two forward passes in train mode give the same logits: the config leaves no dropout
+  rate to its class's default."""
+  model = loaded(folder).train()
+  with torch.no_grad():
+    torch.manual_seed(0)
+    first = model(torch.tensor(ids)).logits
+    torch.manual_seed(1)
+    assert torch.equal(model(torch.tensor(ids)).logits, first)
+
+
+def test_a_gpt_export_names_the_ids_it_trained_with_and_no_dropout(tmp_path, capfd):
+  """The bundled GPT on bytes (vocabulary 264), as ``jaxstep export`` writes it: both
+  configs carry the byte tokenizer's ids, so transformers finds no id outside the vocabulary
+  (GPT-2's default is 50256) and a plain ``generate()`` stops at EOS, and GPT-2's dropout
+  rates are the model's (0, where GPT-2's default is 0.1)."""
+  cfg = GPTConfig(vocab_size=264, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+  _, shapes = models.build(cfg, 0, abstract=True)  # random weights, drawn without compiling
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.normal(0, 0.2, s.shape).astype(np.float32), shapes)
+  (tmp_path / "bytes").mkdir()
+  out = hf_export.save_pretrained(
+    tmp_path / "out",
+    cfg,
+    params,
+    architecture="GPT2LMHeadModel",
+    extra_files=write_byte_tokenizer(tmp_path / "bytes"),
+    special_ids=hf_export.token_ids(ByteTokenizer()),
+  )
+  written = hf_config.read_config(out)
+  ids = (257, 258, 256)  # BOS, EOS, PAD
+  assert tuple(written[k] for k in hf_export.TOKEN_IDS) == ids
+  generation = json.loads((out / GENERATION).read_text())
+  assert tuple(generation[k] for k in hf_export.TOKEN_IDS) == ids
+  for key in ("embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_first_dropout"):
+    assert written[key] == 0.0, key
+  capfd.readouterr()
+  assert generated(out, [257, *b"1 + 2"], likeliest=258) == [258]
+  assert "50256" not in capfd.readouterr().err
+  assert_no_dropout(out, IDS)
+
+
+def test_gpt2s_dropout_rates_are_the_runs_where_the_gpt_drops_and_0_where_it_does_not():
+  rates = hf_export.dropout_fields(GPTConfig(dropout=0.1), "GPT2LMHeadModel")
+  assert rates == {
+    "embd_pdrop": 0.1,  # the embeddings
+    "resid_pdrop": 0.1,  # the attention's and the MLP's outputs
+    "attn_pdrop": 0.0,  # the GPT never drops attention probabilities
+    "summary_first_dropout": 0.1,
+  }
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_folder_export_keeps_the_folders_ids_and_generation_config(tmp_path, family):
+  """The source's ids are written back; its generation_config.json is copied as it is when
+  it names every id, and gets the config's where it lacks them (or is built of them where
+  the source has none); ``attention_dropout`` is 0 (jaxstep's attention drops nothing)
+  even where the source said otherwise."""
+  src = tmp_path / "src"
+  save_tiny(src, family)
+  hf = hf_config.read_config(src)
+  hf.update(bos_token_id=3, eos_token_id=4, pad_token_id=5, attention_dropout=0.1)
+  (src / "config.json").write_text(json.dumps(hf))
+  settings = {"bos_token_id": 3, "eos_token_id": [4, 7], "pad_token_id": 5, "max_new_tokens": 9}
+  (src / GENERATION).write_text(json.dumps(settings))
+  out = export(src, tmp_path / "out", extra_files=[src / GENERATION])
+  written = hf_config.read_config(out)
+  assert tuple(written[k] for k in hf_export.TOKEN_IDS) == (3, 4, 5)
+  assert written["attention_dropout"] == 0.0
+  assert (out / GENERATION).read_bytes() == (src / GENERATION).read_bytes()
+  assert generated(out, [3, 10, 11], likeliest=7) == [7]  # a stop id of the source's
+  assert_no_dropout(out, IDS)
+
+  partial = {"eos_token_id": [4, 7], "max_new_tokens": 9}  # no bos, no pad
+  (src / GENERATION).write_text(json.dumps(partial))
+  out = export(src, tmp_path / "partial", extra_files=[src / GENERATION])
+  assert json.loads((out / GENERATION).read_text()) == settings
+
+  (src / GENERATION).unlink()
+  out = export(src, tmp_path / "alone")
+  generation = json.loads((out / GENERATION).read_text())
+  assert generation == {"bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 5}
+  assert generated(out, [3, 10, 11], likeliest=4) == [4]
+
+
+def test_a_gpt2_folders_ids_outside_its_vocabulary_are_not_written_back(tmp_path, capfd):
+  """A tiny GPT-2 saved from ``GPT2Config``'s defaults says 50256 for BOS and EOS (in both
+  files) and 0.1 for each dropout rate, on 96 ids: its export writes the tokenizer's ids
+  in their place (null where it has none) and the rates of the model jaxstep trains."""
+  src = tmp_path / "src"
+  save_tiny(src, "gpt2")
+  assert hf_config.read_config(src)["eos_token_id"] == 50256
+  ids = {"bos_token_id": None, "eos_token_id": 5, "pad_token_id": None}
+  out = export(src, tmp_path / "out", extra_files=[src / GENERATION], special_ids=ids)
+  written = hf_config.read_config(out)
+  assert {k: written[k] for k in hf_export.TOKEN_IDS} == ids
+  assert (written["resid_pdrop"], written["embd_pdrop"], written["attn_pdrop"]) == (0, 0, 0)
+  generation = json.loads((out / GENERATION).read_text())
+  assert (generation["bos_token_id"], generation["eos_token_id"]) == (None, 5)
+  capfd.readouterr()
+  loaded(out)
+  assert "50256" not in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+  """A bundled-GPT run trained one update on bytes (``jaxstep train``)."""
+  tmp_path = tmp_path_factory.mktemp("gpt")
+  trainer.train(make_cfg(tmp_path, "train.max_steps=1", "train.global_batch_size=8"))
+  return tmp_path / "run"
+
+
+@pytest.mark.slow
+def test_jaxstep_export_of_a_gpt_run_names_its_ids_and_no_dropout(tmp_path, gpt_run, capfd):
+  assert run_command("export", [str(gpt_run), "--out", str(tmp_path / "hf")]) == 0
+  out = tmp_path / "hf"
+  written = hf_config.read_config(out)
+  assert {k: written[k] for k in hf_export.TOKEN_IDS} == {
+    "bos_token_id": 257,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+  }
+  assert json.loads((out / GENERATION).read_text())["eos_token_id"] == 258
+  capfd.readouterr()
+  prompt = transformers.AutoTokenizer.from_pretrained(out)("1 + 2")["input_ids"]
+  assert prompt[0] == 257 and generated(out, prompt, likeliest=258) == [258]
+  assert "50256" not in capfd.readouterr().err
+  assert_no_dropout(out, IDS)
+
+
+@pytest.mark.slow
+def test_jaxstep_export_onto_a_full_disk_is_one_line_exit_74(gpt_run, tmpfs, capsys):
+  point = tmpfs("64k")
+  capsys.readouterr()
+  assert run_command("export", [str(gpt_run), "--out", str(point / "hf")]) == 74
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: writing") and "No space left" in err[0], err
   assert not any(point.iterdir())
 
 

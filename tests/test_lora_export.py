@@ -198,3 +198,11 @@ def test_adapter_on_a_run_without_lora_is_one_line_exit_2(tmp_path, capsys):
 def test_gpt2_target_modules_select_exactly_the_adapted_projections(targets, modules):
   cfg = models.GPTConfig(lora=lora.LoraConfig(rank=2, targets=targets))
   assert peft_export.target_modules(cfg) == modules
+
+
+@pytest.mark.parametrize("cfg", [models.GPTConfig, models.LlamaConfig], ids=["gpt", "llama"])
+def test_the_adapter_config_drops_the_adapters_input_at_the_runs_rate(cfg):
+  """PEFT's ``lora_dropout`` is ``model.lora.dropout``: both drop the adapter's input while
+  training, so PEFT trains the adapter on as the run did."""
+  config = peft_export.adapter_config(cfg(lora=lora.LoraConfig(rank=2, dropout=0.1)))
+  assert config["lora_dropout"] == 0.1

@@ -89,12 +89,39 @@ def test_save_writes_a_folder_that_reads_back_bitwise(folder, tmp_path):
   assert saved["max_position_embeddings"] == SHAPE["max_position_embeddings"]
   again = jaxstep.load_pretrained(out)  # a whole folder: the tokenizer came along
   assert again.chat_template == got.chat_template
-  assert again.tokenizer.describe()["folder_files"] == got.tokenizer.describe()["folder_files"]
+  files = [t.describe()["folder_files"] for t in (again.tokenizer, got.tokenizer)]
+  for each in files:
+    del each["generation_config.json"]  # given the ids it lacked: a test below
+  assert files[0] == files[1]
+  assert (again.tokenizer.EOS, again.tokenizer.PAD) == (got.tokenizer.EOS, got.tokenizer.PAD)
+  assert again.tokenizer.stop_ids == got.tokenizer.stop_ids
   assert got.save(out) == out  # its own earlier save is replaced
   before = {p.name: p.read_bytes() for p in path.iterdir()}
   with pytest.raises(ConfigError, match="is the folder these weights were read from"):
     got.save(path)
   assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_save_writes_the_ids_the_tokenizer_declares_where_the_config_names_none(folder, tmp_path):
+  """The folder's config.json says null for every id and its generation config (as
+  transformers wrote it) has none: the save writes the ids its tokenizer declares (EOS
+  ``<|im_end|>``, PAD ``<|endoftext|>``, no BOS) into both, so a plain ``generate()``
+  stops at the EOS the model learned."""
+  from test_hf_export import generated
+
+  from jaxstep.models import hf_export
+
+  path, _ = folder
+  assert json.loads((path / "config.json").read_text())["eos_token_id"] is None
+  assert "eos_token_id" not in json.loads((path / "generation_config.json").read_text())
+  got = jaxstep.load_pretrained(path)
+  out = got.save(tmp_path / "out")
+  want = {"bos_token_id": None, "eos_token_id": 6, "pad_token_id": 7}
+  assert (got.tokenizer.EOS, got.tokenizer.PAD) == (6, 7)
+  for name in ("config.json", "generation_config.json"):
+    written = json.loads((out / name).read_text())
+    assert {k: written.get(k) for k in hf_export.TOKEN_IDS} == want, name
+  assert generated(out, [10, 11], likeliest=6) == [6]
 
 
 def test_a_folder_that_is_not_a_model_is_one_clear_error(tmp_path):

@@ -9,8 +9,15 @@ kernels are transposed back to PyTorch's ``[out, in]``, norms' ``scale`` is ``we
 GPT's fused q/k/v columns go back to GPT-2's order (``hf_gpt2.columns``).
 Params may be in either layout (per block or stacked by ``model.scan_layers``) and may be
 jax arrays sharded over devices: each tensor is gathered to the host on its own (a stacked
-leaf one layer at a time), so host memory holds at most one shard file's tensors
-(``max_shard_bytes``), never the whole model.
+leaf one layer at a time) and written before the next is gathered, so host memory holds one
+tensor at a time, never the whole model.
+
+``config.json`` says what the model was trained as, so that transformers builds that model
+and not its class's defaults: the special token ids (the base folder's, else the run's
+tokenizer's, written also when unknown, as null: GPT-2's default 50256 lies outside a small
+vocabulary) and every dropout rate the family's config has (``dropout_fields``).
+``generation_config.json`` is the base folder's with the ids it lacks filled in, or one of
+the ids alone, so a plain ``generate()`` stops at the end-of-text id the model learned.
 
 The folder is written beside its target under a temporary name and renamed into place at
 the end (``export_folder``): a failure or a kill leaves no half-written folder behind, and
@@ -22,10 +29,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import pathlib
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -34,8 +39,9 @@ from jaxstep.errors import ConfigError
 from jaxstep.models import export_folder, hf_gpt2, layers
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, rope_settings
-from jaxstep.models.hf_weights import INDEX, SINGLE, expected_shapes, hf_names
+from jaxstep.models.hf_weights import expected_shapes, hf_names
 from jaxstep.models.llama import LlamaConfig
+from jaxstep.models.safetensors_out import Tensor, write_weights
 
 MODEL_TYPES = {
   "LlamaForCausalLM": "llama",
@@ -44,18 +50,9 @@ MODEL_TYPES = {
   "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = ("float32", "bfloat16")
-SHARD = "model-{:05d}-of-{:05d}.safetensors"
+GENERATION = "generation_config.json"  # the file hf_folder reads a folder's stop ids from
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-class Tensor(NamedTuple):
-  """One tensor to write: its HF name, how to fetch it (jaxstep layout, maybe on device),
-  whether it is transposed on the way out, and its shape as the file lays it."""
-
-  name: str
-  fetch: Callable[[], object]
-  transposed: bool
-  shape: tuple
 
 
 def save_pretrained(
@@ -70,6 +67,7 @@ def save_pretrained(
   extra_files: Iterable[str | pathlib.Path] = (),
   provenance: dict | None = None,
   protected: export_folder.Protected = None,
+  special_ids: Mapping[str, int | None] | None = None,
 ) -> pathlib.Path:
   """Writes ``params`` of ``cfg``'s model as a Hugging Face folder at ``folder``; returns it.
 
@@ -80,30 +78,96 @@ def save_pretrained(
   as transformers' ``max_shard_size``. ``base_config``: the ``config.json`` dict of the folder
   the model was imported from; its fields jaxstep does not know (token ids, generation
   settings) are kept. ``extra_files`` (tokenizer files) are copied in, ``provenance`` (the
-  run and step) goes into the folder's marker. The folder is written whole or not at all,
-  and an existing one is replaced only if jaxstep wrote it and it is none of ``protected``
-  (``export_folder``'s rules).
+  run and step) goes into the folder's marker. ``special_ids``: the BOS/EOS/PAD ids of the
+  tokenizer the model was trained with (``token_ids``), for the ids that neither
+  ``base_config`` nor a ``generation_config.json`` among ``extra_files`` gives; that file
+  is written with the ids it lacks filled in, or built from the ids when there is none
+  (``generation_config``). The folder is written whole or not at all, and an existing one
+  is replaced only if jaxstep wrote it and it is none of ``protected`` (``export_folder``'s
+  rules).
 
   Raises:
     ConfigError: an unknown ``architecture`` or ``dtype``, params that do not match ``cfg``,
-      or a ``folder`` that may not be written (left untouched).
+      an unreadable ``generation_config.json``, or a ``folder`` that may not be written
+      (left untouched).
   """
   folder = pathlib.Path(folder)
   if dtype not in DTYPES:
     raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
   if max_shard_bytes <= 0:
     raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-  hf = export_config(cfg, architecture, dtype=dtype, base_config=base_config)
+  extra_files = [pathlib.Path(f) for f in extra_files]
+  source = next((f for f in extra_files if f.name == GENERATION), None)
+  settings = _read_generation(source) if source is not None else {}
+  fallback = {**(special_ids or {}), **_valid_ids(settings, cfg.vocab_size)}
+  hf = export_config(cfg, architecture, dtype=dtype, base_config=base_config, special_ids=fallback)
+  generation = generation_config(settings, hf, cfg.vocab_size)
+  if source is not None and generation == settings:  # copied as it is: the same file
+    generation = None
   tensors = tensors_of(cfg, params)
 
   def fill(staging: pathlib.Path) -> None:
-    _write_weights(staging, tensors, dtype, max_shard_bytes)
+    write_weights(staging, tensors, dtype, max_shard_bytes)
     (staging / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if generation is not None:
+      (staging / GENERATION).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
   provenance = {"kind": "model", "architecture": architecture, **(provenance or {})}
+  if generation is not None:  # written above, its ids filled in
+    extra_files = [f for f in extra_files if f.name != GENERATION]
   return export_folder.write(
     folder, fill, provenance=provenance, protected=protected, extra_files=extra_files
   )
+
+
+def generation_config(settings: dict, hf: dict, vocab_size: int) -> dict:
+  """The ``generation_config.json`` of an export: ``settings`` (the base folder's, ``{}``
+  without one) with each special id it lacks, or that is no id of the vocabulary, taken
+  from ``config.json``'s ``hf``. transformers' ``generate`` reads its stop id from this file
+  alone when the folder has one: a base's file without ``eos_token_id`` would generate past
+  the end of text whatever ``config.json`` says. A base's file that names every id is
+  copied unchanged (the folder's tokenizer files stay the same files)."""
+  out = dict(settings)
+  for key in TOKEN_IDS:
+    if not _is_id(settings.get(key), vocab_size) and (hf[key] is not None or key in settings):
+      out[key] = hf[key]
+  return out
+
+
+def token_ids(tokenizer) -> dict[str, int | None]:
+  """The special ids ``tokenizer`` (a run's, ``jaxstep.data``'s) trained the model with, by
+  ``config.json``'s names: a jaxstep tokenizer's ``BOS``/``EOS``/``PAD`` (the byte
+  tokenizer's 257, 258, 256); a model folder's (``hf_folder``) only the ids it declares:
+  its BOS may be none (Qwen), and without a pad token it pads with EOS, which it never
+  called a pad id."""
+  declared = getattr(tokenizer, "template_tokens", None)
+  if declared is None:
+    return dict(zip(TOKEN_IDS, (tokenizer.BOS, tokenizer.EOS, tokenizer.PAD), strict=True))
+  pad = tokenizer.PAD if declared.get("pad_token") is not None else None
+  return dict(zip(TOKEN_IDS, (tokenizer.bos_id, tokenizer.EOS, pad), strict=True))
+
+
+def _read_generation(path: pathlib.Path) -> dict:
+  """A ``generation_config.json`` to write back out, as a dict."""
+  try:
+    value = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ConfigError(f"{path} cannot be read as JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise ConfigError(f"{path} must hold a JSON object, got {type(value).__name__}")
+  return value
+
+
+def _is_id(value, vocab_size: int) -> bool:
+  """An id of a vocabulary of ``vocab_size`` (or a non-empty list of them: several EOS)."""
+  values = value if isinstance(value, list) and value else [value]
+  return all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in values)
+
+
+def _valid_ids(hf: Mapping, vocab_size: int) -> dict:
+  """The special ids ``hf`` sets that are ids of the vocabulary (a GPT-2 config built from
+  the class's defaults says 50256 whatever its size: no id of that model)."""
+  return {k: hf[k] for k in TOKEN_IDS if _is_id(hf.get(k), vocab_size)}
 
 
 def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
@@ -133,9 +197,16 @@ def export_config(
   *,
   dtype: str = "float32",
   base_config: dict | None = None,
+  special_ids: Mapping[str, int | None] | None = None,
 ) -> dict:
   """The ``config.json`` dict of ``cfg``'s model: ``base_config`` (left unchanged) with the
   fields jaxstep knows updated, else one built from ``cfg`` alone.
+
+  The special token ids are the base's where they are ids of the vocabulary, else
+  ``special_ids``' (the run's tokenizer's), else null: each of the three is written, since
+  a key left out is the class's default (GPT-2's 50256, Llama's 1 and 2), an id the model
+  never trained with. Every dropout rate of the family's config is written
+  (``dropout_fields``), or transformers would train with its defaults (GPT-2's 0.1).
 
   ``max_position_embeddings`` never shrinks below the base's: jaxstep's ``max_seq_len`` caps
   the training inputs, while rotary positions go as far as the original model's. RoPE is
@@ -144,7 +215,40 @@ def export_config(
   (transformers 5), which agree."""
   check_architecture(cfg, architecture)
   if isinstance(cfg, GPTConfig):
-    return hf_gpt2.export_config(cfg, dtype=dtype, base_config=copy.deepcopy(base_config))
+    hf = hf_gpt2.export_config(cfg, dtype=dtype, base_config=copy.deepcopy(base_config))
+  else:
+    hf = _llama_config(cfg, architecture, dtype=dtype, base_config=base_config)
+  hf.update(dropout_fields(cfg, architecture))
+  fallback = _valid_ids(special_ids or {}, cfg.vocab_size)
+  ids = {**dict.fromkeys(TOKEN_IDS), **fallback, **_valid_ids(hf, cfg.vocab_size)}
+  hf.update({k: ids[k] for k in TOKEN_IDS})
+  return hf
+
+
+def dropout_fields(cfg: LlamaConfig | GPTConfig, architecture: str) -> dict:
+  """Every dropout rate of ``architecture``'s transformers config, as the model trained.
+
+  jaxstep drops the embeddings and the attention's and the MLP's outputs at
+  ``model.dropout``, never the attention probabilities. GPT-2 has the same three places
+  (``embd_pdrop``, ``resid_pdrop`` for both outputs) and a rate for the attention
+  probabilities (``attn_pdrop``: 0 here); ``summary_first_dropout`` belongs to a
+  classification head jaxstep does not have, and gets the run's rate. The Llama family's
+  only rate is ``attention_dropout``, on the attention probabilities: 0. Its models have
+  no dropout on the embeddings or the residual branches, so a Llama-family run's
+  ``model.dropout`` has no field there (inference is the same either way)."""
+  if architecture == hf_gpt2.ARCHITECTURE:
+    rate = float(cfg.dropout)
+    return {
+      "embd_pdrop": rate,
+      "resid_pdrop": rate,
+      "attn_pdrop": 0.0,
+      "summary_first_dropout": rate,
+    }
+  return {"attention_dropout": 0.0}
+
+
+def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_config) -> dict:
+  """``export_config``'s dict for the Llama family, without ids and dropout."""
   hf = copy.deepcopy(base_config) if base_config else _fresh(architecture)
   longest = max(cfg.max_seq_len, int(hf.get("max_position_embeddings") or 0))
   hf.update(
@@ -293,63 +397,3 @@ def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:
         f"them alone as a PEFT adapter (jaxstep.models.peft_export.save_adapter)"
       )
     raise ConfigError(f"params hold {len(extra)} leaves the config has no tensor for: {names}")
-
-
-def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-  """Tensor names per weights file, as ``huggingface_hub`` splits a state dict: in order,
-  a new file when the next tensor would push the current one past ``max_bytes``; a tensor
-  larger than ``max_bytes`` alone in a file of its own."""
-  shards, current, size = [], [], 0
-  for name, nbytes in sizes:
-    if nbytes > max_bytes:
-      shards.append([name])
-      continue
-    if size + nbytes > max_bytes:
-      shards.append(current)
-      current, size = [], 0
-    current.append(name)
-    size += nbytes
-  return [*shards, current] if current else shards
-
-
-def numpy_dtype(dtype: str):
-  """The numpy dtype a file's tensors are written in: ``bfloat16`` (``ml_dtypes``') or
-  ``float32``."""
-  import ml_dtypes
-
-  return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-
-
-def host(tensor: Tensor, dtype) -> np.ndarray:
-  """The tensor on the host as the file lays it (cast to ``dtype``, transposed, contiguous):
-  gathered here, one tensor at a time."""
-  import jax
-
-  array = np.asarray(jax.device_get(tensor.fetch())).astype(dtype, copy=False)
-  return np.ascontiguousarray(array.T if tensor.transposed else array)
-
-
-def _write_weights(staging: pathlib.Path, tensors: list[Tensor], dtype: str, max_bytes: int):
-  """The safetensors files (and, for more than one, the index) into ``staging``, one file's
-  tensors on the host at a time."""
-  from safetensors.numpy import save_file
-
-  np_dtype = numpy_dtype(dtype)
-  itemsize = np.dtype(np_dtype).itemsize
-  sizes = [(t.name, math.prod(t.shape) * itemsize) for t in tensors]
-  shards = plan_shards(sizes, max_bytes)
-  by_name = {t.name: t for t in tensors}
-  weight_map = {}
-  for i, names in enumerate(shards, 1):
-    file = SINGLE if len(shards) == 1 else SHARD.format(i, len(shards))
-    arrays = {name: host(by_name[name], np_dtype) for name in names}
-    save_file(arrays, str(staging / file), metadata={"format": "pt"})
-    del arrays
-    weight_map.update(dict.fromkeys(names, file))
-  if len(shards) > 1:
-    metadata = {
-      "total_parameters": sum(math.prod(t.shape) for t in tensors),
-      "total_size": sum(n for _, n in sizes),
-    }
-    index = {"metadata": metadata, "weight_map": weight_map}
-    (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

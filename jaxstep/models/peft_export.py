@@ -1,6 +1,6 @@
 """A LoRA model's adapters written out in PEFT's format (``jaxstep export --adapter``):
 ``adapter_config.json`` and ``adapter_model.safetensors``, as ``peft.PeftModel.save_pretrained``
-writes them for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout=0, bias="none",
+writes them for ``LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none",
 task_type="CAUSAL_LM")``, so ``peft.PeftModel.from_pretrained(base, folder)`` loads them
 onto the base model. Pure numpy and safetensors: neither torch nor peft is imported.
 
@@ -10,8 +10,9 @@ base(x) + (lora_alpha/r)·lora_B(lora_A(x))`` with ``lora_A.weight = Aᵀ`` ``[r
 ``lora_B.weight = Bᵀ`` ``[out, r]`` (PyTorch's ``Linear`` stores ``[out, in]``). So each
 adapter leaf is transposed on the way out and nothing else changes, but for the GPT's
 ``qkv`` ``B``, whose columns are head-major here and ``[q | k | v]`` in GPT-2
-(``hf_gpt2.columns``); ``lora_alpha`` is ``model.lora.alpha`` and ``r`` is
-``model.lora.rank`` (no rsLoRA, no DoRA).
+(``hf_gpt2.columns``); ``lora_alpha`` is ``model.lora.alpha``, ``r`` is
+``model.lora.rank`` (no rsLoRA, no DoRA) and ``lora_dropout`` is ``model.lora.dropout``
+(both drop the adapter's input ``x`` while training, so PEFT trains on as the run did).
 
 Tensors are named ``base_model.model.<module>.lora_A.weight`` / ``…lora_B.weight``, where
 ``<module>`` is the projection's module in the transformers model: ``hf_weights.hf_names``'
@@ -38,7 +39,7 @@ from collections.abc import Iterable
 
 from jaxstep.core.trees import path_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, gpt, hf_export, hf_gpt2, layers, llama
+from jaxstep.models import export_folder, gpt, hf_export, hf_gpt2, layers, llama, safetensors_out
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_weights import hf_names
 from jaxstep.models.llama import LlamaConfig
@@ -81,7 +82,7 @@ def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = 
     "layers_pattern": None,
     "layers_to_transform": None,
     "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-    "lora_dropout": 0.0,
+    "lora_dropout": float(cfg.lora.dropout),  # both drop the adapter's input x
     "modules_to_save": None,
     "peft_type": "LORA",
     "r": cfg.lora.rank,
@@ -169,19 +170,11 @@ def save_adapter(
   tensors = adapter_tensors(model_cfg, params)
 
   def fill(staging: pathlib.Path) -> None:
-    _write_weights(staging / WEIGHTS, tensors, dtype)
+    # one file (adapters are small: PEFT never shards them)
+    safetensors_out.write_file(staging / WEIGHTS, tensors, dtype)
     (staging / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
   provenance = {"kind": "adapter", **(provenance or {})}
   return export_folder.write(
     folder, fill, provenance=provenance, protected=protected, extra_files=extra_files
   )
-
-
-def _write_weights(file: pathlib.Path, tensors: list[hf_export.Tensor], dtype: str) -> None:
-  """One safetensors file (adapters are small: PEFT never shards them)."""
-  from safetensors.numpy import save_file
-
-  np_dtype = hf_export.numpy_dtype(dtype)
-  arrays = {t.name: hf_export.host(t, np_dtype) for t in tensors}
-  save_file(arrays, str(file), metadata={"format": "pt"})

@@ -59,6 +59,7 @@ class Pretrained:
       extra_files=hf_folder.tokenizer_files(self.path),
       provenance={"source": str(self.path.resolve())},
       protected={self.path: "the folder these weights were read from"},
+      special_ids=hf_export.token_ids(self.tokenizer),
       **kwargs,
     )
 

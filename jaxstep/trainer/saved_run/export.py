@@ -9,8 +9,10 @@ fields are kept), else the one the model's settings name: the bundled GPT is GPT
 Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
 A run on the byte tokenizer gets the byte tokenizer written as a Hugging Face one
 (``jaxstep.data.byte_folder``: the same ids), so the folder is a model folder like any other
-(``AutoTokenizer``, a later run's ``model.init_from``). A LoRA run's adapters are merged
-into the weights (``W + (α/r)·A·B``).
+(``AutoTokenizer``, a later run's ``model.init_from``). ``config.json`` and
+``generation_config.json`` carry the BOS/EOS/PAD ids the run trained with (the imported
+folder's, else the run's tokenizer's), so ``generate()`` stops at its end-of-text id. A
+LoRA run's adapters are merged into the weights (``W + (α/r)·A·B``).
 
 With ``adapter=True`` a LoRA run's adapters alone are written instead, in PEFT's format
 (``peft_export``: ``adapter_config.json`` + ``adapter_model.safetensors``, ``A`` and ``B``
@@ -115,6 +117,7 @@ def export_run(
       extra_files=files,
       provenance=provenance,
       protected=protected,
+      special_ids=hf_export.token_ids(saved.tokenizer),
     )
     return out, saved.step
 
