@@ -180,6 +180,28 @@ def test_values_out_of_reach_are_named(override, message, monkeypatch):
     config_lib.load(None, [override])
 
 
+@pytest.mark.parametrize(
+  "yaml_text, key",
+  [
+    ("optim:\n  groups: [{match: ln, lr_scale: .nan}]\n", "optim.groups[0].lr_scale"),
+    ("optim:\n  groups: [{match: ln, weight_decay: -.inf}]\n", "optim.groups[0].weight_decay"),
+    ("optim:\n  groups: [{match: ln, lr_scale: nan}]\n", "optim.groups[0].lr_scale"),  # a str
+    ("rl:\n  reward_weights: [1.0, .inf]\n", "rl.reward_weights[1]"),
+    ("data:\n  sources: [{name: a, path: b, weight: .nan}]\n", "data.sources[0].weight"),
+  ],
+  ids=["lr_scale", "weight_decay", "lr_scale_str", "reward_weights", "sources"],
+)
+def test_a_non_finite_number_inside_a_list_or_mapping_is_refused_naming_it(
+  tmp_path, yaml_text, key
+):
+  """Every number of the config, however deep in a key's lists and mappings, is finite: a
+  NaN ``lr_scale`` would otherwise train its group's leaves to NaN and exit 0."""
+  path = tmp_path / "run.yaml"
+  path.write_text(yaml_text)
+  with pytest.raises(ConfigError, match=re.escape(key) + r"'? must be a finite number"):
+    config_lib.load(path)
+
+
 def test_an_error_line_quoting_a_huge_value_is_capped(tmp_path, capsys):
   from jaxstep.cli import train as train_cli
 

@@ -126,6 +126,19 @@ def test_a_task_that_would_download_is_one_line_naming_it(tmp_path, model):
     tasks.run_tasks(model, ["hub_task"], include_path=str(tmp_path))
 
 
+def test_a_task_file_that_is_not_yaml_is_named_with_its_error(tmp_path):
+  """The harness skips a task YAML it cannot parse without a word; the task would read as
+  unknown (after indexing the harness's own thousands, seconds). Named at once instead."""
+  (tmp_path / "ok.yaml").write_text("task: ok_task\ndataset_path: json\n")
+  (tmp_path / "mine.yaml").write_text("task: my_task\ndataset_path: json\n  test_split: [t\n")
+  with pytest.raises(ConfigError) as raised:
+    tasks.task_manager(["my_task"], str(tmp_path))
+  message = str(raised.value)
+  assert message.startswith(f"task my_task: {tmp_path / 'mine.yaml'} is not a task YAML")
+  assert "at line 3, column 13" in message and "\n" not in message
+  assert "ok_task" in tasks.task_manager(["ok_task"], str(tmp_path)).task_index  # others run
+
+
 def test_model_args_win_over_the_harness_settings_they_repeat(folder):
   from jaxstep.lmeval.model import JaxstepLM
 

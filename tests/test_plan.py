@@ -177,3 +177,29 @@ def test_a_setting_the_rest_of_the_config_switches_off_is_one_warning(
   without_effect = [line for line in lines if "no effect" in line]
   assert len(without_effect) == (warned is not None), lines
   assert warned is None or without_effect[0].startswith(warned)
+
+
+@pytest.mark.parametrize(
+  "overrides, warned",
+  [
+    (
+      ["preference.reference=precompute", "rl.beta=0.1"],
+      "preference.reference=precompute, rl.beta=0.1 have no effect: this run is supervised "
+      "(preference.loss makes a preference run, rl.rewards an RL run); drop them",
+    ),
+    (
+      ["preference.loss=dpo", "preference.beta=0.2", "rl.top_k=5"],
+      "rl.top_k=5 has no effect: this run is a preference run (preference.loss makes a "
+      "preference run, rl.rewards an RL run); drop it",
+    ),
+    (["preference.loss=dpo", "preference.reference=precompute"], None),
+  ],
+)
+def test_keys_of_another_kind_of_run_are_one_warning_naming_them(caplog, overrides, warned):
+  """``preference.*`` keys outside a preference run (``preference.loss``) and ``rl.*`` keys
+  outside an RL run (``rl.rewards``) change nothing; a run that sets them is told so."""
+  from jaxstep.trainer.plan.numbers import _warn_settings_without_effect
+
+  _warn_settings_without_effect(config_lib.load(None, overrides))
+  lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert lines == ([warned] if warned else [])

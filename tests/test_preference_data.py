@@ -170,6 +170,18 @@ def test_a_reply_that_renders_to_nothing_drops_its_pair(tmp_path, tokenizer_file
   assert pairs.arrays["rejected_mask"][0].sum() == len(tok.encode_rendered("No way"))
 
 
+def test_a_pair_whose_chosen_equals_its_rejected_is_dropped_and_counted(tmp_path):
+  """Same text, or the same tokens once cut to seq_len: no preference (loss ln 2, grad 0)."""
+  rows = [pair("hey", "same", "same"), pair("hey", "abX", "abY"), pair("hey", "yes", "no")]
+  pairs = pp.load_pairs(write(tmp_path, rows), BYTES, seq_len=5)  # completions keep 2 tokens
+  assert len(pairs) == 1 and pairs.arrays["chosen_targets"][0].tolist() == [*b"heyye"]
+  assert pairs.counts == pp.PairCounts(
+    rows=3, prompt_truncated=0, completion_truncated=1, dropped=2, identical=2
+  )
+  with pytest.raises(DataError, match=r"all 2 pairs were dropped: in 2 the chosen and rejected"):
+    pp.load_pairs(write(tmp_path, rows[:2], "same.jsonl"), BYTES, seq_len=5)
+
+
 def test_every_pair_dropped_is_an_error_naming_the_settings(tmp_path):
   path = write(tmp_path, [pair("hello", "a", "b"), pair("world!", "c", "d")])
   with pytest.raises(DataError, match=r"all 2 pairs were dropped.*raise seq_len") as e:

@@ -49,3 +49,40 @@ def test_a_model_change_that_does_not_fit_names_the_model_key(tmp_path):
   trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
   with pytest.raises(CheckpointError, match=r"does not fit the model: .*model.d_model 32 → 64"):
     trainer.train(make_cfg(tmp_path, "train.max_steps=4", "model.d_model=64"))
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_optimizer_names_the_old_setting(tmp_path, capfd):
+  """``optim.name`` and ``optim.groups`` lay out the optimizer state: a resume that changes
+  them is one line naming the checkpoint's setting and the way out, not the state's leaves."""
+  trainer.train(make_cfg(tmp_path, "train.max_steps=2"))
+  capfd.readouterr()
+  for change, said in (
+    ("optim.name=muon", "optim.name=adamw; resuming with muon needs"),
+    ("optim.groups=[{match: ln}]", "optim.groups=[]; resuming with optim.groups=[{match: ln}]"),
+  ):
+    assert train_cli.main(argv(tmp_path, "train.max_steps=4", change)) == 2
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"the checkpoint of update step 2 was written with {said}" in errors[0]
+    assert "needs --no-resume or a new run_dir" in errors[0] and "opt_state" not in errors[0]
+  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_checkpoint_without_the_optimizer_in_its_run_state_reads_config_yaml(tmp_path):
+  """Checkpoints written before run states kept ``optim``: the run dir's config.yaml says."""
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.store.run_state import optimizer_change, optimizer_of, saved_optimizer
+
+  cfg = config_lib.load(None, ["optim.groups=[{match: ln, lr_scale: 0.5}]"])
+  (tmp_path / "config.yaml").write_text(config_lib.dump(cfg))
+  old = saved_optimizer({"step": 2}, tmp_path)
+  assert old == {"name": "adamw", "groups": [{"match": "ln", "lr_scale": 0.5}]}
+  again = dict(old, groups=[{"match": "ln", "lr_scale": 2.0}])  # a scale: the same layout
+  assert optimizer_change(old, optimizer_of(cfg.optim)) == optimizer_change(old, again) == ("", "")
+  assert optimizer_change(old, {"name": "lion", "groups": []})[0] == "optim.name"
+  assert optimizer_change(old, {"name": "adamw", "groups": []})[0] == "optim.groups"
+  assert saved_optimizer(None, tmp_path / "gone") == {}
+  (tmp_path / "config.yaml").write_text("optim:\n  lr: 0.003\n")  # before optim.name: AdamW
+  assert saved_optimizer({}, tmp_path) == {"name": "adamw", "groups": []}

@@ -146,6 +146,28 @@ def test_sizes_the_tensor_axis_cannot_split_name_the_nearest_that_can(caplog):
   assert layout.RULES["kv_heads"] == "tensor" and layout.RULES["seq"] is None
 
 
+def test_a_vocabulary_from_the_tokenizer_that_the_tensor_axis_cannot_split_is_one_line(
+  tmp_path, monkeypatch
+):
+  """``model.vocab_size`` 0 is known only once the data is read (bytes: 259 ids, padded to
+  264), after the mesh was checked; mesh.tensor=5 is refused then, not trained replicated.
+  The mesh is one device's here: the refusal comes from the vocabulary alone."""
+  from conftest import make_cfg
+
+  from jaxstep import parallel
+  from jaxstep.trainer.plan import numbers
+
+  monkeypatch.setattr(numbers, "mesh_for", lambda cfg: parallel.make_mesh(1, 1))
+  cfg = make_cfg(tmp_path, "mesh.tensor=5", "model.n_heads=4", "model.d_model=40", docs=20)
+  with pytest.raises(
+    ConfigError,
+    match=r"mesh.tensor=5 does not divide model.vocab_size 264 \(the tokenizer's 259 ids, "
+    r"padded; .*\); use mesh.tensor=4 or 6, or set model.vocab_size=260$",
+  ):
+    numbers.make_plan(cfg)
+  assert not (tmp_path / "run").exists()
+
+
 def _train(tmp_path, name, *args, devices=None):
   from conftest import SMALL_MODEL
 

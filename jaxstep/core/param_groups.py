@@ -16,6 +16,7 @@ only, and all of them see the same accumulated, clipped gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 
@@ -44,14 +45,28 @@ def check(groups: Sequence, optimizers: Sequence[str]) -> tuple[dict, ...]:
       re.compile(g["match"])
     except re.error as e:
       raise ConfigError(f"{where}.match {g['match']!r} is not a regular expression ({e})") from None
-    if float(g.get("lr_scale", 1.0)) <= 0:
+    if _number(where, "lr_scale", g.get("lr_scale", 1.0)) <= 0:
       raise ConfigError(f"{where}.lr_scale must be > 0, got {g['lr_scale']}")
+    if _number(where, "weight_decay", g.get("weight_decay", 0.0)) < 0:
+      raise ConfigError(f"{where}.weight_decay must be >= 0, got {g['weight_decay']}")
     if g.get("optimizer", optimizers[0]) not in optimizers:
       raise ConfigError(
         f"{where}.optimizer must be one of {', '.join(optimizers)}, got {g['optimizer']!r}"
       )
     out.append(dict(g))
   return tuple(out)
+
+
+def _number(where: str, key: str, value) -> float:
+  """A group's number as a float: YAML reads ``1e-3`` or ``nan`` without a dot as a string,
+  which ``float`` would take, NaN and infinity included, so those are refused here."""
+  try:
+    number = float(value) if not isinstance(value, bool) else math.nan
+  except (TypeError, ValueError):
+    number = math.nan
+  if not math.isfinite(number):
+    raise ConfigError(f"{where}.{key} must be a finite number, got {value!r}")
+  return number
 
 
 def labels(params, groups: Sequence[Mapping]):

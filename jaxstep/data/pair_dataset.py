@@ -96,13 +96,14 @@ def load_pair_dataset(
   c = pairs.counts
   log.info(
     "preference pairs: %d rows read, %d kept (%d held out); %d prompts and %d completions "
-    "truncated, %d pairs dropped (a completion kept no token)",
+    "truncated, %d pairs dropped (a completion kept no token, or %d with chosen = rejected)",
     c.rows,
     len(pairs),
     int(held.sum()),
     c.prompt_truncated,
     c.completion_truncated,
     c.dropped,
+    c.identical,
   )
   settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
   digest = row_files.fingerprint(path, tokenizer, {**settings, "eval_fraction": eval_fraction})
@@ -136,10 +137,12 @@ def load_pair_eval_set(
     raise DataError(f"eval.sets.{name}: {e}") from e
   c = pairs.counts
   log.info(
-    "eval.sets.%s: %d pairs of %d rows (%d pairs dropped: a completion kept no token)",
+    "eval.sets.%s: %d pairs of %d rows (%d pairs dropped: a completion kept no token, or %d "
+    "with chosen = rejected)",
     name,
     len(pairs),
     c.rows,
     c.dropped,
+    c.identical,
   )
   return PairSplit(pairs, np.arange(len(pairs)))

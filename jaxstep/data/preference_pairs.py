@@ -19,7 +19,9 @@ tokens as their ids, the template's own BOS if it writes one, and no other).
 **Lengths**, explicit: ``max_prompt_len`` keeps a prompt's LAST tokens (the most recent
 context); ``seq_len`` is the input length S, so prompt + completion ≤ S + 1 tokens, the
 completion cut at its end. A pair whose chosen or rejected completion keeps no token is
-dropped (a real pair needs a completion token on each side), and counted.
+dropped (a real pair needs a completion token on each side), and counted; so is a pair
+whose chosen and rejected keep the same tokens: it states no preference (its loss is ln 2
+whatever the model, its gradient 0), and a file of them would train on nothing.
 
 **Arrays.** Per side, a window of S + 1 tokens right-padded with PAD (as ``shards.Windows``
 cuts them): ``inputs = window[:-1]``, ``targets = window[1:]``, ``mask`` 1 where the target
@@ -71,12 +73,14 @@ class PairRow:
 class PairCounts:
   """What reading did: ``rows`` read; of the pairs kept, ``prompt_truncated`` (the prompt
   lost its oldest tokens) and ``completion_truncated`` (chosen or rejected lost its end);
-  ``dropped``: pairs left out because a completion kept no token."""
+  ``dropped``: pairs left out, because a completion kept no token or, ``identical`` of
+  them, because chosen and rejected kept the same tokens."""
 
   rows: int
   prompt_truncated: int
   completion_truncated: int
   dropped: int
+  identical: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +274,7 @@ def pair_set(
     DataError: a row that does not encode, or every pair dropped.
   """
   _check_lengths(seq_len, max_prompt_len)
-  kept, prompt_cuts, completion_cuts = [], 0, 0
+  kept, prompt_cuts, completion_cuts, identical = [], 0, 0, 0
   for row in rows:
     prompt, *completions = encode_pair(row, tok)
     if not len(prompt):
@@ -278,12 +282,17 @@ def pair_set(
     prompt, completions, prompt_cut, completion_cut = fit_pair(
       prompt, completions, seq_len, max_prompt_len
     )
-    if all(len(c) for c in completions):
-      kept.append((prompt, completions))
-      prompt_cuts, completion_cuts = prompt_cuts + prompt_cut, completion_cuts + completion_cut
+    if not all(len(c) for c in completions):
+      continue
+    if np.array_equal(*completions):
+      identical += 1
+      continue
+    kept.append((prompt, completions))
+    prompt_cuts, completion_cuts = prompt_cuts + prompt_cut, completion_cuts + completion_cut
   if not kept:
-    raise DataError(_all_dropped(rows, seq_len, max_prompt_len))
-  counts = PairCounts(len(rows), prompt_cuts, completion_cuts, len(rows) - len(kept))
+    raise DataError(_all_dropped(rows, seq_len, max_prompt_len, identical))
+  dropped = len(rows) - len(kept)
+  counts = PairCounts(len(rows), prompt_cuts, completion_cuts, dropped, identical)
   return PairSet(_stack(kept, seq_len, tok.PAD), counts, seq_len)
 
 
@@ -304,8 +313,18 @@ def _check_lengths(seq_len: int, max_prompt_len: int | None) -> None:
     )
 
 
-def _all_dropped(rows: Sequence[PairRow], seq_len: int, max_prompt_len: int | None) -> str:
+def _all_dropped(
+  rows: Sequence[PairRow], seq_len: int, max_prompt_len: int | None, identical: int
+) -> str:
   files = ", ".join(sorted({str(row.file) for row in rows}))
+  if identical:
+    short = len(rows) - identical
+    also = f"; {short} kept no completion token on one side" if short else ""
+    return (
+      f"{files}: all {len(rows)} pairs were dropped: in {identical} the chosen and rejected "
+      f"completions are the same tokens (after truncation to seq_len={seq_len}), which states "
+      f"no preference{also}; a pair needs a chosen and a rejected completion that differ"
+    )
   return (
     f"{files}: all {len(rows)} pairs were dropped: with seq_len={seq_len} and "
     f"max_prompt_len={max_prompt_len}, no pair keeps a completion token on both sides "

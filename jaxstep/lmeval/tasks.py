@@ -20,7 +20,10 @@ import importlib
 import logging
 import math
 import os
+import pathlib
 from collections.abc import Sequence
+
+import yaml
 
 from jaxstep.errors import ConfigError
 from jaxstep.lmeval import require_harness
@@ -56,17 +59,27 @@ def offline():
 def task_manager(names: Sequence[str], include_path: str | None = None):
   """The harness's ``TaskManager``: only the tasks in ``include_path`` when they hold every
   name asked for (indexing the harness's own thousands of tasks takes seconds), else all;
-  ``ConfigError`` for a name neither knows."""
+  ``ConfigError`` for a name neither knows, naming a file of ``include_path`` that is not
+  YAML (``unreadable_task_files``) rather than calling its task unknown."""
   from lm_eval.tasks import TaskManager
 
   if include_path is not None and not os.path.isdir(include_path):
     raise ConfigError(f"--include-path {include_path} is not a directory of task YAML files")
   manager = None
+  broken = []
   if include_path is not None:
     manager = TaskManager(include_path=include_path, include_defaults=False)
+    missing = [n for n in names if n not in manager.task_index]
+    broken = unreadable_task_files(include_path) if missing else []
+    for path, why, text in broken:  # a file that names a task asked for is that task's
+      if named := [n for n in missing if n in text or n == path.stem]:
+        raise ConfigError(f"task {', '.join(named)}: {_unreadable(path, why)}")
   if manager is None or any(n not in manager.task_index for n in names):
     manager = TaskManager(include_path=include_path)
   unknown = [n for n in names if n not in manager.task_index and not _path_or_glob(n)]
+  if unknown and broken:
+    path, why, _ = broken[0]
+    raise ConfigError(f"task {', '.join(unknown)}: {_unreadable(path, why)}")
   if unknown:
     where = f" nor in {include_path}" if include_path else ""
     raise ConfigError(
@@ -74,6 +87,43 @@ def task_manager(names: Sequence[str], include_path: str | None = None):
       f"them with: lm_eval ls tasks)"
     )
   return manager
+
+
+def unreadable_task_files(include_path: str) -> list[tuple[pathlib.Path, str, str]]:
+  """``(file, why, text)`` of each task YAML under ``include_path`` that is not YAML (a
+  syntax error, not UTF-8): the harness skips such a file without a word, so its task
+  would read as one it does not know. Only the syntax is checked (``yaml.compose``), so
+  the harness's own tags (``!function``) pass."""
+  out = []
+  for path in sorted(pathlib.Path(include_path).glob("**/*.yaml")):
+    if "__pycache__" in path.parts or not path.is_file():
+      continue
+    text = ""
+    try:
+      text = path.read_text(encoding="utf-8")
+      list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except UnicodeDecodeError as e:
+      out.append((path, f"not UTF-8 text: {e.reason} at byte {e.start}", text))
+    except OSError as e:
+      out.append((path, f"cannot be read: {e.strerror}", text))
+    except yaml.YAMLError as e:
+      out.append((path, _yaml_problem(e), text))
+  return out
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+  """A YAML error in one line: what is wrong and where (PyYAML's own text spans lines)."""
+  mark = getattr(error, "problem_mark", None)
+  what = " ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+  where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+  return f"{what or str(error).splitlines()[0]}{where}"
+
+
+def _unreadable(path: pathlib.Path, why: str) -> str:
+  return (
+    f"{path} is not a task YAML the harness can read ({why}); lm-evaluation-harness skips "
+    f"such a file, and the tasks it defines are unknown: fix the file"
+  )
 
 
 def _path_or_glob(name: str) -> bool:

@@ -193,13 +193,14 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     raise ConfigError(f"config file {str(file)!r} cannot be read ({e.strerror})") from None
   if not isinstance(tree, dict):
     raise ConfigError(f"{file}: the top level must be a mapping of sections")
-  given = {}
+  given, keys = {}, None
   for item in overrides:
     key, sep, value = item.partition("=")
     if not sep or not key:
       raise ConfigError(f"override {item!r} is not of the form key=value")
     key = key.strip()
-    if key not in valid_keys():
+    keys = keys or set(valid_keys())  # once: each call walks the whole schema's type hints
+    if key not in keys:
       raise _unknown(key)
     if key in given:
       log.warning("%s is given twice on the command line: %s wins over %s", key, item, given[key])

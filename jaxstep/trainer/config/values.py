@@ -64,7 +64,30 @@ def quoted(value: Any, limit: int = 200) -> str:
 
 
 def coerce(key: str, value: Any, typ: Any) -> Any:
-  """Converts a YAML or command-line value to the field's type, or raises ConfigError."""
+  """Converts a YAML or command-line value to the field's type, or raises ConfigError; a
+  NaN or infinity anywhere in it (a list's item, a mapping's value: ``optim.groups``'
+  ``lr_scale``, ``rl.reward_weights``) is refused too, naming where (``refuse_non_finite``)."""
+  converted = _coerce(key, value, typ)
+  refuse_non_finite(key, converted)
+  return converted
+
+
+def refuse_non_finite(key: str, value: Any) -> None:
+  """``ConfigError`` naming the first NaN or infinite number in ``value``, walked through
+  its lists and mappings (``optim.groups[0].lr_scale``): no key means either, and one
+  would train a run to NaN or write it into a checkpoint."""
+  if isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+  if isinstance(value, dict):
+    for name, item in value.items():
+      refuse_non_finite(f"{key}.{name}", item)
+  elif isinstance(value, list | tuple):
+    for i, item in enumerate(value):
+      refuse_non_finite(f"{key}[{i}]", item)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+  """``coerce`` without the walk for non-finite numbers inside lists and mappings."""
   allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) else (typ,)
   if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
     if type(None) in allowed:

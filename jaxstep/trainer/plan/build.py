@@ -21,7 +21,7 @@ from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.evaluation import eval_sets, harness_tasks, text_samples
 from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps
 from jaxstep.trainer.plan.numbers import make_plan
-from jaxstep.trainer.store.run_state import RunState
+from jaxstep.trainer.store.run_state import RunState, optimizer_of
 from jaxstep.trainer.tracking import trackers
 
 log = logging.getLogger("jaxstep")
@@ -146,6 +146,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     model=config_lib.to_dict(cfg.model),
     trainable=list(cfg.optim.trainable),
     base=_base_identity(cfg, base_fingerprint),
+    optim=optimizer_of(cfg.optim),
   )
   return run, state, run_state
 

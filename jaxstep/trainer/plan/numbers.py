@@ -242,6 +242,36 @@ def _warn_settings_without_effect(cfg: config_lib.Config) -> None:
       "data.document_mask: true has no effect with data.pack: false (each window holds one "
       "document already); set data.pack: true to pack documents and mask between them"
     )
+  _warn_other_objectives(cfg)
+
+
+def _warn_other_objectives(cfg: config_lib.Config) -> None:
+  """One line naming the ``preference.*`` and ``rl.*`` keys set away from their defaults in
+  a run of another kind: a run is a preference run only with ``preference.loss`` and an RL
+  run only with ``rl.rewards``, so ``preference.reference=precompute`` alone trains a plain
+  language model, and nothing else would say so."""
+  ignored = []
+  for section, on in (("preference", cfg.preference.loss), ("rl", cfg.rl.rewards)):
+    if on:
+      continue
+    given = getattr(cfg, section)
+    default = config_lib.to_dict(type(given)())
+    ignored += [
+      f"{section}.{k}={v}" for k, v in config_lib.to_dict(given).items() if v != default[k]
+    ]
+  if not ignored:
+    return
+  run = (
+    "a preference run" if cfg.preference.loss else "an RL run" if cfg.rl.rewards else "supervised"
+  )
+  log.warning(
+    "%s %s no effect: this run is %s (preference.loss makes a preference run, rl.rewards an "
+    "RL run); drop %s",
+    ", ".join(ignored),
+    "has" if len(ignored) == 1 else "have",
+    run,
+    "it" if len(ignored) == 1 else "them",
+  )
 
 
 def _choose_k(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int) -> tuple[int, list]:
@@ -294,6 +324,7 @@ def make_plan(
     dataset = load_data(cfg)
   if dataset is not None:
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, dataset.vocab_size))
+    tensor_split.check_vocab(cfg.model.vocab_size, cfg.mesh.tensor, dataset.vocab_size)
     refuse_what_cannot_fit(cfg, mesh, memory)
   spe = None if dataset is None else data.split_steps_per_epoch(dataset.train, t.global_batch_size)
   if dataset is not None and cfg.rl.rewards:

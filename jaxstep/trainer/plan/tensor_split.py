@@ -1,6 +1,8 @@
 """Whether a model splits over ``mesh.tensor`` the Megatron way, checked before anything is
 built: query heads, the MLP's hidden width and the vocabulary must divide by the tensor size
-(one ``error:`` line naming the numbers and the nearest sizes that work); key/value heads
+(one ``error:`` line naming the numbers and the nearest sizes that work; a vocabulary that
+follows the tokenizer, ``model.vocab_size`` 0, once the data has given it: ``check_vocab``),
+never padded or replicated behind the user's back; key/value heads
 fewer than (or not divisible by) it stay whole on every device, said in one line; with
 ``mesh.sequence_parallel`` the sequence length must divide too."""
 
@@ -72,3 +74,18 @@ def check(model, mesh, seq_len: int) -> None:
       t,
       kv,
     )
+
+
+def check_vocab(vocab_size: int, tensor: int, tokenizer_size: int) -> None:
+  """Raises ``ConfigError`` when ``mesh.tensor`` does not divide ``model.vocab_size`` as the
+  tokenizer's ``tokenizer_size`` ids resolved it (``model.vocab_size`` 0: the mesh was
+  checked before the data was read, against a vocabulary of 0). Names the tensor sizes that
+  divide it and the smallest ``model.vocab_size`` that ``tensor`` divides and holds every id."""
+  if tensor == 1 or vocab_size % tensor == 0:
+    return
+  fits = -(-tokenizer_size // tensor) * tensor
+  raise ConfigError(
+    f"mesh.tensor={tensor} does not divide model.vocab_size {vocab_size} (the tokenizer's "
+    f"{tokenizer_size} ids, padded; vocabulary rows split over the tensor axis); use "
+    f"mesh.tensor={nearest(vocab_size, tensor)}, or set model.vocab_size={fits}"
+  )

@@ -25,7 +25,7 @@ from jaxstep.trainer.store import checkpoint_read
 from jaxstep.trainer.store.checkpoint import Checkpointer, Restored, list_checkpoints, step_dirs
 from jaxstep.trainer.store.records import read_records
 from jaxstep.trainer.store.run_dir import archive_previous
-from jaxstep.trainer.store.run_state import RunState
+from jaxstep.trainer.store.run_state import RunState, optimizer_change, saved_optimizer
 
 log = logging.getLogger("jaxstep")
 
@@ -340,6 +340,13 @@ def _blame_a_changed_key(directory, step, state, current: RunState, error, way_o
         f"optim.trainable changed since the checkpoint of update step {s} ({old} → "
         f"{current.trainable}): it decides which parameters have optimizer state; resume "
         f"with the old value{way_out}"
+      ) from None
+    key, change = optimizer_change(saved_optimizer(run, directory.parent), current.optim)
+    if key:  # the optimizer state's layout follows them
+      fresh = "--no-resume or a new run_dir" if way_out else "a run without --resume-from"
+      raise CheckpointError(
+        f"the checkpoint of update step {s} was written with {change} needs {fresh} (or set "
+        f"{key} back)"
       ) from None
     return
 

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+
+import yaml
 
 from jaxstep.trainer.store.param_layout import PARAM_LAYOUT
 
@@ -33,6 +36,8 @@ class RunState:
       run continues the same tracker runs.
     param_layout: the bundled models' parameter layout (``param_layout.PARAM_LAYOUT``; a
       run state without it: 1, read by ``param_layout.upgrade``).
+    optim: ``{"name", "groups"}``: ``optim.name`` and ``optim.groups``, which lay out the
+      optimizer state (``optimizer_of``), so a resume that changes them is named as such.
   """
 
   step: int = 0
@@ -51,6 +56,7 @@ class RunState:
   base: dict = dataclasses.field(default_factory=dict)
   trackers: dict = dataclasses.field(default_factory=dict)
   param_layout: int = PARAM_LAYOUT
+  optim: dict = dataclasses.field(default_factory=dict)
 
   def advanced(self, *, steps_per_epoch: int) -> RunState:
     """The position after consuming one global batch (one update step)."""
@@ -61,3 +67,49 @@ class RunState:
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def optimizer_of(optim) -> dict:
+  """``RunState.optim`` of an ``optim`` config section, or of its mapping in a
+  ``config.yaml`` (one written before ``optim.name`` existed: AdamW, the only optimizer)."""
+  if isinstance(optim, dict):
+    return {"name": optim.get("name", "adamw"), "groups": list(optim.get("groups") or [])}
+  return {"name": optim.name, "groups": [dict(g) for g in optim.groups]}
+
+
+def saved_optimizer(run: dict | None, run_dir: pathlib.Path) -> dict:
+  """A checkpoint's ``RunState.optim``; for a checkpoint written before run states kept it,
+  the ``optim`` section of ``run_dir/config.yaml`` (the config of the run that wrote it);
+  {} when neither says."""
+  if (run or {}).get("optim"):
+    return run["optim"]
+  try:
+    optim = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))["optim"]
+    return optimizer_of(optim)
+  except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
+    return {}
+
+
+def optimizer_change(old: dict, new: dict) -> tuple[str, str]:
+  """``(key, "written with …; resuming with …")`` for the one of ``optim.name`` and
+  ``optim.groups`` (``optimizer_of``) that differs between a checkpoint's ``old`` and this
+  run's ``new`` in a way that lays the optimizer state out anew (a group's ``lr_scale`` or
+  ``weight_decay`` does not); ``("", "")`` when neither does or ``old`` is unknown."""
+  if not old.get("name"):
+    return "", ""
+  if old["name"] != new["name"]:
+    return "optim.name", f"optim.name={old['name']}; resuming with {new['name']}"
+
+  def layout(groups):  # a group's leaves and its optimizer shape the state
+    return [(g.get("match"), g.get("optimizer", old["name"])) for g in groups]
+
+  if layout(old["groups"]) == layout(new["groups"]):
+    return "", ""
+  return "optim.groups", (
+    f"optim.groups={_flow(old['groups'])}; resuming with optim.groups={_flow(new['groups'])}"
+  )
+
+
+def _flow(groups: list) -> str:
+  """Groups as one line of YAML, as a ``key=value`` override takes them."""
+  return yaml.safe_dump(groups, default_flow_style=True, sort_keys=False, width=10**6).strip()
