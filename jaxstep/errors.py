@@ -77,4 +77,5 @@ class Interrupted(JaxstepError, RuntimeError):
 
 
 class RewardError(JaxstepError, RuntimeError):
-  """An RL reward function failed on a completion: it raised, or its score is no number."""
+  """An RL reward function failed on a completion: it raised, its score is no number, or it
+  did not return within ``rl.reward_timeout``."""

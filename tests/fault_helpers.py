@@ -1,6 +1,6 @@
 """Helpers the fault-suite files share: the small run's overrides, one ``error:`` line read
-back, the CLI's I/O exit code, an ``ENOSPC`` error, the CLI run in this process, and checks
-that a run dir is resumable."""
+back, the CLI's I/O exit code, an ``ENOSPC`` error, the CLI run in this process, checks
+that a run dir is resumable, and a side file cut short or with bytes changed."""
 
 import pathlib
 
@@ -70,3 +70,18 @@ def failing_after(calls: int, error_fn, original):
     return original(*args, **kwargs)
 
   return wrapped
+
+
+def damage(path: pathlib.Path, how: str, inside: bytes = b"") -> None:
+  """``path`` broken as a disk or a kill breaks a file: ``"cut"`` keeps its first half;
+  ``"flipped"`` inverts 16 bytes in the middle of ``inside`` (an array's bytes as the file
+  stores them: ``np.savez`` keeps them uncompressed), so only a checksum can tell."""
+  raw = bytearray(path.read_bytes())
+  if how == "cut":
+    path.write_bytes(bytes(raw[: len(raw) // 2]))
+    return
+  at = raw.find(inside)
+  assert how == "flipped" and len(inside) >= 32 and at >= 0 and raw.count(inside) == 1
+  at += len(inside) // 2 - 8
+  raw[at : at + 16] = bytes(b ^ 0xFF for b in raw[at : at + 16])
+  path.write_bytes(bytes(raw))

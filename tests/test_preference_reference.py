@@ -1,7 +1,7 @@
 """``preference.reference: precompute``: the reference's log-probs of every pair computed
 once before training, stored with the key of the weights and the data they belong to, read
-by the batches; a file of other weights or data refused, an interrupted computation
-continued from its parts."""
+by the batches; a file of other weights or data, cut short or with changed bytes refused,
+an interrupted computation continued from its parts, a refused write cleaned up."""
 
 import json
 import math
@@ -9,11 +9,14 @@ import math
 import jax
 import numpy as np
 import pytest
+from fault_helpers import IO_EXIT, damage, enospc, failing_after, one_error
 from test_preference_run import BASE, FULL, cfg_for, logged, sums_file
 
 from jaxstep import models
 from jaxstep.cli import train as train_cli
+from jaxstep.cli._common import exit_code
 from jaxstep.data import preference_pairs
+from jaxstep.errors import DataError, RunIOError
 from jaxstep.trainer import config_run
 from jaxstep.trainer.plan import reference_logps
 from jaxstep.trainer.plan.build import build
@@ -125,6 +128,94 @@ def test_an_interrupted_computation_continues_from_its_parts(tmp_path, monkeypat
   np.save(parts / "part-00001.npy", np.full((g, 2), -7.0, np.float32))
   np.testing.assert_array_equal(reference_logps.compute(path, key, *args), whole)
   assert np.array_equal(reference_logps.read(path, key), whole)
+
+
+@pytest.mark.parametrize("how", ["cut", "flipped"])
+def test_a_cut_or_changed_file_is_refused_naming_it_and_what_to_do(tmp_path, how):
+  """A file cut short, or with 16 bytes of its log-probs changed (the zip's CRC-32 of the
+  array, checked as it is read whole), is one DataError (exit 2) naming it and the fix."""
+  key = reference_logps.key_of("w", "d", 64)
+  logps = np.linspace(-9.0, -1.0, 128, dtype=np.float32).reshape(64, 2)
+  path = tmp_path / "reference_logps.npz"
+  reference_logps.write(path, key, logps)
+  assert np.array_equal(reference_logps.read(path, key), logps)
+  damage(path, how, logps.tobytes())
+  with pytest.raises(DataError, match="cannot be read as a file of precomputed") as e:
+    reference_logps.read(path, key)
+  assert str(path) in str(e.value) and "delete it to compute them again" in str(e.value)
+  assert exit_code(e.value) == 2
+
+
+@pytest.mark.parametrize("writes", [0, 2, 4], ids=["key", "part", "file"])
+def test_a_write_the_disk_refuses_is_exit_74_and_leaves_nothing_partial(
+  tmp_path, monkeypatch, writes
+):
+  """A full disk at the parts' key, at a part or at the finished file: one RunIOError
+  (exit 74) naming the file, and neither the parts folder nor a temporary file is left
+  (nothing that holds room or blocks the next try)."""
+  from jaxstep.trainer.store import records
+
+  monkeypatch.setattr(reference_logps, "CHUNK", 1)
+  g = 4
+  monkeypatch.setattr(
+    reference_logps,
+    "batch_logps",
+    lambda fn, params, pairs, g, sharding, batches: np.full((len(batches) * g, 2), -1.0),
+  )
+  write = failing_after(writes, enospc, records.write_atomic)
+  monkeypatch.setattr(records, "write_atomic", write)
+  folder = tmp_path / "side"
+  folder.mkdir()
+  path, key = folder / "ref.npz", reference_logps.key_of("w", "d", 12)
+  with pytest.raises(RunIOError) as e:
+    reference_logps.compute(path, key, None, None, range(12), g, None)
+  assert f"writing the reference log-probs to {path} failed (No space left" in str(e.value)
+  assert exit_code(e.value) == IO_EXIT
+  assert list(folder.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["cut", "flipped"])
+def test_a_resume_over_a_cut_or_changed_file_is_one_line_and_exit_2(tmp_path, capsys, how):
+  """The run's own file, damaged before a resume, is refused in one line before anything is
+  written (a recomputation on another machine or mesh may differ in the last bits from the
+  numbers the earlier updates used); deleting it, as the line says, lets the run go on."""
+  config_run.train(cfg_for(tmp_path, *PRE, "train.max_steps=1"))
+  run_dir = tmp_path / "run"
+  stored = run_dir / "reference_logps.npz"
+  with np.load(stored) as f:
+    inside = f["logps"].tobytes()
+  damage(stored, how, inside)
+  metrics = (run_dir / "metrics.jsonl").read_bytes()
+  args = [*BASE, *PRE, f"data.path={sums_file(tmp_path)}", f"run_dir={run_dir}"]
+  assert train_cli.main([*args, "train.max_steps=2"]) == 2
+  line = one_error(capsys)
+  assert f"{stored} cannot be read as a file of precomputed" in line and "delete it" in line
+  assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+  stored.unlink()
+  assert train_cli.main([*args, "train.max_steps=2"]) == 0
+  assert [r["step"] for r in logged(run_dir)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_reference_file_on_a_full_disk_is_exit_74_and_the_next_try_runs(tmp_path, tmpfs, capsys):
+  """``preference.reference_file`` on a full filesystem: one line and exit 74, nothing of
+  the computation left there; with room made the same command runs."""
+  point = tmpfs("16k")
+  filler = point / "filler"
+  with filler.open("wb", buffering=0) as f, pytest.raises(OSError, match="No space"):
+    while True:
+      f.write(b"x" * 1024)
+  path = point / "ref.npz"
+  args = [*BASE, *PRE, f"data.path={sums_file(tmp_path)}", f"run_dir={tmp_path / 'run'}"]
+  args += ["train.max_steps=1", f"preference.reference_file={path}"]
+  assert train_cli.main(args) == IO_EXIT
+  line = one_error(capsys)
+  assert f"writing the reference log-probs to {path} failed (No space left" in line
+  assert list(point.iterdir()) == [filler]
+  filler.unlink()
+  assert train_cli.main(args) == 0
+  assert sorted(p.name for p in point.iterdir()) == ["ref.npz"]
 
 
 @pytest.mark.slow

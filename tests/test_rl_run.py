@@ -4,10 +4,12 @@ metric names, the sampler/trainer log-prob check, held-out prompts scored greedi
 reward or a gap named in one line, and a resume between passes over a rollout."""
 
 import pathlib
+import time
 
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL, read_lines
+from fault_helpers import damage, one_error
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_pretrained import folder  # noqa: F401 - fixture
 
@@ -122,6 +124,59 @@ def test_what_cannot_run_is_one_line(tmp_path, capsys, overrides, code, words):
   assert train_cli.main([*BASE, f"run_dir={tmp_path / 'run'}", *overrides]) == code
   err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
   assert len(err) == 1 and words in err[0], err
+
+
+def test_the_summary_line_counts_update_steps_with_several_passes_per_rollout(tmp_path, capsys):
+  """rl.iterations=2: 2 update steps take 1 rollout; the summary line and the checkpoint's
+  run state count update steps."""
+  from jaxstep.trainer.store.checkpoint import list_checkpoints
+
+  run_dir = tmp_path / "run"
+  args = [*BASE, f"run_dir={run_dir}", "rl.iterations=2", "train.max_steps=2"]
+  assert train_cli.main([*args, "train.eval_every=0"]) == 0
+  out = capsys.readouterr().out
+  assert "final step 2:" in out and "(reached 2 update steps)" in out, out
+  (newest, *_) = list_checkpoints(run_dir / "checkpoints")
+  assert newest.step == 2 and newest.run["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_reward_that_never_returns_stops_the_run_at_its_timeout(tmp_path, monkeypatch):
+  """rl.reward_timeout=1 and a reward that sleeps for good on its second call (the second
+  rollout): exit 1 with one line naming the function and the row, and the checkpoint of
+  update 1 intact."""
+  import subprocess
+  import sys
+
+  from fault_helpers import assert_resumable_from
+
+  (tmp_path / "sleepy_reward.py").write_text(
+    "import time\n"
+    "calls = 0\n"
+    "def reward(prompts, completions, **_):\n"
+    "  global calls\n"
+    "  calls += 1\n"
+    "  for c in completions:\n"
+    "    if calls == 2:\n"
+    "      time.sleep(10**6)\n"
+    "  return [float(len(c)) for c in completions]\n"
+  )
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  run_dir = tmp_path / "run"
+  args = [*BASE, f"run_dir={run_dir}", "rl.rewards=[sleepy_reward:reward]", "mesh.cpu_devices=1"]
+  args += ["checkpoint.every=1", "rl.reward_timeout=1"]
+  begun = time.monotonic()
+  done = subprocess.run(
+    [sys.executable, "-m", "jaxstep.train", *args], capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 1, done.stderr[-3000:]
+  errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  # the row its loop was on, or the call's rows where texts several rows share hide it
+  words = "reward sleepy_reward:reward did not return within 1 s (rl.reward_timeout) on completion"
+  assert words in errors[0], errors[0]
+  assert time.monotonic() - begun < 200
+  assert_resumable_from(run_dir, 1)
 
 
 @pytest.mark.slow
@@ -275,16 +330,57 @@ def test_a_bf16_reference_copy_halves_its_bytes_and_its_kl_starts_near_zero(tmp_
 
 
 @pytest.mark.slow
-def test_a_resume_between_passes_without_its_rollout_file_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("fault", ["deleted", "cut", "flipped"])
+def test_a_resume_between_passes_without_its_whole_rollout_file_is_one_line(
+  tmp_path, capsys, fault
+):
   """The checkpoint says the next update is the second pass over a rollout; without the
-  kept rollout the run cannot continue it and says what to do instead."""
+  kept rollout (deleted, cut short, 16 bytes of its largest batch array changed) the run cannot
+  continue it and says what to do instead, before anything is written."""
   six = ["rl.iterations=2", "train.schedule_steps=6"]
   config_run.train(cfg_for(tmp_path, *six, "train.max_steps=3"))
-  (tmp_path / "run" / "rl_rollout.npz").unlink()
+  kept = tmp_path / "run" / "rl_rollout.npz"
+  if fault == "deleted":
+    kept.unlink()
+  else:
+    with np.load(kept) as f:
+      arrays = [f[k] for k in f.files if k not in ("index", "metrics")]
+    damage(kept, fault, max(arrays, key=lambda a: a.nbytes).tobytes())
+  metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
   args = [*BASE, f"run_dir={tmp_path / 'run'}", *six, "train.max_steps=6"]
   assert train_cli.main(args) == 2
-  err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-  assert len(err) == 1 and "between passes over rollout 1" in err[0] and "--resume-from" in err[0]
+  line = one_error(capsys)
+  assert "between passes over rollout 1" in line and "--resume-from" in line
+  assert f"{kept} cannot be read" in line
+  assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
+
+
+@pytest.mark.parametrize("how", ["cut", "flipped"])
+def test_a_kept_rollout_cut_or_changed_is_refused_when_a_resume_reads_it(tmp_path, how):
+  """``Rollouts.set_state`` between passes reads the kept rollout back whole: a file cut
+  short, or with 16 bytes of an array changed (the zip's CRC-32 of that member), is one
+  CheckpointError (exit 2) naming the file and an earlier checkpoint to resume from."""
+  from jaxstep.cli._common import exit_code
+  from jaxstep.core.rl import RLConfig
+  from jaxstep.data.prompt_rows import PromptSet
+  from jaxstep.errors import CheckpointError
+  from jaxstep.trainer.rl.source import Rollouts
+
+  prompts = PromptSet([np.arange(3, dtype=np.int32)] * 8, ["p"] * 8, {})
+  r = RLConfig(rewards=("x",), num_generations=2, iterations=2)
+  path = tmp_path / "rl_rollout.npz"
+  rollouts = Rollouts(prompts, None, [], r, global_batch_size=4, seq_len=16, seed=0, file=path)
+  ids = np.arange(64, dtype=np.int32).reshape(4, 16)
+  rollouts._keep(1, rollout.Rollout({"input_ids": ids}, {"reward": 0.5}))
+  between = {"epoch": 0, "step_in_epoch": 2, "updates": 3}  # the second pass over rollout 1
+  rollouts.set_state(between)
+  assert np.array_equal(rollouts.current.batch["input_ids"], ids)
+  assert rollouts.current.metrics == {"reward": 0.5}
+  damage(path, how, ids.tobytes())
+  with pytest.raises(CheckpointError, match="between passes over rollout 1") as e:
+    rollouts.set_state(between)
+  assert f"{path} cannot be read" in str(e.value) and "--resume-from" in str(e.value)
+  assert exit_code(e.value) == 2
 
 
 @pytest.mark.slow

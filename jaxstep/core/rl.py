@@ -36,6 +36,7 @@ every count is the global batch's, so the split does not matter.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -290,6 +291,7 @@ class RLConfig:
   reference: str = "auto"  # auto (adapters on a LoRA run, else live) | adapters | live | none
   reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
   logp_tolerance: float = 0.02  # max |sampler − trainer| log-prob gap (nats) before a stop
+  reward_timeout: float = 300.0  # seconds each call of a reward function may take (0: none)
 
   def __post_init__(self):
     object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -326,3 +328,9 @@ class RLConfig:
       raise ConfigError("need 0 <= rl.epsilon_low < 1 and rl.epsilon_high >= 0")
     if self.beta < 0 or self.logp_tolerance <= 0:
       raise ConfigError("need rl.beta >= 0 and rl.logp_tolerance > 0")
+    t = self.reward_timeout
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+      raise ConfigError(
+        f"rl.reward_timeout must be a finite number of seconds >= 0 (0: no limit), "
+        f"got {self.reward_timeout!r}"
+      )

@@ -15,8 +15,11 @@ Computing is batched G pairs at a time (``train.global_batch_size``) with the pa
 batch sharded as the train step shards them, and resumable: every ``CHUNK`` batches land in
 a part file under ``FILE.partial/``, so a computation that was killed continues from its
 last part. The finished array is written whole (a temporary file, renamed) and the parts
-removed. On a resume the file is read back, so the resumed run sees the same numbers bit for
-bit.
+removed; a write the disk refuses (full, read-only) removes them too, so nothing is left
+that takes room or blocks the next try. On a resume the file is read back, so the resumed
+run sees the same numbers bit for bit; a file cut short or with changed bytes is refused
+rather than computed again, since the updates so far used its numbers, and computed again
+on another machine or mesh their last bits may differ.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxstep import parallel
 from jaxstep.core import preference
 from jaxstep.data.preference_pairs import PairSet, pair_batch
-from jaxstep.errors import ConfigError, DataError
+from jaxstep.errors import WRITE_REFUSED, ConfigError, DataError, RunIOError
 from jaxstep.models import lora
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.store import records
@@ -87,17 +90,20 @@ def read(path: pathlib.Path, key: dict) -> np.ndarray | None:
 
   Raises:
     ConfigError: the file holds another key (other weights, other data), naming the fix.
-    DataError: the file cannot be read as one of these files.
+    DataError: the file cannot be read as one of these files: cut short, bytes changed
+      (every member's CRC-32 is checked), or another kind of file.
   """
   if not path.exists():
     return None
   try:
-    with np.load(path) as stored:
-      found, logps = json.loads(str(stored["key"])), np.asarray(stored["logps"], np.float32)
-  except (OSError, ValueError, KeyError) as e:
+    stored = records.read_npz(path, ("key", "logps"))
+    found, logps = json.loads(str(stored["key"])), np.asarray(stored["logps"], np.float32)
+    if not isinstance(found, dict):
+      raise ValueError(f"its key is {found!r}, not an object")
+  except (OSError, ValueError) as e:
     raise DataError(
-      f"{path} is not a file of precomputed reference log-probs ({e}); delete it to compute "
-      f"them again, or point preference.reference_file elsewhere"
+      f"{path} cannot be read as a file of precomputed reference log-probs ({e}); delete it "
+      f"to compute them again, or point preference.reference_file elsewhere"
     ) from e
   if found != key:
     what = [w for w in ("weights", "data") if found.get(w) != key[w]] or ["settings"]
@@ -148,20 +154,21 @@ def compute(
 ) -> np.ndarray:
   """The log-probs of every pair of ``pairs`` under ``params`` (``fn``: ``logps_fn``),
   written to ``path`` with ``key``; parts finished by an earlier, interrupted computation
-  with the same key and batch size are read instead of computed again."""
+  with the same key and batch size are read instead of computed again.
+
+  Raises:
+    RunIOError: the disk refused a write (full, read-only, no permission); the parts
+      folder is removed.
+    ConfigError: the file cannot be written there otherwise (a missing folder, a file
+      where a folder belongs).
+  """
   g, n = global_batch_size, len(pairs)
   batches = -(-n // g)
   parts = path.with_name(path.name + ".partial")
   writer = jax.process_index() == 0
   partial_key = {**key, "global_batch_size": g, "chunk": CHUNK}
   if writer:
-    try:
-      _open_parts(parts, partial_key)
-    except OSError as e:
-      raise ConfigError(
-        f"cannot write the reference log-probs next to {path} ({e.strerror or e}); point "
-        f"preference.reference_file at a writable place"
-      ) from e
+    _writing(path, parts, _open_parts, parts, partial_key)
   begun, out = time.perf_counter(), np.zeros((batches * g, 2), np.float32)
   done = 0
   for first in range(0, batches, CHUNK):
@@ -173,10 +180,10 @@ def compute(
       continue
     out[lo:hi] = batch_logps(fn, params, pairs, g, sharding, range(first, hi // g))
     if writer:
-      _save_atomic(part, lambda f, v=out[lo:hi]: np.save(f, v))
+      _writing(path, parts, _save_atomic, part, lambda f, v=out[lo:hi]: np.save(f, v))
   logps = out[:n]
   if writer:
-    _save_atomic(path, lambda f: np.savez(f, logps=logps, key=json.dumps(key, sort_keys=True)))
+    _writing(path, parts, write, path, key, logps)
     shutil.rmtree(parts, ignore_errors=True)
   log.info(
     "reference log-probs: %d pairs in %d batches of %d, %.1f s (%d pairs read from an "
@@ -200,6 +207,34 @@ def batch_logps(fn, params, pairs: PairSet, g: int, sharding, batches: range) ->
     batch = parallel.put_batch(pair_batch(pairs, index, g), sharding)
     out[i * g : (i + 1) * g] = np.asarray(fn(params, batch))
   return out
+
+
+def write(path: pathlib.Path, key: dict, logps: np.ndarray) -> None:
+  """``logps`` with ``key`` as the file ``read`` reads, written whole or not at all."""
+  _save_atomic(path, lambda f: np.savez(f, logps=logps, key=json.dumps(key, sort_keys=True)))
+
+
+def _writing(path: pathlib.Path, parts: pathlib.Path, save: Callable, *args) -> None:
+  """``save(*args)``, one of a computation's writes; a failure is one line naming ``path``.
+
+  A write the disk refuses (``WRITE_REFUSED``) is exit 74's error, as every other refused
+  write of a run, and removes the parts: on a full disk they hold room the next try needs
+  (which computes them again).
+  """
+  try:
+    save(*args)
+  except OSError as e:
+    if e.errno in WRITE_REFUSED:
+      shutil.rmtree(parts, ignore_errors=True)
+      raise RunIOError(
+        f"writing the reference log-probs to {path} failed ({e.strerror or e}); nothing "
+        f"partial was left: make room or point preference.reference_file at a writable "
+        f"place, then run the same command again"
+      ) from None
+    raise ConfigError(
+      f"cannot write the reference log-probs next to {path} ({e.strerror or e}); point "
+      f"preference.reference_file at a writable place"
+    ) from None
 
 
 def _open_parts(parts: pathlib.Path, partial_key: dict) -> None:

@@ -104,7 +104,9 @@ def sample(
   columns = {k: [v[i // g] for i in index] for k, v in prompts.columns.items()}
   columns["stop_reason"] = reasons
   prompt_texts = [prompts.texts[i // g] for i in index]
-  per_fn, total = rewards_lib.score(rewards, prompt_texts, texts, columns)
+  per_fn, total = rewards_lib.score(
+    rewards, prompt_texts, texts, columns, timeout=cfg.reward_timeout
+  )
   batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
   lengths = np.array([len(c) for c in ids])
   clipped = np.array([r != "eos" for r in reasons])

@@ -144,21 +144,26 @@ class Rollouts:
     records.write_atomic(self.file, buffer.getvalue())
 
   def _read_back(self, index: int):
-    """The rollout a checkpoint between passes continued with (``_keep``)."""
+    """The rollout a checkpoint between passes continued with (``_keep``).
+
+    Raises:
+      CheckpointError: the file is missing, cut short or has changed bytes (every array is
+        read whole, so its CRC-32 is checked), or holds another rollout.
+    """
     try:
       if self.file is None:
         raise OSError("no file keeps rollouts between passes")
-      with np.load(self.file) as f:
-        if int(f["index"]) != index:
-          raise CheckpointError(f"{self.file} holds rollout {int(f['index'])}, not {index}")
-        batch = {k: f[k] for k in f.files if k not in ("index", "metrics")}
-        metrics = json.loads(str(f["metrics"]))
-    except OSError as e:
+      stored = records.read_npz(self.file, ("index", "metrics"))
+      kept = int(stored.pop("index"))
+      metrics = json.loads(str(stored.pop("metrics")))
+    except (OSError, ValueError) as e:
       raise CheckpointError(
         f"the checkpoint stopped between passes over rollout {index}, but {self.file} cannot "
         f"be read ({e}); resume from an earlier checkpoint (--resume-from) of a rollout's start"
       ) from e
-    return rollout_lib.Rollout(batch, metrics)
+    if kept != index:
+      raise CheckpointError(f"{self.file} holds rollout {kept}, not {index}")
+    return rollout_lib.Rollout(stored, metrics)
 
 
 class RolloutSource:
@@ -196,12 +201,12 @@ class RolloutSource:
 
   @property
   def rs(self):
-    """The run position after the rollouts taken so far (``step`` counts rollouts)."""
+    """The run position after the batches handed out so far: ``step`` the update steps
+    (``RunState.step``, one per pass over a rollout, μ per rollout), ``epoch`` and
+    ``step_in_epoch`` the prompts, which move once per rollout."""
     ro = self.rollouts
-    mu = ro.r.iterations
-    taken = -(-ro.updates // mu) - -(-self.start.step // mu)  # rollouts sampled since
     return dataclasses.replace(
-      self.start, step=self.start.step + taken, epoch=ro.epoch, step_in_epoch=ro.step_in_epoch
+      self.start, step=ro.updates, epoch=ro.epoch, step_in_epoch=ro.step_in_epoch
     )
 
   def next_batch(self) -> dict:

@@ -1,7 +1,8 @@
 """The files a run keeps, as every jaxstep output writes and reads them: JSON lines in strict
 JSON (a non-finite float is written as the string ``"nan"``/``"inf"``, which ``float()``
-still parses), readers that survive the cut last line a killed process leaves, and
-rewrites that a kill cannot cut (``write_atomic``)."""
+still parses), readers that survive the cut last line a killed process leaves, rewrites
+that a kill cannot cut (``write_atomic``), and ``.npz`` side files read whole so that a cut
+or changed one is one ``ValueError`` (``read_npz``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import math
 import os
 import pathlib
 import tempfile
+import zipfile
+import zlib
+
+import numpy as np
 
 
 def _clean(value):
@@ -88,3 +93,47 @@ def recorded_end(run_dir: pathlib.Path, default_set: str) -> tuple[dict, dict[st
   for record in read_records(run_dir / "eval.jsonl"):
     evals[record.get("set", default_set)] = record
   return last, evals
+
+
+# What np.load raises on an .npz cut short or with bytes changed, besides OSError and
+# ValueError (a cut or changed .npy header): a missing end record, a header that disagrees or
+# a CRC-32 that fails (zipfile.BadZipFile), a file cut before its first bytes (EOFError), a
+# flipped compression method (NotImplementedError) or encryption flag (RuntimeError), a
+# compressed member's broken stream (zlib.error).
+_NPZ_DAMAGE = (
+  ValueError,
+  EOFError,
+  KeyError,
+  zipfile.BadZipFile,
+  zlib.error,
+  NotImplementedError,
+  RuntimeError,
+)
+
+
+def read_npz(path: pathlib.Path, names: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+  """Every array of the ``.npz`` file at ``path``, by name, each read to its end.
+
+  Reading a member to its end is what makes zipfile check its CRC-32: ``np.savez`` stores
+  members uncompressed, so bytes changed inside an array's data break nothing else, and a
+  reader that stopped early (or mapped the file) would take them as numbers.
+
+  Raises:
+    OSError: the file cannot be opened or read (missing, a directory, no permission).
+    ValueError: it is not a whole ``.npz`` holding ``names`` (cut short, bytes changed,
+      another kind of file); the message says what failed.
+  """
+  try:
+    stored = np.load(path)
+    if not isinstance(stored, np.lib.npyio.NpzFile):  # an .npy file: one array
+      raise ValueError("one .npy array")
+    with stored:
+      arrays = {name: stored[name] for name in stored.files}
+  except OSError:
+    raise
+  except _NPZ_DAMAGE as e:
+    raise ValueError(f"not a whole .npz file: {type(e).__name__}: {e}") from e
+  missing = [name for name in names if name not in arrays]
+  if missing:
+    raise ValueError(f"not a whole .npz file: {', '.join(missing)} missing")
+  return arrays
