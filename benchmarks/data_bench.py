@@ -68,7 +68,7 @@ def startup_contender(spec: dict):
       [*args, f"run_dir={root / str(next(counter))}"],
       stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSTEP_XLA_CACHE": "off"},  # compiles too
     )
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t

@@ -218,6 +218,7 @@ def _worker_env(env: dict | None) -> dict:
   compiles: compile times are measured, and a warm-up must not differ between contenders),
   then ``env``; under ``quick_compiles`` its cache and flags too."""
   out = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  out["JAXSTEP_XLA_CACHE"] = "off"  # nor the commands' own cache, in a command it starts
   flags = (env or {}).get("XLA_FLAGS", out.get("XLA_FLAGS", ""))
   out |= _QUICK | (env or {})
   if _QUICK:  # a spec's own XLA_FLAGS keep the quick ones

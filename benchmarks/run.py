@@ -29,6 +29,7 @@ from benchmarks.lora_bench import suite_lora
 from benchmarks.optim_bench import suite_optim
 from benchmarks.preference_suite import suite_preference
 from benchmarks.rl_bench import suite_rl
+from benchmarks.startup_bench import suite_startup
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
 from benchmarks.tensor_bench import suite_tensor
 
@@ -49,6 +50,7 @@ SUITES = {
   "tensor": suite_tensor,
   "optim": suite_optim,
   "eval": suite_eval,
+  "startup": suite_startup,
 }
 
 
@@ -96,6 +98,7 @@ QUICK_ORDER = (
   "fsdp_memory",
   "compile",
   "generate",
+  "startup",
 )
 
 

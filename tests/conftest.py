@@ -15,6 +15,8 @@ os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cac
 # truncates an entry of that snapshot only.
 JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
 os.environ.setdefault(JIT_CACHE, tempfile.mkdtemp(prefix="jaxstep-test-jit-"))
+# a command started without JAX's variable keeps to the session's cache too, not the user's
+os.environ.setdefault("JAXSTEP_XLA_CACHE", os.environ[JIT_CACHE])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 # Processes of the session (pytest-xdist's workers, the tests' subprocesses) share that cache:
 # with a size limit jax takes a file lock around each read and write of an entry, so that no

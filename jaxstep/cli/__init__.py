@@ -26,6 +26,11 @@ COMMANDS = {
 }
 
 
+# the commands that compile: each starts with the persistent compilation cache on
+# (``compile_cache``; ``train`` may move or disable it with its config's ``xla_cache``)
+COMPILING = frozenset({"train", "check", "memory", "generate", "evaluate", "harness", "export"})
+
+
 def usage() -> str:
   width = max(map(len, COMMANDS))
   lines = [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
@@ -57,6 +62,10 @@ def run(command: str, argv=None) -> int:
   main_thread = threading.current_thread() is threading.main_thread()
   previous = signal.signal(signal.SIGINT, _stop_at_once(command)) if main_thread else None
   try:
+    if command in COMPILING:
+      from jaxstep.cli import compile_cache
+
+      compile_cache.enable()
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(sys.argv[1:] if argv is None else argv)
   except KeyboardInterrupt:

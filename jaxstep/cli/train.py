@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxstep.cli import compile_cache
 from jaxstep.cli._common import Parser, add_config_args, report, setup_logging
 from jaxstep.errors import JaxstepError, RunDirError
 from jaxstep.trainer.config import loading as config_lib
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
   setup_logging()
   try:
     cfg = config_lib.load(args.config, args.overrides)
+    compile_cache.enable(cfg.xla_cache)
     # heavy imports only after the config is valid
     from jaxstep.parallel import initialize_distributed
     from jaxstep.trainer.config_run import train

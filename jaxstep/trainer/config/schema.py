@@ -282,6 +282,9 @@ class Config:
   mlflow: MlflowConfig = MlflowConfig()
   wandb: WandbConfig = WandbConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
+  # compiled programs kept across starts: auto ($JAXSTEP_XLA_CACHE, else ~/.cache/jaxstep/xla),
+  # a folder, or off (jaxstep.cli.compile_cache)
+  xla_cache: str = "auto"
 
   def __post_init__(self):
     if not self.run_dir.strip():
