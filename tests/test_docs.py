@@ -2,6 +2,7 @@
 keys, commands. And none cites material a reader of the repository cannot open."""
 
 import ast
+import functools
 import importlib.util
 import io
 import pathlib
@@ -58,7 +59,11 @@ def docstrings_and_comments(path: pathlib.Path) -> str:
   return "\n".join(parts)
 
 
-TEXTS = {p: p.read_text() for p in MARKDOWN} | {p: docstrings_and_comments(p) for p in PYTHON}
+@functools.cache
+def texts() -> dict[pathlib.Path, str]:
+  """Every doc, and every Python file's prose: read when a test first needs them, so that a
+  test process that collects this module without running it does not parse every file."""
+  return {p: p.read_text() for p in MARKDOWN} | {p: docstrings_and_comments(p) for p in PYTHON}
 
 
 def names(pattern, text):
@@ -77,7 +82,7 @@ def anchors(md: pathlib.Path) -> set[str]:
 
 def problems(find) -> dict[str, list[str]]:
   """``find(path, text) -> [problem, …]`` over every doc and Python file, failures only."""
-  found = {str(p.relative_to(ROOT)): sorted(find(p, text)) for p, text in TEXTS.items()}
+  found = {str(p.relative_to(ROOT)): sorted(find(p, text)) for p, text in texts().items()}
   return {name: items for name, items in found.items() if items}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 import pathlib
@@ -62,19 +63,31 @@ def model_keys(family: str) -> list[str]:
 def valid_keys(cls=Config, prefix="") -> list[str]:
   """Every dotted key of the schema, e.g. ``train.global_batch_size``; the model section's
   are those of every family."""
+  return list(_keys(cls, prefix))
+
+
+# a class's field types, resolved once: its annotations are strings (``from __future__ import
+# annotations``), and resolving them compiles each anew
+_hints = functools.cache(typing.get_type_hints)
+
+
+@functools.cache
+def _keys(cls, prefix: str) -> tuple[str, ...]:
+  """``valid_keys``, computed once per section."""
   keys = []
   if cls is Config:
     model = dict.fromkeys(k for family in FAMILIES for k in model_keys(family))
     keys = [f"model.{k}" for k in model]
+  hints = _hints(cls)
   for f in dataclasses.fields(cls):
     if cls is Config and f.name == "model":
       continue
-    sub = typing.get_type_hints(cls)[f.name]
+    sub = hints[f.name]
     if dataclasses.is_dataclass(sub):
-      keys += valid_keys(sub, f"{prefix}{_key(f)}.")
+      keys += _keys(sub, f"{prefix}{_key(f)}.")
     else:
       keys.append(f"{prefix}{_key(f)}")
-  return keys
+  return tuple(keys)
 
 
 def _unknown(key: str) -> ConfigError:
@@ -87,7 +100,7 @@ def build_section(default, values: dict[str, Any], prefix: str = ""):
   """``default`` (a config dataclass instance) with ``values`` set: a partial section keeps
   the defaults of the keys it does not name, its owner's defaults included."""
   cls = type(default)
-  hints = typing.get_type_hints(cls)
+  hints = _hints(cls)
   names = {_key(f): f.name for f in dataclasses.fields(cls)}
   kwargs = {}
   for config_key, value in values.items():
@@ -199,7 +212,7 @@ def load(path: str | pathlib.Path | None = None, overrides=()) -> Config:
     if not sep or not key:
       raise ConfigError(f"override {item!r} is not of the form key=value")
     key = key.strip()
-    keys = keys or set(valid_keys())  # once: each call walks the whole schema's type hints
+    keys = keys or set(valid_keys())
     if key not in keys:
       raise _unknown(key)
     if key in given:
