@@ -49,13 +49,19 @@ def read_config(folder: str | pathlib.Path) -> dict:
       f"{folder} has no {CONFIG}: give a local Hugging Face model folder (config.json, "
       f"model.safetensors, tokenizer files)"
     )
+  return json_object(path)
+
+
+def json_object(path: pathlib.Path) -> dict:
+  """The JSON object in the file at ``path`` (a folder's ``config.json``,
+  ``generation_config.json``); ``ConfigError`` naming the file when it is not one."""
   try:
-    hf = json.loads(path.read_text())
+    value = json.loads(path.read_text())
   except (OSError, UnicodeDecodeError, ValueError) as e:
     raise ConfigError(f"{path} cannot be read as JSON ({e})") from None
-  if not isinstance(hf, dict):
-    raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
-  return hf
+  if not isinstance(value, dict):
+    raise ConfigError(f"{path} must hold a JSON object, got {type(value).__name__}")
+  return value
 
 
 def architecture(hf: dict, where: str = CONFIG) -> str:

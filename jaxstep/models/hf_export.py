@@ -38,7 +38,7 @@ from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 from jaxstep.models import export_folder, hf_gpt2, layers
 from jaxstep.models.gpt import GPTConfig
-from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, rope_settings
+from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, rope_settings
 from jaxstep.models.hf_weights import expected_shapes, hf_names
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.models.safetensors_out import Tensor, write_weights
@@ -98,7 +98,7 @@ def save_pretrained(
     raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
   extra_files = [pathlib.Path(f) for f in extra_files]
   source = next((f for f in extra_files if f.name == GENERATION), None)
-  settings = _read_generation(source) if source is not None else {}
+  settings = json_object(source) if source is not None else {}
   fallback = {**(special_ids or {}), **_valid_ids(settings, cfg.vocab_size)}
   hf = export_config(cfg, architecture, dtype=dtype, base_config=base_config, special_ids=fallback)
   generation = generation_config(settings, hf, cfg.vocab_size)
@@ -145,17 +145,6 @@ def token_ids(tokenizer) -> dict[str, int | None]:
     return dict(zip(TOKEN_IDS, (tokenizer.BOS, tokenizer.EOS, tokenizer.PAD), strict=True))
   pad = tokenizer.PAD if declared.get("pad_token") is not None else None
   return dict(zip(TOKEN_IDS, (tokenizer.bos_id, tokenizer.EOS, pad), strict=True))
-
-
-def _read_generation(path: pathlib.Path) -> dict:
-  """A ``generation_config.json`` to write back out, as a dict."""
-  try:
-    value = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise ConfigError(f"{path} cannot be read as JSON ({e})") from None
-  if not isinstance(value, dict):
-    raise ConfigError(f"{path} must hold a JSON object, got {type(value).__name__}")
-  return value
 
 
 def _is_id(value, vocab_size: int) -> bool:
