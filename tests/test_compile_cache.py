@@ -65,7 +65,8 @@ def test_a_second_identical_start_compiles_nothing_new(tmp_path):
   assert second.returncode == 0, second.stderr[-2000:]
   assert _entries(folder) == written
   moved = _train(tmp_path, "c", f"xla_cache={tmp_path / 'moved'}")
-  assert moved.returncode == 0 and _entries(tmp_path / "moved") == written, moved.stderr[-2000:]
+  assert moved.returncode == 0 and len(_entries(tmp_path / "moved")) >= 3, moved.stderr[-2000:]
+  assert _entries(folder) == written  # nothing of that run went to the default folder
   off = _train(tmp_path, "d", "train.seq_len=8", cache_env={compile_cache.ENV: "off"})
   assert off.returncode == 0, off.stderr[-2000:]
   assert _entries(folder) == written  # the shorter windows' programs were not kept
