@@ -60,24 +60,25 @@ def enable(setting: str = "auto") -> pathlib.Path | None:
   import jax
 
   current = jax.config.jax_compilation_cache_dir
-  if not jax.config.jax_enable_compilation_cache or (current and current != _ours):
-    return pathlib.Path(current) if current and jax.config.jax_enable_compilation_cache else None
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  if current and current != _ours:  # JAX's own setting wins
+    return pathlib.Path(current)
   folder = folder_for(setting)
-  if folder is not None and not _writable(folder):
-    folder = None
-  if folder is None:
+  if folder is not None and str(folder) == _ours:  # set at the command's start: kept
+    return folder
+  if folder is None or not _writable(folder):
     if _ours is not None:
       jax.config.update("jax_compilation_cache_dir", None)
       _ours = None
     return None
-  if str(folder) != _ours:
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
-      jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
-    _ours = str(folder)
-    log.info("compilation cache: %s (%s=off to disable)", folder, ENV)
+  jax.config.update("jax_compilation_cache_dir", str(folder))
+  if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+  _ours = str(folder)
+  log.info("compilation cache: %s (%s=off to disable)", folder, ENV)
   return folder
 
 
