@@ -26,6 +26,7 @@ from benchmarks.loop_suites import (
   suite_host_overhead,
 )
 from benchmarks.lora_bench import suite_lora
+from benchmarks.moe_bench import suite_moe
 from benchmarks.optim_bench import suite_optim
 from benchmarks.preference_suite import suite_preference
 from benchmarks.rl_bench import suite_rl
@@ -51,14 +52,13 @@ SUITES = {
   "optim": suite_optim,
   "eval": suite_eval,
   "startup": suite_startup,
+  "moe": suite_moe,
 }
 
 
 def markdown(out_dir: pathlib.Path) -> str:
   """One table from every suite's JSON in ``out_dir`` (suites can be re-run one at a time)."""
-  suites = [
-    json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json")) if p.stem not in ("summary",)
-  ]
+  suites = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json")) if p.stem in SUITES]
   if not suites:
     return ""
   env = suites[0]["environment"]
@@ -99,6 +99,7 @@ QUICK_ORDER = (
   "compile",
   "generate",
   "startup",
+  "moe",
 )
 
 

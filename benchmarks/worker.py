@@ -21,6 +21,7 @@ MODULES = (
   "hf_bench",
   "step_bench",
   "torch_bench",
+  "moe_bench",
   "preference_bench",
   "rl_bench",
   "eval_bench",

@@ -37,6 +37,8 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "muon_steps_to_loss_over_adamw",  # the optim suite's training comparisons
   "wsd_final_loss_over_cosine",
   "step_time_over_adamw_muon",
+  "moe_step_over_dense_active",  # the moe suite's
+  "moe_global_lbl_step_over_micro",
 }
 HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_import_over_transformers",
@@ -46,6 +48,7 @@ HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "llama_decode_vs_hf",
   "harness_vs_hf_requests_per_s",  # the eval suite's
   "folder_ppl_vs_transformers_rel_diff",
+  "moe_tokens_vs_pytorch",
 }
 
 

@@ -42,7 +42,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   """``check_accumulation`` on ``cfg``'s model, optimizer and first global batch (dropout
   off), resolved by the same plan ``train`` uses."""
   from jaxstep import data, models
-  from jaxstep.core import preference
+  from jaxstep.core import preference, router_loss
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
   from jaxstep.trainer.plan import preference_plan
@@ -66,7 +66,11 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   if pairs and preference_plan.reference_kind(cfg) == "precompute":  # as the run reads them
     batch |= _reference_columns(cfg, apply_fn, params, batch)
   if loss_fn is None:
-    loss_fn = preference_plan.loss_fn(cfg, apply_fn) if pairs else next_token_loss(apply_fn)
+    build = (lambda f: preference_plan.loss_fn(cfg, f)) if pairs else next_token_loss
+    rows = router_loss.preference_rows if pairs else router_loss.sft_rows
+    loss_fn = build(apply_fn)
+    if getattr(model_cfg, "num_experts", 0):  # an MoE model's router losses too
+      loss_fn = router_loss.with_router_losses(build, apply_fn, model_cfg, rows)
   return check_accumulation(
     loss_fn,
     params,

@@ -17,17 +17,17 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxstep.core import collectives
 from jaxstep.core.freeze import combine
 from jaxstep.core.layout import (
-  AXES,
-  TENSOR,
+  batch_axes,
   batch_shards,
   inside_step,
   manual_spec,
+  sum_over_batch,
   tree_specs,
 )
 from jaxstep.core.precision import cast_floating
@@ -35,6 +35,9 @@ from jaxstep.core.precision import cast_floating
 # (params, micro_batch, rng) -> (loss_sum, aux); with model state:
 # (params, micro_batch, rng, model_state) -> (loss_sum, aux, new_model_state)
 LossFn = Callable[..., tuple]
+# The key under which a loss with a ``global_sums`` method finds those sums over the whole
+# global batch in each micro-batch, when K > 1 (``accumulate``).
+GLOBAL_SUMS = "global_sums"
 
 
 def split_micro_batches(batch: Mapping[str, jax.Array], grad_accum_steps: int):
@@ -62,12 +65,16 @@ def micro_gradients(
   loss_scale=1.0,
   model_state=None,
   frozen=None,
+  global_sums=None,
 ):
   """Gradient of one micro-batch's share of the global objective.
 
-  The objective is ``loss_sum_k / N + extra_loss_k / K``: the un-normalized loss sum is
-  divided by the global unit count N; a per-micro-batch mean-type ``aux["extra_loss"]`` is
-  averaged over the K micro-steps (MaxText's treatment of aux losses).
+  The objective is ``loss_sum_k / N + extra_loss_k / K + extra_share_k``: the
+  un-normalized loss sum is divided by the global unit count N; a per-micro-batch
+  mean-type ``aux["extra_loss"]`` is averaged over the K micro-steps (MaxText's treatment
+  of aux losses); ``aux["extra_share"]`` is this micro-batch's share of a term that is
+  exact over the global batch (the shares of all micro-batches and devices sum to it: an
+  MoE model's load-balancing loss, ``core/router_loss.py``), added as it is.
 
   Args:
     loss_fn: ``(params, micro_batch, rng) -> (loss_sum, aux)``, or with ``model_state``
@@ -86,6 +93,8 @@ def micro_gradients(
     model_state: the model's non-parameter state, or None for a model without any.
     frozen: the frozen part of the params (``core.freeze.partition``; ``params`` is then
       the trainable part): the loss sees both, only ``params`` is differentiated.
+    global_sums: the loss's ``global_sums`` over the whole global batch (``accumulate``),
+      handed to it as ``micro_batch[GLOBAL_SUMS]``; None: not given.
 
   Returns:
     ``(grads, (loss_sum, extra_loss, aux, model_state))`` with fp32 grads shaped like params
@@ -93,6 +102,8 @@ def micro_gradients(
   """
 
   micro_batch = cast_floating(micro_batch, compute_dtype)  # data, not differentiated
+  if global_sums is not None:  # after the cast: counts stay exact in fp32
+    micro_batch = {**micro_batch, GLOBAL_SUMS: global_sums}
   frozen = cast_floating(frozen, compute_dtype)
 
   def objective(p):
@@ -104,9 +115,12 @@ def micro_gradients(
       loss_sum, aux, new_model_state = loss_fn(p, micro_batch, rng, model_state)
     aux = dict(aux)
     extra = jnp.asarray(aux.pop("extra_loss", 0.0), jnp.float32)
+    share = jnp.asarray(aux.pop("extra_share", 0.0), jnp.float32)
     loss_sum = jnp.asarray(loss_sum, jnp.float32)
-    objective = loss_sum / units + extra / grad_accum_steps
-    return objective * loss_scale, (loss_sum, extra, aux, new_model_state)
+    objective = loss_sum / units + extra / grad_accum_steps + share
+    # the reported extra loss: the mean-type term's share of the average, and the share
+    reported = extra + share * grad_accum_steps
+    return objective * loss_scale, (loss_sum, reported, aux, new_model_state)
 
   grads, out = jax.grad(objective, has_aux=True)(params)
   return optax.tree.cast(grads, jnp.float32), out
@@ -148,6 +162,18 @@ def accumulate(
   """
   k_steps = jax.tree.leaves(micro_batches)[0].shape[0]
   extra_terms = extra_terms or k_steps
+  # Micro-batch k is read in place from the [G/K, K, ...] view of the batch: swapping the
+  # split's axes back undoes split_micro_batches' swap (XLA folds the two transposes into a
+  # free reshape), where scanning over [K, G/K, ...] would first copy the whole global batch
+  # into micro-batch order, scratch memory that grows with G = K × micro-batch.
+  in_place = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), micro_batches)
+  micro = lambda k: jax.tree.map(  # noqa: E731
+    lambda x: jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False), in_place
+  )
+  sums = None
+  if getattr(loss_fn, "global_sums", None) is not None and k_steps > 1:
+    sums_fn = loss_fn.global_sums
+    sums = _global_sums(sums_fn, params, frozen, micro, k_steps, step_rng, compute_dtype)
   grad_fn = lambda mb, rng, ms: micro_gradients(  # noqa: E731
     loss_fn,
     params,
@@ -159,20 +185,15 @@ def accumulate(
     loss_scale=loss_scale,
     model_state=ms,
     frozen=frozen,
+    global_sums=sums,
   )
   first = jax.tree.map(lambda x: x[0], micro_batches)
   _, (_, _, aux_shape, _) = jax.eval_shape(grad_fn, first, step_rng, model_state)
   zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
-  # Micro-batch k is read in place from the [G/K, K, ...] view of the batch: swapping the
-  # split's axes back undoes split_micro_batches' swap (XLA folds the two transposes into a
-  # free reshape), where scanning over [K, G/K, ...] would first copy the whole global batch
-  # into micro-batch order, scratch memory that grows with G = K × micro-batch.
-  in_place = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), micro_batches)
-
   def body(carry, k):
     grads_acc, loss_acc, extra_acc, aux_acc, ms = carry
-    mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, k, 1, keepdims=False), in_place)
+    mb = micro(k)
     grads, (loss_sum, extra, aux, ms) = grad_fn(mb, jax.random.fold_in(step_rng, k), ms)
     return (
       optax.tree.add(grads_acc, grads),
@@ -193,6 +214,27 @@ def accumulate(
   return out
 
 
+def _global_sums(sums_fn, params, frozen, micro, k_steps, step_rng, compute_dtype):
+  """``sums_fn(params, micro_batch, rng)`` summed over the K micro-batches (each with its
+  micro-step's key, so a dropout-dependent sum is the one its micro-step computes) and over
+  every device: a forward-only pass before the micro-gradients, for a loss term that needs
+  a count over the whole global batch (an MoE router's expert loads)."""
+  full = combine(cast_floating(params, compute_dtype), cast_floating(frozen, compute_dtype))
+  full = jax.lax.stop_gradient(full)
+
+  def one(k):
+    mb = cast_floating(micro(k), compute_dtype)
+    return sums_fn(full, mb, jax.random.fold_in(step_rng, k))
+
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(one, 0))
+
+  def body(acc, k):
+    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, one(k)), None
+
+  sums, _ = jax.lax.scan(body, zeros, jnp.arange(k_steps))
+  return sum_over_batch(sums)
+
+
 def sharded_accumulate(
   loss_fn: LossFn,
   params,
@@ -211,13 +253,14 @@ def sharded_accumulate(
 ):
   """``accumulate`` with device-local accumulators and ONE reduction per update step.
 
-  Under ``jax.shard_map`` over ``("data", "fsdp")`` each device: all-gathers its fsdp-sharded
+  Under ``jax.shard_map`` over the batch axes (``("data", "fsdp")``, and ``"expert"`` when the
+  mesh has one: ``layout.batch_axes``) each device: all-gathers its fsdp-sharded
   parameters once, splits ITS rows of the global batch into K micro-batches (the same
   micro-batch membership as the unsharded split when ``K`` divides the per-device rows),
   scans them into a local fp32 accumulator, and only after the scan reduces:
   ``psum_scatter`` over ``fsdp`` then ``psum`` over ``data`` of the shard (or ``psum`` over
-  both for replicated leaves). Plain ``jit`` instead all-reduces (and re-gathers) inside
-  every micro-step.
+  both for replicated leaves; ``collectives.reduce``). Plain ``jit`` instead all-reduces (and
+  re-gathers) inside every micro-step.
 
   The model state is laid out like params; each device threads it through its own rows'
   micro-steps, and after the scan its floating leaves are averaged over all devices (other
@@ -238,7 +281,7 @@ def sharded_accumulate(
   manual = lambda specs: jax.tree.map(manual_spec, specs)  # noqa: E731
 
   def local(params, batch, units, step_rng, loss_scale, model_state, frozen):
-    full = jax.tree.map(_gather, params, param_specs)
+    full = jax.tree.map(collectives.gather, params, param_specs)
     with inside_step(mesh):
       return _local_sums(full, batch, units, step_rng, loss_scale, model_state, frozen)
 
@@ -253,13 +296,15 @@ def sharded_accumulate(
       extra_terms=grad_accum_steps * devices,
       unroll=unroll,
       loss_scale=loss_scale,
-      model_state=jax.tree.map(_gather, model_state, state_specs),
-      frozen=jax.tree.map(_gather, frozen, frozen_specs),
+      model_state=jax.tree.map(collectives.gather, model_state, state_specs),
+      frozen=jax.tree.map(collectives.gather, frozen, frozen_specs),
     )
-    grads, loss, extra, aux = _reduce(grads, (loss, extra, aux), param_specs)
-    return grads, loss, extra, aux, jax.tree.map(_average, model_state, state_specs)
+    grads, loss, extra, aux = collectives.reduce(grads, (loss, extra, aux), param_specs, axes)
+    average = functools.partial(collectives.average, axes=axes)
+    return grads, loss, extra, aux, jax.tree.map(average, model_state, state_specs)
 
-  specs = (manual(param_specs), P(AXES), P(), P(), P(), manual(state_specs), manual(frozen_specs))
+  axes = batch_axes(mesh)
+  specs = (manual(param_specs), P(axes), P(), P(), P(), manual(state_specs), manual(frozen_specs))
   # check_vma=False: the scan's zero-initialized carries are device-invariant while the
   # per-device sums vary; every reduction below is an explicit psum, so nothing is implicit.
   # A tensor axis stays automatic: the compiler partitions each layer over it from the
@@ -269,86 +314,6 @@ def sharded_accumulate(
     mesh=mesh,
     in_specs=specs,
     out_specs=(manual(param_specs), P(), P(), P(), manual(state_specs)),
-    axis_names=frozenset(AXES),
+    axis_names=frozenset(axes),
     check_vma=False,
   )(params, batch, units, step_rng, jnp.asarray(loss_scale, jnp.float32), model_state, frozen)
-
-
-def _over_rows(collective, x, axes: tuple[str, ...]):
-  """``collective(x, axes)`` over the axes longer than 1 (none: ``x``). XLA rejects an
-  all-reduce over only size-1 manual axes when another axis (tensor) is left automatic."""
-  axes = tuple(a for a in axes if jax.lax.axis_size(a) > 1)
-  return collective(x, axes) if axes else x
-
-
-def _fsdp_dim(spec: P) -> int | None:
-  return next((d for d, name in enumerate(spec) if name == "fsdp"), None)
-
-
-def _on_tensor_shards(fn, x, spec: P):
-  """``fn(x)`` on each device's own tensor shard of ``x`` (a ``shard_map`` manual over
-  ``tensor``, nested in the step's): a collective over fsdp or data then moves 1/tensor of
-  the leaf, where the compiler would otherwise gather it whole over ``tensor`` first."""
-  if TENSOR not in spec:
-    return fn(x)
-  inner = P(*[TENSOR if a == TENSOR else None for a in spec])
-  return jax.shard_map(
-    fn, in_specs=inner, out_specs=inner, axis_names=frozenset({TENSOR}), check_vma=False
-  )(x)
-
-
-def _gather(x, spec: P):
-  dim = _fsdp_dim(spec)
-  if dim is None:
-    return x
-  return _on_tensor_shards(lambda v: jax.lax.all_gather(v, "fsdp", axis=dim, tiled=True), x, spec)
-
-
-def _average(x, spec: P):
-  """A full model-state leaf that differs per device → its mean (max for non-floating
-  leaves) over every device, then this device's fsdp shard of it."""
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    x = _over_rows(jax.lax.pmean, x, AXES)
-  else:
-    x = _over_rows(jax.lax.pmax, x, AXES)
-  dim = _fsdp_dim(spec)
-  if dim is None:
-    return x
-  size = x.shape[dim] // jax.lax.axis_size("fsdp")
-  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * size, size, dim)
-
-
-def _scatter(x, dim: int):
-  """The fsdp reduce-scatter of a gradient leaf, then the data all-reduce of its shard."""
-  shard = jax.lax.psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True)
-  return _over_rows(jax.lax.psum, shard, ("data",))
-
-
-def _reduce(grads, sums, param_specs):
-  """The update's reduction: ``(grads, *sums)`` summed over every device.
-
-  Replicated gradient leaves and the metric sums travel as ONE flat fp32 buffer through
-  one ``psum``: gloo (the multi-process CPU transport) runs a tuple all-reduce of many
-  operands far slower than one buffer of the same size (docs/performance.md).
-  fsdp-sharded leaves: ``psum_scatter`` over fsdp first, then ``psum`` over data of each
-  device's 1/fsdp shard: the data all-reduce carries 1/fsdp of the gradient, not all of it.
-  Leaves split over a tensor axis are summed each on its own (a flat buffer would gather
-  them whole).
-  """
-  leaves, treedef = jax.tree.flatten(grads)
-  specs = treedef.flatten_up_to(param_specs)
-  dims = [_fsdp_dim(spec) for spec in specs]
-  split = [TENSOR in spec for spec in specs]  # leaves the tensor axis splits
-  for i, dim in enumerate(dims):
-    if dim is None and split[i]:
-      psum = lambda v: _over_rows(jax.lax.psum, v, AXES)  # noqa: E731
-      leaves[i] = _on_tensor_shards(psum, leaves[i], specs[i])
-  replicated = [i for i, dim in enumerate(dims) if dim is None and not split[i]]
-  flat, unravel = ravel_pytree(([leaves[i] for i in replicated], sums))
-  summed, sums = unravel(_over_rows(jax.lax.psum, flat, AXES))
-  for i, g in zip(replicated, summed, strict=True):
-    leaves[i] = g
-  for i, dim in enumerate(dims):
-    if dim is not None:
-      leaves[i] = _on_tensor_shards(functools.partial(_scatter, dim=dim), leaves[i], specs[i])
-  return jax.tree.unflatten(treedef, leaves), *sums

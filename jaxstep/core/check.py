@@ -1,8 +1,8 @@
 """Is accumulation exact for this model? One update computed with K micro-steps and with
 K = 1 on the same global batch, through the library's own ``split_micro_batches``,
-``accumulate`` and optimizer, compared stage by stage: logits → loss → gradients → clipped
-update → new params. The first stage whose relative error exceeds the precision's
-tolerance is where the two diverge.
+``accumulate`` and optimizer, compared stage by stage: logits → loss → extra loss (an MoE model's
+router losses; only when there is one) → gradients → clipped update → new params. The first
+stage whose relative error exceeds the precision's tolerance is where the two diverge.
 
 Two things make K and K = 1 differ without any accumulation bug, and the report names them
 instead of a stage: a *random* loss (dropout: the K micro-steps draw other masks than the
@@ -138,7 +138,8 @@ def check_accumulation(
   model_state=None,
 ) -> CheckReport:
   """One update of ``params`` on ``batch`` with K = ``grad_accum_steps`` micro-steps and
-  with K = 1, compared stage by stage: [logits →] loss → gradients → update → new params.
+  with K = 1, compared stage by stage: [logits →] loss → [extra loss →] gradients → update →
+  new params.
 
   Args:
     loss_fn: the step's ``(params, micro_batch, rng) -> (loss_sum, aux)``, or with
@@ -177,11 +178,11 @@ def check_accumulation(
 
   def run(k, rng):
     micro = split_micro_batches(batch, k)  # [K, G/K, ...]
-    grads, loss, _, _, _ = accumulate(
+    grads, loss, extra, _, _ = accumulate(
       loss_fn, params, micro, units, rng, compute_dtype=dtype, model_state=model_state
     )
     updates, _ = optimizer.update(grads, opt_state, params)
-    stages = (loss, grads, updates, optax.apply_updates(params, updates))
+    stages = (loss, extra, grads, updates, optax.apply_updates(params, updates))
     if apply_fn is None:
       return stages
     logits = jax.vmap(
@@ -189,20 +190,22 @@ def check_accumulation(
     )(micro)
     return (jnp.swapaxes(logits, 0, 1).reshape(-1, *logits.shape[2:]), *stages)  # row order
 
-  names = ("loss", "gradients", "update", "new params")
+  names = ("loss", "extra loss", "gradients", "update", "new params")
   names = names if apply_fn is None else ("logits", *names)
   run = jax.jit(run, static_argnums=0)
   rng = jax.random.PRNGKey(0)
   ours, reference = run(k, rng), run(1, rng)
+  extra = names.index("extra loss")
+  if not float(reference[extra]):  # no extra term (an MoE router's losses): no stage
+    names, ours, reference = (t[:extra] + t[extra + 1 :] for t in (names, ours, reference))
   tol = TOLERANCE[precision or "fp32"]
   # The same K = 1 update under another key: a deterministic loss gives it again (to the
   # tolerance); a random one (dropout) does not, and then no K can be expected to match.
   redrawn = run(1, jax.random.PRNGKey(1))
-  loss_and_grads = slice(0, 2) if apply_fn is None else slice(1, 3)  # not the logits
-  random_loss = any(
-    _errors(a, b)[1] > tol
-    for a, b in zip(redrawn[loss_and_grads], reference[loss_and_grads], strict=True)
-  )
+  if len(redrawn) > len(reference):
+    redrawn = redrawn[:extra] + redrawn[extra + 1 :]
+  at = (names.index("loss"), names.index("gradients"))  # not the logits
+  random_loss = any(_errors(redrawn[i], reference[i])[1] > tol for i in at)
   grads = names.index("gradients")
   g_ref = np.abs(_flat(reference[grads]))
   resolved = np.abs(_flat(ours[grads]) - _flat(reference[grads])) <= tol * g_ref

@@ -26,11 +26,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp")  # the batch's axes (the step's manual ones)
 TENSOR = "tensor"
+# expert parallelism: an MoE layer's experts split over it; the rest of the model treats it
+# as one more batch axis (its devices hold other rows), so it is a manual axis of the step
+EXPERT = "expert"
 # logical name -> mesh axis; "seq" is the activations' sequence dimension between the
 # tensor-parallel regions (set to "tensor": sequence parallelism)
 DEFAULT_RULES = {"heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR, "seq": None}
 RULES = dict(DEFAULT_RULES)
 _IN_STEP = contextvars.ContextVar("jaxstep_tensor_in_step", default=0)
+_MANUAL_ROWS = contextvars.ContextVar("jaxstep_manual_rows", default=())
 _COLUMN, _ROW = ("embed", "heads"), ("heads", "embed")
 AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
   # the bundled GPT
@@ -52,6 +56,9 @@ AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
   (r"\['down_proj'\]\['kernel'\]", ("mlp", "embed")),
   (r"\['embed_tokens'\]\['embedding'\]", ("vocab", "embed")),
   (r"\['lm_head'\]\['kernel'\]", ("embed", "vocab")),
+  # mixture-of-experts layers: the stacked experts' leading axis
+  (r"\['experts'\]\['(gate|up)_proj'\]", ("experts", "embed", "mlp")),
+  (r"\['experts'\]\['down_proj'\]", ("experts", "mlp", "embed")),
 ]
 
 
@@ -67,10 +74,27 @@ def split_rules(**axes: str | None) -> None:
 def inside_step(mesh: Mesh):
   """While the train step traces its model on ``mesh``: activation constraints apply."""
   token = _IN_STEP.set(dict(mesh.shape).get(TENSOR, 1))
+  rows = _MANUAL_ROWS.set(batch_axes(mesh))
   try:
     yield
   finally:
     _IN_STEP.reset(token)
+    _MANUAL_ROWS.reset(rows)
+
+
+def sum_over_batch(tree):
+  """``tree``'s leaves summed over every device's rows of the global batch: a ``psum`` over
+  the batch axes inside the sharded step (``accumulate.sharded_accumulate``, where each
+  device sees its own rows), else the leaves as they are (a plain jit's arrays are global
+  already). For sums a loss needs over the whole global batch."""
+  axes = tuple(a for a in _MANUAL_ROWS.get() if jax.lax.axis_size(a) > 1)
+  return jax.lax.psum(tree, axes) if axes else tree
+
+
+def expert_shards() -> int:
+  """Inside the sharded step, how many ways the ``expert`` axis splits the experts (1:
+  none, or outside the step): an MoE layer then holds ``num_experts / expert_shards()``."""
+  return jax.lax.axis_size(EXPERT) if EXPERT in _MANUAL_ROWS.get() else 1
 
 
 def _splits_sequence(x) -> bool:
@@ -119,12 +143,21 @@ def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
 
 
 def leaf_spec(
-  shape: tuple[int, ...], fsdp_size: int, names: tuple | None = None, tensor_size: int = 1
+  shape: tuple[int, ...],
+  fsdp_size: int,
+  names: tuple | None = None,
+  tensor_size: int = 1,
+  expert_size: int = 1,
 ) -> PartitionSpec:
-  """``tensor`` on the dimensions ``names`` maps to it (``RULES``) that ``tensor_size``
+  """``expert`` on the dimension named ``experts`` (when ``expert_size`` divides it);
+  ``tensor`` on the dimensions ``names`` maps to it (``RULES``) that ``tensor_size``
   divides; ``fsdp`` on the largest other dimension ``fsdp_size`` divides (first on ties);
   else replicated."""
   axes = [None] * len(shape)
+  if expert_size > 1 and names and "experts" in names:
+    d = names.index("experts")
+    if shape[d] % expert_size == 0:
+      axes[d] = EXPERT
   if tensor_size > 1 and names:
     for d, name in enumerate(names):
       if RULES.get(name) == TENSOR and shape[d] % tensor_size == 0:
@@ -147,8 +180,9 @@ def tree_specs(tree, mesh: Mesh):
 def _named_spec(path: str, shape: tuple, mesh: Mesh) -> PartitionSpec:
   """``leaf_spec`` of the leaf at ``path`` (``jax.tree_util.keystr``'s spelling) on ``mesh``."""
   fsdp, tensor = mesh.shape["fsdp"], dict(mesh.shape).get(TENSOR, 1)
-  names = logical_names(path, len(shape)) if tensor > 1 else None
-  return leaf_spec(tuple(shape), fsdp, names, tensor)
+  expert = dict(mesh.shape).get(EXPERT, 1)
+  names = logical_names(path, len(shape)) if tensor > 1 or expert > 1 else None
+  return leaf_spec(tuple(shape), fsdp, names, tensor, expert)
 
 
 def tree_shardings(tree, mesh: Mesh):
@@ -172,9 +206,15 @@ def has_tensor(mesh: Mesh) -> bool:
   return TENSOR in mesh.axis_names
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes the batch's rows split over: data, fsdp and, if the mesh has one, expert
+  (the tensor axis shares rows)."""
+  return (*AXES, EXPERT) if EXPERT in dict(mesh.shape) else AXES
+
+
 def batch_shards(mesh: Mesh) -> int:
-  """How many ways the batch's rows split: data × fsdp (the tensor axis shares rows)."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  """How many ways the batch's rows split: data × fsdp × expert."""
+  return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))
 
 
 def rows_here(sharding: NamedSharding, n: int) -> np.ndarray:
@@ -185,5 +225,6 @@ def rows_here(sharding: NamedSharding, n: int) -> np.ndarray:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Leading (sample) dimension over every device: ``P(("data", "fsdp"))``."""
-  return NamedSharding(mesh, PartitionSpec(AXES))
+  """Leading (sample) dimension over every device: ``P(("data", "fsdp"))`` (and
+  ``"expert"`` when the mesh has it)."""
+  return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))

@@ -59,7 +59,9 @@ def build(
   """Builds the bundled GPT (or Llama, for a ``LlamaConfig``): ``(apply_fn, params)`` with
   ``apply_fn(params, inputs, *, rng=None, train=False, segment_ids=None, positions=None)
   -> logits``, params initialised from ``rng``; ``segment_ids`` and ``positions``
-  (``int32[B, S]``) are document masking (``DecoderStack.__call__``), None as before.
+  (``int32[B, S]``) are document masking (``DecoderStack.__call__``), None as before. A
+  mixture-of-experts model also takes ``route_weights`` and, with ``with_routing=True``,
+  returns ``(logits, routing sums)`` (``core/router_loss.py`` trains on them).
   Either model keeps no state besides its parameters, and takes its dropout key as
   ``rng``. ``abstract``: the params are ``jax.ShapeDtypeStruct`` leaves, nothing
   is initialised (to compile a model too large for this host)."""
@@ -69,9 +71,24 @@ def build(
   make = lambda: _module(model_config)(model_config, rngs=nnx.Rngs(params=rng))  # noqa: E731
   model = from_nnx(nnx.eval_shape(make) if abstract else make())
 
-  def apply_fn(params, inputs, *, rng=None, train=False, segment_ids=None, positions=None):
+  sparse = bool(getattr(model_config, "num_experts", 0))
+
+  def apply_fn(
+    params,
+    inputs,
+    *,
+    rng=None,
+    train=False,
+    segment_ids=None,
+    positions=None,
+    route_weights=None,
+    with_routing=False,
+  ):
     fields = {"segment_ids": segment_ids, "positions": positions}
-    return model.apply_fn(params, inputs, rng=rng, train=train, **fields)[0]
+    if sparse:
+      fields["route_weights"] = route_weights
+    out = model.apply_fn(params, inputs, rng=rng, train=train, **fields)[0]
+    return out[0] if sparse and not with_routing else out
 
   params = model.params
   if model_config.lora.rank and not abstract:  # adapters from a stream of their own
@@ -99,8 +116,11 @@ def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
   def merged(params) -> GPT | Llama:
     return nnx.merge(graphdef, params, rest, copy=True)
 
+  sparse = bool(getattr(model_config, "num_experts", 0))
+
   def apply_fn(params, inputs, *, segment_ids=None, positions=None):
-    return merged(params)(inputs, segment_ids=segment_ids, positions=positions)
+    out = merged(params)(inputs, segment_ids=segment_ids, positions=positions)
+    return out[0] if sparse else out
 
   def decode_fn(params, inputs, positions, cache):
     return merged(params).decode(inputs, positions, cache)

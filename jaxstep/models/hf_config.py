@@ -9,6 +9,8 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
   sequence (``check_sliding_window``): then it changes nothing.
 - ``Qwen2ForCausalLM``: biases on the q/k/v projections.
 - ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
+- ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``OlmoeForCausalLM``,
+  ``Qwen2MoeForCausalLM``: mixtures of experts (``hf_moe.py`` says what each adds).
 - ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).
 
 Both folder layouts found in the wild are read: the older one keeps ``rope_theta`` and
@@ -23,7 +25,7 @@ import json
 import pathlib
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_gpt2
+from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
@@ -37,7 +39,8 @@ ARCHITECTURES = {
   "Qwen3ForCausalLM": (False, True),
 }
 ROPE_TYPES = ("default", "llama3")
-SUPPORTED = (*ARCHITECTURES, hf_gpt2.ARCHITECTURE)  # GPT-2: the bundled GPT (hf_gpt2.py)
+# GPT-2: the bundled GPT (hf_gpt2.py); the mixtures of experts: hf_moe.py
+SUPPORTED = (*ARCHITECTURES, *hf_moe.ARCHITECTURES, hf_gpt2.ARCHITECTURE)
 
 
 def read_config(folder: str | pathlib.Path) -> dict:
@@ -75,11 +78,14 @@ def architecture(hf: dict, where: str = CONFIG) -> str:
   return name
 
 
-def rope_settings(hf: dict, where: str = CONFIG) -> tuple[float, tuple | None]:
+def rope_settings(
+  hf: dict, where: str = CONFIG, default_theta: float = 10000.0
+) -> tuple[float, tuple | None]:
   """``(theta, llama3 scaling or None)`` from either layout: ``rope_parameters`` (current
-  transformers) or ``rope_theta`` + ``rope_scaling`` (older folders)."""
+  transformers) or ``rope_theta`` + ``rope_scaling`` (older folders); ``default_theta``
+  where neither names a theta (the architecture's: Mixtral's is 1e6)."""
   params = hf.get("rope_parameters")
-  theta = real(hf, "rope_theta", where, 10000.0)
+  theta = real(hf, "rope_theta", where, default_theta)
   if isinstance(params, dict):
     theta, scaling = real(params, "rope_theta", f"{where} rope_parameters", theta), params
   else:
@@ -105,20 +111,27 @@ def rope_settings(hf: dict, where: str = CONFIG) -> tuple[float, tuple | None]:
 def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTConfig:
   """The model config of a supported ``config.json`` (``GPTConfig`` for GPT-2, else a
   ``LlamaConfig``); ``options`` set what the folder does not decide (``attention``,
-  ``remat``, ``scan_layers``, ``max_seq_len``, ``dropout``, ``init_from``)."""
+  ``remat``, ``scan_layers``, ``max_seq_len``, ``dropout``, ``init_from``, a mixture of
+  experts' ``capacity_factor``, ``moe_matmul``, ``lbl_scope``) and win over what it does
+  (``router_aux_loss`` and ``router_z_loss``, which default to the folder's coefficients)."""
   name = architecture(hf, where)
   if name == hf_gpt2.ARCHITECTURE:
     return hf_gpt2.model_config(hf, where, **options)
-  forced_bias, qk_norm = ARCHITECTURES[name]
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the Llama MLP is SwiGLU)")
-  for key in ("mlp_bias", "attention_bias") if not forced_bias else ("mlp_bias",):
-    if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
-      raise ConfigError(f"{where}: {key}=true is not supported for {name}")
+  if name in hf_moe.ARCHITECTURES:
+    family = hf_moe.config_fields(hf, name, where)
+    default_theta = hf_moe.ARCHITECTURES[name].default_theta
+  else:
+    forced_bias, qk_norm = ARCHITECTURES[name]
+    for key in ("mlp_bias", "attention_bias") if not forced_bias else ("mlp_bias",):
+      if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
+        raise ConfigError(f"{where}: {key}=true is not supported for {name}")
+    family, default_theta = {"attention_bias": forced_bias, "qk_norm": qk_norm}, 10000.0
   d_model = integer(hf, "hidden_size", where)
   n_heads = integer(hf, "num_attention_heads", where)
-  theta, scaling = rope_settings(hf, where)
+  theta, scaling = rope_settings(hf, where, default_theta)
   fields = {
     "vocab_size": integer(hf, "vocab_size", where),
     "max_seq_len": integer(hf, "max_position_embeddings", where, 2048) or 2048,
@@ -132,8 +145,7 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
     "rope_theta": theta,
     "rope_scaling": scaling,
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    "attention_bias": forced_bias,
-    "qk_norm": qk_norm,
+    **family,
   }
   return LlamaConfig(**{**fields, **options})
 

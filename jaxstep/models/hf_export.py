@@ -6,7 +6,8 @@ plus ``model.safetensors`` (or shards ``model-00001-of-0000N.safetensors`` and
 
 The inverse of ``hf_config`` + ``hf_weights``: tensor names are ``hf_weights.hf_names``',
 kernels are transposed back to PyTorch's ``[out, in]``, norms' ``scale`` is ``weight``, the
-GPT's fused q/k/v columns go back to GPT-2's order (``hf_gpt2.columns``).
+GPT's fused q/k/v columns go back to GPT-2's order (``hf_gpt2.columns``), a mixture of
+experts' stacked leaves are written one tensor per expert (``hf_moe``).
 Params may be in either layout (per block or stacked by ``model.scan_layers``) and may be
 jax arrays sharded over devices: each tensor is gathered to the host on its own (a stacked
 leaf one layer at a time) and written before the next is gathered, so host memory holds one
@@ -36,10 +37,10 @@ import numpy as np
 
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, hf_gpt2, layers
+from jaxstep.models import export_folder, hf_gpt2, hf_moe, layers
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, rope_settings
-from jaxstep.models.hf_weights import expected_shapes, hf_names
+from jaxstep.models.hf_weights import expected_shapes, hf_names, leaf_of
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.models.safetensors_out import Tensor, write_weights
 
@@ -48,6 +49,7 @@ MODEL_TYPES = {
   "MistralForCausalLM": "mistral",
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
+  **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")
 GENERATION = "generation_config.json"  # the file hf_folder reads a folder's stop ids from
@@ -72,7 +74,8 @@ def save_pretrained(
   """Writes ``params`` of ``cfg``'s model as a Hugging Face folder at ``folder``; returns it.
 
   ``architecture``: a key of ``hf_config.ARCHITECTURES`` that matches ``cfg`` (Qwen2 needs
-  q/k/v biases, Qwen3 q/k norms, Llama and Mistral neither). ``dtype``: of the written
+  q/k/v biases, Qwen3 q/k norms, Llama and Mistral neither), or for a mixture of experts
+  one of ``hf_moe.ARCHITECTURES`` (``hf_moe.check_export``). ``dtype``: of the written
   tensors, ``float32`` or ``bfloat16``. ``max_shard_bytes``: a weights file grows up to this
   many bytes before the next is started (one tensor larger than it gets a file of its own),
   as transformers' ``max_shard_size``. ``base_config``: the ``config.json`` dict of the folder
@@ -104,7 +107,7 @@ def save_pretrained(
   generation = generation_config(settings, hf, cfg.vocab_size)
   if source is not None and generation == settings:  # copied as it is: the same file
     generation = None
-  tensors = tensors_of(cfg, params)
+  tensors = tensors_of(cfg, params, architecture)
 
   def fill(staging: pathlib.Path) -> None:
     write_weights(staging, tensors, dtype, max_shard_bytes)
@@ -167,10 +170,14 @@ def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
     if not (isinstance(cfg, GPTConfig) and architecture == hf_gpt2.ARCHITECTURE):
       raise ConfigError(f"the bundled GPT exports as {hf_gpt2.ARCHITECTURE} and only as it")
     return
-  if architecture not in ARCHITECTURES:
+  supported = (*ARCHITECTURES, *hf_moe.ARCHITECTURES)
+  if architecture not in supported:
     raise ConfigError(
-      f"architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+      f"architecture {architecture!r} is not supported; supported: {', '.join(supported)}"
     )
+  if architecture in hf_moe.ARCHITECTURES or hf_moe.needs_moe_architecture(cfg):
+    hf_moe.check_export(cfg, architecture)
+    return
   bias, qk_norm = ARCHITECTURES[architecture]
   if (cfg.attention_bias, cfg.qk_norm) != (bias, qk_norm):
     raise ConfigError(
@@ -255,8 +262,10 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
     tie_word_embeddings=cfg.tie_embeddings,
     hidden_act="silu",
   )
-  if architecture != "Qwen2ForCausalLM":  # Qwen2's q/k/v biases are not a config field
+  if architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):  # biases: no field
     hf["attention_bias"] = False
+  if architecture in hf_moe.ARCHITECTURES:
+    hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
   _set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype
@@ -298,15 +307,15 @@ def _set_rope(hf: dict, cfg: LlamaConfig, *, fresh: bool) -> None:
     hf["rope_theta"], hf["rope_scaling"] = theta, old
 
 
-def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict) -> list[Tensor]:
-  """Every tensor of the export, in ``hf_names`` order, checked against ``cfg``'s shapes
-  (nothing is gathered yet). ``params``' layout (per block or stacked) is read from the
-  tree itself."""
+def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict, architecture=None) -> list[Tensor]:
+  """Every tensor of the export, in ``hf_names`` order (as ``architecture`` names them),
+  checked against ``cfg``'s shapes (nothing is gathered yet). ``params``' layout (per
+  block or stacked) is read from the tree itself."""
   stacked = bool(layers.layout_of(params))
   shapes = expected_shapes(dataclasses.replace(cfg, scan_layers=False))
   _check_leaves(params, shapes, stacked)
   out = []
-  for path, name, transposed in hf_names(cfg):
+  for path, name, transposed in hf_names(cfg, architecture=architecture):
     fetch = fetcher(params, path, stacked, hf_gpt2.columns(cfg, path, to_hf=True))
     shape = leaf_shape(params, path, stacked)
     if shape != shapes[path]:
@@ -350,18 +359,21 @@ def _lookup(params: dict, path: tuple, stacked: bool):
 
 
 def leaf_shape(params: dict, path: tuple, stacked: bool) -> tuple:
-  """The shape of the tensor at per-block ``path`` in ``params`` (one layer's, without the
-  leading layer axis, when ``stacked``); ``ConfigError`` when ``params`` lack it."""
+  """The shape of the tensor at per-block ``path`` in ``params`` (without the layer axis when
+  ``stacked``, the expert axis for an expert's path); ``ConfigError`` when ``params`` lack it."""
+  path, expert = leaf_of(path)
   shape = tuple(_lookup(params, path, stacked).shape)
-  return shape[1:] if stored_path(path, stacked)[1] is not None else shape
+  return shape[(stored_path(path, stacked)[1] is not None) + (expert is not None) :]
 
 
 def fetcher(params: dict, path: tuple, stacked: bool, columns=None) -> Callable[[], object]:
-  """A function returning the tensor at ``path`` (a stacked leaf sliced to its layer only
-  when called, so one layer's copy exists at a time), its last axis reordered by
-  ``columns`` (``hf_gpt2.columns``) on the host when given."""
+  """A function returning the tensor at ``path`` (a stacked leaf sliced to its layer, and
+  an expert's path to its expert, only when called, so one such copy exists at a time),
+  its last axis reordered by ``columns`` (``hf_gpt2.columns``) on the host when given."""
+  path, expert = leaf_of(path)
   leaf, (_, layer) = _lookup(params, path, stacked), stored_path(path, stacked)
-  fetch = (lambda: leaf) if layer is None else (lambda: leaf[layer])
+  index = tuple(i for i in (layer, expert) if i is not None)
+  fetch = (lambda: leaf) if not index else (lambda: leaf[index])
   if columns is None:
     return fetch
   import jax
@@ -373,7 +385,7 @@ def _check_leaves(params: dict, shapes: dict, stacked: bool) -> None:
   """``ConfigError`` for params leaves the config has no tensor for (they would be lost)."""
   import jax
 
-  wanted = {tuple(map(str, stored_path(p, stacked)[0])) for p in shapes}
+  wanted = {tuple(map(str, stored_path(leaf_of(p)[0], stacked)[0])) for p in shapes}
   found = jax.tree_util.tree_flatten_with_path(params)[0]
   extra = [p for p, _ in found if tuple(key_name(k) for k in p) not in wanted]
   if extra:

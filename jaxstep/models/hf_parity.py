@@ -6,6 +6,8 @@ the final norm → the logits — and the first stage past the tolerance is wher
 jaxstep's side is the model ``load_pretrained`` builds (its config and fp32 params, read by
 the same functions; the tokenizer is not needed), walked through its own modules
 (``embed_inputs``, each block, ``norm``); its logits are the whole forward pass ``model(ids)``.
+A mixture of experts' blocks are stages like any other (router, experts and shared expert
+inside each), so a conversion error in one MoE layer shows at that block.
 transformers' side is ``AutoModelForCausalLM`` with eager attention in fp32, its stages
 caught by forward hooks on ``embed_tokens``, each decoder layer and ``norm``: not
 ``output_hidden_states``, whose last entry in current transformers is the *normed* output
@@ -126,14 +128,19 @@ def jaxstep_stages(config, params, tokens) -> list[np.ndarray]:
     x = model.embed_inputs(ids, jnp.arange(ids.shape[1]))
     stages = [x]
     for block in model.block_list():
-      x = block(x, rng=None, train=False)
+      x = _hidden(block(x, rng=None, train=False))
       stages.append(x)
     final_norm = model.ln_f if module is GPT else model.norm
-    return [*stages, final_norm(x), model(ids)]  # the logits: the whole forward pass
+    return [*stages, final_norm(x), _hidden(model(ids))]  # the logits: the whole forward pass
 
   with jax.default_matmul_precision("highest"):  # fp32 dots, not TF32 on a GPU
     stages = run(jax.tree.map(jnp.asarray, params), jnp.asarray(tokens))
   return [np.asarray(x) for x in stages]
+
+
+def _hidden(out):
+  """A block's (or the model's) output without a mixture of experts' routing sums."""
+  return out[0] if isinstance(out, tuple) else out
 
 
 def transformers_stages(folder, tokens) -> tuple[list[np.ndarray], str]:

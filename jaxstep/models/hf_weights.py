@@ -5,7 +5,9 @@
 Names map one to one (``hf_name``): ``model.layers.{i}.self_attn.q_proj.weight`` is
 ``params["blocks"][i]["q_proj"]["kernel"]``, transposed, since PyTorch's ``Linear`` stores
 ``[out, in]`` and flax's ``[in, out]``; norms' ``weight`` is ``scale``; a tied model has no
-``lm_head.weight``. Tensors are read one at a time, each a block of rows at a time (copied
+``lm_head.weight``. A mixture of experts' per-expert tensors each fill their expert's slice
+of a stacked ``[E, …]`` leaf, and a fused ``gate_up_proj`` fills two leaves
+(``hf_moe.mlp_names``). Tensors are read one at a time, each a block of rows at a time (copied
 out of the file, then cast and transposed, or for the GPT's fused q/k/v column-permuted
 (``hf_gpt2.columns``), into place: no whole-tensor intermediate) into
 its final layout and dtype, and handed to ``place`` (e.g. ``jax.device_put`` onto its
@@ -19,6 +21,7 @@ run records of its base), so the fingerprint costs no read of its own.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import pathlib
 from collections.abc import Callable, Iterator
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxstep.errors import ConfigError, first_line
-from jaxstep.models import hf_gpt2
+from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.llama import LlamaConfig
 
@@ -62,9 +65,14 @@ def weight_files(folder: str | pathlib.Path) -> dict[str, pathlib.Path]:
   )
 
 
-def hf_names(cfg: LlamaConfig | GPTConfig, names=()) -> Iterator[tuple[tuple, str, bool]]:
+def hf_names(
+  cfg: LlamaConfig | GPTConfig, names=(), architecture: str | None = None
+) -> Iterator[tuple[tuple, str, bool]]:
   """``(params path, HF tensor name, transposed)`` for every parameter of ``cfg``'s model in
-  the per-block layout (GPT-2: spelled as the checkpoint tensor ``names`` are, if given)."""
+  the per-block layout, spelled as the checkpoint tensor ``names`` are, if given (GPT-2's
+  prefix; an MoE block's expert layout), else as ``architecture`` saves them. An MoE
+  block's experts: ``hf_moe.mlp_names`` (a path ending with an expert's index is that
+  expert's slice of the stacked leaf, ``leaf_of``)."""
   if isinstance(cfg, GPTConfig):
     yield from hf_gpt2.hf_names(cfg, hf_gpt2.prefix_of(names) if names else hf_gpt2.PREFIX)
     return
@@ -81,6 +89,9 @@ def hf_names(cfg: LlamaConfig | GPTConfig, names=()) -> Iterator[tuple[tuple, st
         yield (*ours, p, "scale"), f"{hf}self_attn.{p}.weight", False
     post = "post_attention_layernorm"
     yield (*ours, post, "scale"), f"{hf}{post}.weight", False
+    if cfg.moe_layers[i]:
+      yield from hf_moe.mlp_names(cfg, i, names, architecture)
+      continue
     for p in ("gate_proj", "up_proj", "down_proj"):
       yield (*ours, p, "kernel"), f"{hf}mlp.{p}.weight", True
   yield ("norm", "scale"), "model.norm.weight", False
@@ -212,14 +223,25 @@ def sampled_fingerprint(
 
 def expected_shapes(cfg: LlamaConfig | GPTConfig) -> dict[tuple, tuple]:
   """Each params path of ``hf_names`` with its shape (per-block layout), from the config's
-  arithmetic (building the model, even abstractly, costs a second at real sizes)."""
+  arithmetic (building the model, even abstractly, costs a second at real sizes); an
+  expert's path (``leaf_of``) has its slice's shape."""
   return {path: _shape(cfg, path) for path, _, _ in hf_names(cfg)}
+
+
+def leaf_of(path: tuple) -> tuple[tuple, int | None]:
+  """``(leaf path, expert)``: a path of ``hf_names`` that ends with an expert's index is
+  that expert's slice of the stacked leaf before it; any other is a leaf (expert None)."""
+  if isinstance(path[-1], int):
+    return path[:-1], path[-1]
+  return path, None
 
 
 def _shape(cfg, path: tuple) -> tuple:
   """The shape of the leaf at ``path`` (``hf_names``' paths) in ``cfg``'s model."""
   d, v = cfg.d_model, cfg.vocab_size
   module, leaf = path[-2], path[-1]
+  if not isinstance(cfg, GPTConfig) and (moe := hf_moe.mlp_shape(cfg, path)) is not None:
+    return moe
   if isinstance(cfg, GPTConfig):
     widths = {"qkv": (d, 3 * d), "proj": (d, d), "fc": (d, cfg.mlp_hidden)}
     widths |= {"out": (cfg.mlp_hidden, d), "head": (d, v)}
@@ -231,6 +253,8 @@ def _shape(cfg, path: tuple) -> tuple:
     widths |= {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d), "lm_head": (d, v)}
     fixed = {"embed_tokens": (v, d)}
     if module in ("q_norm", "k_norm"):
+      if cfg.qk_norm_scope == "projection":  # one norm over the whole projection
+        return (h if module == "q_norm" else kv,)
       return (cfg.resolved_head_dim,)
   if module in fixed:
     return fixed[module]
@@ -260,7 +284,6 @@ def read_params(
   """
   folder = pathlib.Path(folder)
   files = weight_files(folder)
-  shapes = expected_shapes(cfg)
   wanted = list(hf_names(cfg, files))
   missing = [name for _, name, _ in wanted if name not in files]
   if missing:
@@ -269,20 +292,31 @@ def read_params(
       f"{', '.join(missing[:3])}"
     )
   params: dict = {}
+  stacks: dict = {}  # stacked expert leaves being filled: path -> [array, experts to come]
   not_finite = []
-  for path, name, transposed in wanted:
-    file = files[name]
-    needed = shapes[path][::-1] if transposed else shapes[path]  # as the file lays it
+  # entries that share a tensor (a fused gate_up_proj) are read together, in one pass
+  for name, entries in itertools.groupby(wanted, key=lambda entry: entry[1]):
+    entries = list(entries)
+    paths, transposed, file = [p for p, _, _ in entries], entries[0][2], files[name]
+    targets = [_target(cfg, path, dtype, stacks) for path in paths]
+    needed = _stored_shape([t.shape for t in targets], transposed)  # as the file lays it
     hasher = None if digest is None else new_hasher()
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
-      columns = hf_gpt2.columns(cfg, path, to_hf=False)
-      array, finite = _read(f, file, name, needed, transposed, dtype, hasher, columns)
+      columns = hf_gpt2.columns(cfg, paths[0], to_hf=False)
+      finite = _read(f, file, name, needed, transposed, hasher, columns, targets)
     if digest is not None:
       digest.tensor(file, name, hasher)
     if not finite:
       not_finite.append(name)
-    _set(params, path, place(path, array) if place else array)
-    del array  # a copying ``place`` has its own: not held while the next is read
+    for path, target in zip(paths, targets, strict=True):
+      leaf, expert = leaf_of(path)
+      if expert is not None:  # placed once every expert's slice is in
+        stacks[leaf][1] -= 1
+        if stacks[leaf][1]:
+          continue
+        target = stacks.pop(leaf)[0]
+      _set(params, leaf, place(leaf, target) if place else target)
+    del targets, target  # a copying ``place`` has its own: not held while the next is read
   if not_finite:
     raise ConfigError(
       f"{folder}: {len(not_finite)} tensor(s) hold NaN or infinite values, e.g. "
@@ -293,14 +327,43 @@ def read_params(
   return params
 
 
-def _read(f, file, name: str, needed: tuple, transposed: bool, dtype, hasher=None, columns=None):
-  """``(array, finite)``: tensor ``name`` of the open file, checked against ``needed`` (the
-  file's layout) and a float dtype, cast to ``dtype`` and transposed if asked (or its last
-  axis reordered by ``columns``, block by block; a vector is one block), into a new
-  64-byte-aligned array, a block of rows (about ``BLOCK_BYTES``) at a time: besides the
-  result only one block is ever held, and a CPU ``jax.device_put`` adopts the aligned
-  result instead of copying it. ``finite``: no NaN or infinity in it, checked per block.
-  ``hasher``: updated with each block's bytes as stored in the file (before the cast)."""
+def _target(cfg, path: tuple, dtype, stacks: dict) -> np.ndarray:
+  """The array the tensor at ``path`` is read into: a new one for a leaf, the expert's slice
+  of its stacked leaf (made on its first expert, kept in ``stacks``) for an expert."""
+  leaf, expert = leaf_of(path)
+  if expert is None:
+    return _aligned_empty(_shape(cfg, path), dtype)
+  if leaf not in stacks:
+    shape = _shape(cfg, leaf)
+    stacks[leaf] = [_aligned_empty(shape, dtype), shape[0]]
+  return stacks[leaf][0][expert]
+
+
+def _swapped(shape: tuple) -> tuple:
+  """``shape`` with its last two axes swapped (a matrix's, or each expert's)."""
+  return (*shape[:-2], shape[-1], shape[-2])
+
+
+def _stored_shape(shapes: list[tuple], transposed: bool) -> tuple:
+  """The file's shape of a tensor read into arrays of ``shapes``: each transposed back if
+  ``transposed``, several concatenated along axis 1 (a fused ``gate_up_proj``)."""
+  parts = [_swapped(s) if transposed else s for s in shapes]
+  if len(parts) == 1:
+    return parts[0]
+  return (parts[0][0], sum(p[1] for p in parts), *parts[0][2:])
+
+
+def _read(f, file, name: str, needed: tuple, transposed: bool, hasher, columns, into) -> bool:
+  """Reads tensor ``name`` of the open file into the arrays ``into``; returns whether it is
+  finite (no NaN or infinity, checked per block). The tensor is checked against ``needed``
+  (the file's layout) and a float dtype, cast to ``into``'s dtype and transposed if asked
+  (each matrix's last two axes swapped; or its last axis reordered by ``columns``), a block
+  of rows (about ``BLOCK_BYTES``; a vector is one block) at a time: besides the result only
+  one block is ever held. Several arrays in ``into`` split it in equal parts along axis 1
+  (a fused ``gate_up_proj``: each expert's gate rows, then its up rows). The arrays are
+  64-byte aligned (``_aligned_empty``), so a CPU ``jax.device_put`` adopts them instead of
+  copying. ``hasher``: updated with each block's bytes as stored in the file (before the
+  cast)."""
   try:
     source = f.get_slice(name)
     shape, stored = tuple(source.get_shape()), source.get_dtype()
@@ -313,25 +376,26 @@ def _read(f, file, name: str, needed: tuple, transposed: bool, dtype, hasher=Non
       f"{file.name}: tensor {name} is stored as {stored}, a model's weights are floats "
       f"({', '.join(FLOAT_DTYPES)}): the file's header does not describe its data"
     )
-  out = _aligned_empty(shape[::-1] if transposed else shape, dtype)
-  rows = max(1, BLOCK_BYTES // max(1, np.dtype(dtype).itemsize * int(np.prod(shape[1:]))))
+  rows = max(1, BLOCK_BYTES // max(1, into[0].itemsize * int(np.prod(shape[1:]))))
   if columns is not None and len(shape) == 1:
     rows = shape[0]  # a vector's columns are its rows
   finite = True
   try:
     for i in range(0, shape[0], rows):
       end = min(i + rows, shape[0])  # safetensors refuses a slice past the end
-      block = out[:, i:end] if transposed else out[i:end]
       stored_rows = source[i:end]  # a contiguous copy of the file's bytes
       if hasher is not None:
         hasher.update(stored_rows)
-      block[...] = stored_rows.T if transposed else (columns or _same)(stored_rows)
-      finite = finite and bool(np.isfinite(block).all())
+      parts = np.split(stored_rows, len(into), axis=1) if len(into) > 1 else [stored_rows]
+      for out, part in zip(into, parts, strict=True):
+        block = out[:, i:end] if transposed and out.ndim == 2 else out[i:end]
+        block[...] = np.swapaxes(part, -1, -2) if transposed else (columns or _same)(part)
+        finite = finite and bool(np.isfinite(block).all())
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - the data cannot be read or cast
     raise ConfigError(f"{file}: tensor {name} cannot be read ({first_line(e)})") from None
-  return out, finite
+  return finite
 
 
 def _same(x):

@@ -49,34 +49,52 @@ def _apply(graphdef, state, x, key, inputs, train):
 
 
 def walk(
-  blocks, x: jax.Array, keys, *, scanned: bool, remat: str, train: bool, inputs=None
-) -> jax.Array:
+  blocks,
+  x: jax.Array,
+  keys,
+  *,
+  scanned: bool,
+  remat: str,
+  train: bool,
+  inputs=None,
+  sums: bool = False,
+):
   """``x`` through every block in order. ``blocks``: a list of modules, or one stacked
   module (``scanned``: walked by ``lax.scan``, one compiled block body); ``keys``: one
   dropout key per block (a ``[L, …]`` key array) or None; ``remat``: a ``REMAT_POLICIES``
   name, applied to each block; ``inputs``: keyword arrays every block takes as they are
   (document masking's ``segment_ids`` and ``positions``), None or ``{}`` for none, which
-  traces exactly the walk without them."""
+  traces exactly the walk without them. ``sums``: each block returns ``(x, sums)`` (an
+  MoE model's routing sums, ``models/moe.py``), and the walk ``(x, sums stacked [L, …])``."""
   policy, inputs = REMAT_POLICIES[remat], inputs or {}
   if scanned:
     graphdef, state = nnx.split(blocks)
 
     def body(x, layer_xs):
       layer_state, key = layer_xs
-      return layout.constrain_sequence(_apply(graphdef, layer_state, x, key, inputs, train)), None
+      out = _apply(graphdef, layer_state, x, key, inputs, train)
+      x, per_layer = out if sums else (out, None)
+      return layout.constrain_sequence(x), per_layer
 
     if remat != "none":
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    return jax.lax.scan(body, x, (state, keys))[0]
+    x, stacked = jax.lax.scan(body, x, (state, keys))
+    return (x, stacked) if sums else x
+  collected = []
   for i, block in enumerate(blocks):
     key = None if keys is None else keys[i]
     if remat == "none":
-      x = block(x, rng=key, train=train, **inputs)
+      out = block(x, rng=key, train=train, **inputs)
     else:
       graphdef, state = nnx.split(block)
       apply = functools.partial(_apply, graphdef, train=train)
-      x = jax.checkpoint(apply, policy=policy)(state, x, key, inputs)
-    x = layout.constrain_sequence(x)  # sequence parallelism: between blocks
+      out = jax.checkpoint(apply, policy=policy)(state, x, key, inputs)
+    if sums:
+      out, per_layer = out
+      collected.append(per_layer)
+    x = layout.constrain_sequence(out)  # sequence parallelism: between blocks
+  if sums:
+    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *collected)
   return x
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers, lora
+from jaxstep.models import backends, grouped, layers, lora, moe
 from jaxstep.models.gpt import platform_kernels
 from jaxstep.models.llama_parts import (
   RMSNorm,
@@ -42,6 +42,8 @@ from jaxstep.models.lora import LoraConfig
 from jaxstep.models.stack import DecoderStack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LBL_SCOPES = ("global", "micro_batch")
+QK_NORM_SCOPES = ("head", "projection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +64,34 @@ class LlamaConfig:
   tie_embeddings: bool = False  # tie_word_embeddings
   attention_bias: bool = False  # q/k/v biases (Qwen2); o_proj never has one
   qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
+  qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
   dropout: float = 0.0  # on the embeddings, attention output and MLP output
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
   lora: LoraConfig = LoraConfig()  # low-rank adapters on PROJECTIONS (the rest frozen)
+  # mixture of experts (moe.py, docs/moe.md); num_experts 0: every MLP dense
+  num_experts: int = 0  # num_experts / num_local_experts
+  experts_per_token: int = 2  # num_experts_per_tok: k of the top-k routing
+  moe_intermediate_size: int = 0  # each expert's SwiGLU width (0: intermediate_size)
+  shared_experts: int = 0  # experts every token goes through, fused as one SwiGLU
+  shared_expert_size: int = 0  # that SwiGLU's width (0: shared_experts × expert width)
+  shared_expert_gate: bool = False  # sigmoid gate on the shared experts' output (Qwen2-MoE)
+  moe_every: int = 1  # decoder_sparse_step: layer i is MoE when (i + 1) % moe_every == 0
+  dense_layers: tuple[int, ...] = ()  # mlp_only_layers: layers kept dense anyway
+  router_scores: str = "softmax"  # softmax | sigmoid
+  norm_topk: bool = True  # norm_topk_prob: renormalize the top-k weights to sum 1
+  capacity_factor: float = 0.0  # > 0: an expert takes at most c·T·k/E tokens (0: dropless)
+  moe_matmul: str = "auto"  # auto | tiles | ragged (grouped.py)
+  router_aux_loss: float = 0.01  # router_aux_loss_coef: weight of the load-balancing loss
+  router_z_loss: float = 0.0  # weight of the router z-loss
+  lbl_scope: str = "global"  # global | micro_batch: where the LBL's expert shares are counted
 
   def __post_init__(self):
     self.lora.check_targets(PROJECTIONS)
+    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    check_moe(self)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "intermediate_size"):
       if getattr(self, name) <= 0:
@@ -92,9 +113,31 @@ class LlamaConfig:
     for name in ("rms_norm_eps", "rope_theta"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+    if self.qk_norm_scope not in QK_NORM_SCOPES:
+      raise ConfigError(
+        f"model.qk_norm_scope must be one of {', '.join(QK_NORM_SCOPES)}, "
+        f"got {self.qk_norm_scope!r}"
+      )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
     _check_kernels(self)
+
+  @property
+  def moe_layers(self) -> tuple[bool, ...]:
+    """Per layer, whether its MLP is a mixture of experts."""
+    if not self.num_experts:
+      return (False,) * self.n_layers
+    return tuple(
+      (i + 1) % self.moe_every == 0 and i not in self.dense_layers for i in range(self.n_layers)
+    )
+
+  @property
+  def expert_size(self) -> int:
+    return self.moe_intermediate_size or self.intermediate_size
+
+  @property
+  def shared_width(self) -> int:
+    return self.shared_expert_size or self.shared_experts * self.expert_size
 
   @property
   def resolved_kv_heads(self) -> int:
@@ -116,14 +159,20 @@ class LlamaConfig:
     return self.intermediate_size
 
   def matmul_params(self) -> int:
-    """Weights that take part in a matmul per token (all blocks + the output head)."""
+    """Weights that take part in a matmul per token (all blocks + the output head); an MoE
+    layer counts its router, the ``experts_per_token`` experts a token goes through and the
+    shared experts: the *active* parameters."""
     d, hd, kvd = (
       self.d_model,
       self.n_heads * self.resolved_head_dim,
       self.resolved_kv_heads * self.resolved_head_dim,
     )
-    per_block = 2 * d * hd + 2 * d * kvd + 3 * d * self.intermediate_size  # q, o; k, v; MLP
-    return self.n_layers * per_block + d * self.vocab_size
+    attention = 2 * d * hd + 2 * d * kvd  # q, o; k, v
+    dense = 3 * d * self.intermediate_size
+    routed = d * self.num_experts + 3 * d * self.experts_per_token * self.expert_size
+    sparse = routed + 3 * d * self.shared_width + d * self.shared_expert_gate
+    mlps = sum(sparse if is_moe else dense for is_moe in self.moe_layers)
+    return self.n_layers * attention + mlps + d * self.vocab_size
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token (fwd + bwd): ``6·W + 12·L·H·Dh·S``.
@@ -134,6 +183,42 @@ class LlamaConfig:
     projection weights, not attention FLOPs."""
     width = self.n_heads * self.resolved_head_dim
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * width * seq_len
+
+
+def check_moe(cfg: LlamaConfig) -> None:
+  """ConfigError for mixture-of-experts settings that cannot build or train."""
+  for name in ("num_experts", "moe_intermediate_size", "shared_experts", "shared_expert_size"):
+    if getattr(cfg, name) < 0:
+      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
+  if not cfg.num_experts:
+    return
+  if not 1 <= cfg.experts_per_token <= cfg.num_experts:
+    raise ConfigError(
+      f"model.experts_per_token must be in [1, num_experts={cfg.num_experts}], "
+      f"got {cfg.experts_per_token}"
+    )
+  if cfg.moe_every < 1:
+    raise ConfigError(f"model.moe_every must be >= 1, got {cfg.moe_every}")
+  if bad := [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]:
+    raise ConfigError(f"model.dense_layers {bad} are not layers of 0 … {cfg.n_layers - 1}")
+  choices = {
+    "router_scores": moe.SCORES,
+    "moe_matmul": grouped.IMPLS,
+    "lbl_scope": LBL_SCOPES,
+  }
+  for name, allowed in choices.items():
+    if getattr(cfg, name) not in allowed:
+      raise ConfigError(
+        f"model.{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+      )
+  for name in ("capacity_factor", "router_aux_loss", "router_z_loss"):
+    if not getattr(cfg, name) >= 0:
+      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
+  if cfg.scan_layers and len(set(cfg.moe_layers)) > 1:
+    raise ConfigError(
+      "model.scan_layers needs every block alike, and this model mixes dense and MoE "
+      "layers (moe_every, dense_layers): set model.scan_layers=false"
+    )
 
 
 def _check_kernels(cfg: LlamaConfig) -> None:
@@ -152,7 +237,7 @@ def _check_kernels(cfg: LlamaConfig) -> None:
 class LlamaBlock(nnx.Module):
   """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
     linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
@@ -162,23 +247,32 @@ class LlamaBlock(nnx.Module):
     self.k_proj = linear("k_proj", d, kv * dh, use_bias=cfg.attention_bias)
     self.v_proj = linear("v_proj", d, kv * dh, use_bias=cfg.attention_bias)
     self.o_proj = linear("o_proj", h * dh, d)
-    self.q_norm = RMSNorm(dh, cfg.rms_norm_eps) if cfg.qk_norm else None
-    self.k_norm = RMSNorm(dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+    whole = cfg.qk_norm_scope == "projection"  # one norm over all heads (OLMoE)
+    self.q_norm = RMSNorm(h * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(kv * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
     self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-    self.gate_proj = linear("gate_proj", d, cfg.intermediate_size)
-    self.up_proj = linear("up_proj", d, cfg.intermediate_size)
-    self.down_proj = linear("down_proj", cfg.intermediate_size, d)
+    if sparse:
+      self.mlp = moe.MoeMLP(cfg, linear, rngs=rngs)
+    else:
+      self.gate_proj = linear("gate_proj", d, cfg.intermediate_size)
+      self.up_proj = linear("up_proj", d, cfg.intermediate_size)
+      self.down_proj = linear("down_proj", cfg.intermediate_size, d)
+    self.sparse = sparse
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def qkv(self, x: jax.Array, positions: jax.Array):
     """Rotated ``q [B, S, H, Dh]``, rotated ``k`` and ``v`` ``[B, S, KV, Dh]`` for ``x`` at
-    ``positions`` (``[S]`` or ``[B, S]``); q/k norms (if any) before the rotation."""
+    ``positions`` (``[S]`` or ``[B, S]``); q/k norms (if any) before the rotation, over
+    each head or, with ``qk_norm_scope="projection"``, over the whole projection."""
     b, s, _ = x.shape
     cfg, dh = self.cfg, self.cfg.resolved_head_dim
-    q = self.q_proj(x).reshape(b, s, cfg.n_heads, dh)
-    k = self.k_proj(x).reshape(b, s, cfg.resolved_kv_heads, dh)
+    q, k = self.q_proj(x), self.k_proj(x)
+    if self.q_norm is not None and cfg.qk_norm_scope == "projection":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = q.reshape(b, s, cfg.n_heads, dh)
+    k = k.reshape(b, s, cfg.resolved_kv_heads, dh)
     v = self.v_proj(x).reshape(b, s, cfg.resolved_kv_heads, dh)
-    if self.q_norm is not None:
+    if self.q_norm is not None and cfg.qk_norm_scope == "head":
       q, k = self.q_norm(q), self.k_norm(k)
     freq = inv_freq(dh, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = rope_tables(positions, freq, q.dtype)
@@ -192,8 +286,13 @@ class LlamaBlock(nnx.Module):
     out = backends.causal_attention(q, k, v, self.cfg.attention, segment_ids=segment_ids)
     return self.o_proj(out.reshape(b, s, -1))
 
-  def mlp(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+  def feed_forward(self, x: jax.Array, route_weights=None):
+    """The MLP of ``x [B, S, D]``: ``(out, routing sums)``; the sums are None in a dense
+    model and zeros for a dense layer of an MoE model (``moe.dense_sums``)."""
+    if self.sparse:
+      return self.mlp(x, route_weights)
+    out = self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return out, (moe.dense_sums(self.cfg.num_experts) if self.cfg.num_experts else None)
 
   def decode(self, x, cache, positions):
     """The block over a key/value cache: ``x [B, S, D]`` at ``positions [B, S]``; this
@@ -207,19 +306,23 @@ class LlamaBlock(nnx.Module):
     kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
     vc = vc.at[rows, heads, at].set(v.transpose(0, 2, 1, 3).astype(vc.dtype))
     x = x + self.o_proj(grouped_attention_over_cache(q, kt, vc, positions).reshape(b, s, -1))
-    return x + self.mlp(self.post_attention_layernorm(x)), (kt, vc)
+    return x + self.feed_forward(self.post_attention_layernorm(x))[0], (kt, vc)
 
-  def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None):
+  def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None, route_weights=None):
     """``segment_ids``, ``positions`` ``[B, S]``: document masking
-    (``DecoderStack.__call__``)."""
+    (``DecoderStack.__call__``). An MoE model's block returns ``(x, routing sums)`` over
+    the tokens weighted by ``route_weights`` (``[B, S]``; None: all)."""
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
       # sequence parallelism (layout): whole positions into each tensor-parallel layer
       h = layout.gather_sequence(self.input_layernorm(x))
       attn = self.attention(h, segment_ids, positions)
       x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
-      mlp = self.mlp(layout.gather_sequence(self.post_attention_layernorm(x)))
-    return x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
+      mlp, sums = self.feed_forward(
+        layout.gather_sequence(self.post_attention_layernorm(x)), route_weights
+      )
+    x = x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
+    return x if sums is None else (x, sums)
 
 
 class Llama(DecoderStack):
@@ -229,7 +332,7 @@ class Llama(DecoderStack):
     self.cfg = cfg
     dense, _ = platform_kernels()
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    blocks = [LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+    blocks = [LlamaBlock(cfg, rngs=rngs, sparse=sparse) for sparse in cfg.moe_layers]
     # Built one by one either way, so a seed gives the same model in both layouts.
     self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)

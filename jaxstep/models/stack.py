@@ -30,6 +30,7 @@ class DecoderStack(nnx.Module):
     train: bool = False,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    route_weights: jax.Array | None = None,
   ) -> jax.Array:
     """Logits of ``inputs [B, S]`` at positions ``0 … S-1``; dropout (one key per block
     and one for the embeddings, split from ``rng``) only when ``train``.
@@ -40,7 +41,11 @@ class DecoderStack(nnx.Module):
     ``int32[B, S]`` replace ``0 … S-1`` in the position embeddings (GPT) or rotations
     (Llama). With both, each document's logits are those it gets run alone from position 0.
     Either may come without the other; neither (None) is the plain causal forward pass,
-    traced exactly as it is without this feature."""
+    traced exactly as it is without this feature.
+
+    A mixture-of-experts model (``cfg.num_experts > 0``) returns ``(logits, sums)``: each
+    layer's routing sums (``models/moe.py``) stacked ``[L, …]``, over the tokens weighted
+    by ``route_weights`` ``[B, S]`` (the loss mask; None: every token)."""
     s, n = inputs.shape[1], self.cfg.n_layers
     if s > self.cfg.max_seq_len:
       raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -50,6 +55,9 @@ class DecoderStack(nnx.Module):
         if value.shape != inputs.shape:
           raise BatchError(f"{name} has shape {value.shape}, the inputs {inputs.shape}")
         block_inputs[name] = value
+    sparse = bool(getattr(self.cfg, "num_experts", 0))
+    if sparse:
+      block_inputs["route_weights"] = route_weights
     keys = jax.random.split(rng, n + 1) if rng is not None else None
     x = self.embed_inputs(inputs, jnp.arange(s) if positions is None else positions)
     x = self.dropout(x, deterministic=not train, rngs=None if keys is None else keys[0])
@@ -62,7 +70,11 @@ class DecoderStack(nnx.Module):
       remat=self.cfg.remat,
       train=train,
       inputs=block_inputs,
+      sums=sparse,
     )
+    if sparse:
+      x, sums = x
+      return self._logits(x), sums
     return self._logits(x)
 
   def block_list(self) -> list[nnx.Module]:

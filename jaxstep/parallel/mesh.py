@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxstep.core import geometry
-from jaxstep.core.layout import AXES, TENSOR, batch_shards, rows_here
+from jaxstep.core.layout import AXES, EXPERT, TENSOR, batch_shards, rows_here
 from jaxstep.errors import BatchError, ConfigError
 
 
@@ -44,22 +44,27 @@ def mesh_shape(data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
   return data, fsdp
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None, *, tensor: int = 1) -> Mesh:
+def make_mesh(
+  data: int = -1, fsdp: int = 1, devices=None, *, tensor: int = 1, expert: int = 1
+) -> Mesh:
   """A ``("data", "fsdp")`` mesh over ``devices`` (default: all devices of all processes),
-  or with ``tensor`` > 1 a ``("data", "fsdp", "tensor")`` one whose tensor groups are
-  neighbouring devices (within a host where it can: ``jax.make_mesh`` orders them);
-  ``data``/``fsdp`` -1 take the devices left after the other two."""
+  with an ``"expert"`` axis when ``expert`` > 1 (an MoE model's experts split over it) and
+  a ``"tensor"`` one when ``tensor`` > 1, whose groups are neighbouring devices (within a
+  host where it can: ``jax.make_mesh`` orders them); ``data``/``fsdp`` -1 take the devices
+  left after the others."""
   devices = list(devices if devices is not None else jax.devices())
-  if tensor < 1 or len(devices) % tensor:
-    raise ConfigError(
-      f"mesh.tensor={tensor} does not divide the {len(devices)} device(s) here; set it to "
-      f"one of {', '.join(str(d) for d in range(1, len(devices) + 1) if len(devices) % d == 0)}"
-    )
-  shape = mesh_shape(data, fsdp, len(devices) // tensor)
-  if tensor == 1:
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
-  axes = (*AXES, TENSOR)
-  return jax.make_mesh((*shape, tensor), axes, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  for name, size in (("tensor", tensor), ("expert", expert), ("tensor × expert", tensor * expert)):
+    if size < 1 or len(devices) % size:
+      divisors = (d for d in range(1, len(devices) + 1) if len(devices) % d == 0)
+      raise ConfigError(
+        f"mesh.{name}={size} does not divide the {len(devices)} device(s) here; make it one "
+        f"of {', '.join(map(str, divisors))}"
+      )
+  shape = mesh_shape(data, fsdp, len(devices) // (tensor * expert))
+  extra = [(EXPERT, expert)] * (expert > 1) + [(TENSOR, tensor)] * (tensor > 1)
+  axes = (*AXES, *(name for name, _ in extra))
+  sizes = (*shape, *(size for _, size in extra))
+  return jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
 
 
 def local_rows(sharding: NamedSharding, global_batch_size: int) -> np.ndarray | None:

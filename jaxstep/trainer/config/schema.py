@@ -130,6 +130,7 @@ class MeshConfig:
   fsdp: int = 1  # parameter-sharding size (-1 = all devices not used by data)
   tensor: int = 1  # tensor-parallel size: each layer split over this many devices
   sequence_parallel: bool = False  # with tensor > 1: activations split over positions too
+  expert: int = 1  # expert-parallel size: an MoE model's experts split over this many devices
   coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)
@@ -144,6 +145,8 @@ class MeshConfig:
       raise ConfigError("mesh.data and mesh.fsdp cannot both be -1; set one of them")
     if self.tensor < 1:
       raise ConfigError(f"mesh.tensor must be >= 1 (1: no tensor parallelism), got {self.tensor}")
+    if self.expert < 1:
+      raise ConfigError(f"mesh.expert must be >= 1 (1: no expert parallelism), got {self.expert}")
     for name in ("num_processes", "cpu_devices"):
       if getattr(self, name) < 0:
         raise ConfigError(f"mesh.{name} must be >= 0, got {getattr(self, name)}")

@@ -105,6 +105,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
       )
       if numbers and typing.get_args(t)[0] is float:
         return tuple(float(v) for v in value)
+      if numbers and typing.get_args(t)[0] is int and all(isinstance(v, int) for v in value):
+        return tuple(value)  # layer indices (model.dense_layers)
     elif t is bool:
       if isinstance(value, bool):
         return value

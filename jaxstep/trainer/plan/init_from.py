@@ -2,11 +2,14 @@
 
 The folder decides the model: its ``config.json`` becomes the model section (the family,
 every shape key, the RoPE settings) and its weights the first params; the model section
-keeps only what the folder cannot know — ``dropout`` and the kernel choices ``attention``,
-``remat``, ``scan_layers``. A shape key the config sets to something else than the folder
-says is refused by name rather than silently overridden. ``data.tokenizer`` left at
-``byte`` becomes the folder (its tokenizer, its special ids); any other tokenizer must fit
-the folder's vocabulary (``plan.resolve_vocab`` checks).
+keeps only what the folder cannot know — ``dropout``, the kernel choices ``attention``,
+``remat``, ``scan_layers``, a mixture of experts' ``capacity_factor``, ``moe_matmul`` and
+``lbl_scope`` — and the router loss weights ``router_aux_loss`` / ``router_z_loss`` where
+it sets them to anything but their defaults (else the folder's coefficients). A shape key
+the config sets to something else than the folder says is refused by name rather than
+silently overridden. ``data.tokenizer`` left at ``byte`` becomes the folder (its tokenizer,
+its special ids); any other tokenizer must fit the folder's vocabulary
+(``plan.resolve_vocab`` checks).
 
 The resolved config is what ``run_dir/config.yaml`` records, so a resume, ``generate`` or
 ``evaluate`` of the run needs nothing but the run directory; only a fresh start reads the
@@ -28,8 +31,22 @@ from jaxstep.models import hf_config, lora
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.values import require_init_from
 
-# model keys the folder does not decide: they stay as the config sets them
-OPTION_KEYS = ("dropout", "attention", "remat", "scan_layers", "init_from", "lora")
+# model keys the folder does not decide: they stay as the config sets them (a mixture of
+# experts' training settings among them)
+OPTION_KEYS = (
+  "dropout",
+  "attention",
+  "remat",
+  "scan_layers",
+  "init_from",
+  "lora",
+  "capacity_factor",
+  "moe_matmul",
+  "lbl_scope",
+)
+# keys the folder gives a value (its router_aux_loss_coef, router_z_loss_coef) that a config
+# setting them to anything but their default overrides
+PREFERRED_KEYS = ("router_aux_loss", "router_z_loss")
 
 
 def resolve(cfg: config_lib.Config) -> config_lib.Config:
@@ -41,7 +58,7 @@ def resolve(cfg: config_lib.Config) -> config_lib.Config:
   folder = pathlib.Path(model.init_from)
   hf = hf_config.read_config(folder)
   where = str(folder / hf_config.CONFIG)
-  resolved = hf_config.model_config(hf, where, **{k: getattr(model, k) for k in OPTION_KEYS})
+  resolved = hf_config.model_config(hf, where, **_options(model))
   _refuse_contradictions(model, resolved, where)
   hf_config.check_sliding_window(hf, cfg.train.seq_len, where)
   if cfg.train.seq_len > resolved.max_seq_len:
@@ -54,13 +71,25 @@ def resolve(cfg: config_lib.Config) -> config_lib.Config:
   return dataclasses.replace(cfg, model=resolved, data=data)
 
 
+def _options(model) -> dict:
+  """The model settings the config decides: ``OPTION_KEYS`` its family has, and each of
+  ``PREFERRED_KEYS`` it sets to something else than its default (the folder's otherwise)."""
+  defaults = type(model)(vocab_size=0)
+  options = {k: getattr(model, k) for k in OPTION_KEYS if hasattr(model, k)}
+  for k in PREFERRED_KEYS:
+    if hasattr(model, k) and getattr(model, k) != getattr(defaults, k):
+      options[k] = getattr(model, k)
+  return options
+
+
 def _refuse_contradictions(model, resolved, where: str) -> None:
   """A shape key set to neither its default nor the folder's value is a ``ConfigError``."""
   defaults = type(model)(vocab_size=0)
   for field in dataclasses.fields(model):
     name = field.name
     mine, theirs = getattr(model, name), getattr(resolved, name, "not a setting there")
-    if name not in OPTION_KEYS and mine != getattr(defaults, name) and mine != theirs:
+    settings = (*OPTION_KEYS, *PREFERRED_KEYS)
+    if name not in settings and mine != getattr(defaults, name) and mine != theirs:
       raise ConfigError(
         f"model.{name} {mine} contradicts {where} ({theirs}); with model.init_from the "
         f"model's shape comes from the folder: drop model.{name}"

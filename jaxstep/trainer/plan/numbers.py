@@ -77,21 +77,23 @@ def configure_devices(cfg: config_lib.Config) -> None:
 
   m = cfg.mesh
   frozen = config_lib.frozen_base(cfg)
-  automatic = m.data == -1 and m.fsdp == 1 and m.tensor == 1
+  automatic = m.data == -1 and m.fsdp == 1 and m.tensor == 1 and m.expert == 1
   configure_cpu_defaults(
     cfg.train.global_batch_size,
     split_k(cfg.train),
     data=m.data,
     fsdp=m.fsdp,
     cpu_devices=m.cpu_devices or (1 if frozen and automatic else 0),
-    tensor=m.tensor,
+    tensor=m.tensor * m.expert,  # a fixed factor of the device count, as tensor is
   )
 
 
 def mesh_for(cfg: config_lib.Config) -> Mesh:
   """The mesh of ``cfg`` on this host's devices, checked against G and K (1 for auto)."""
   t = cfg.train
-  mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, tensor=cfg.mesh.tensor)
+  check_expert_split(cfg)
+  m = cfg.mesh
+  mesh = parallel.make_mesh(m.data, m.fsdp, tensor=m.tensor, expert=m.expert)
   tensor_split.check(cfg.model, cfg.mesh, cfg.train.seq_len)
   problem = geometry.split_problem(
     t.global_batch_size, split_k(t), layout.batch_shards(mesh), names=CONFIG_NAMES_OF_G_AND_K
@@ -99,6 +101,31 @@ def mesh_for(cfg: config_lib.Config) -> Mesh:
   if problem:
     raise ConfigError(problem)
   return mesh
+
+
+def check_expert_split(cfg: config_lib.Config) -> None:
+  """``mesh.expert`` > 1 needs an MoE model whose experts it divides, and dropless routing
+  (capacity is counted per expert group of devices, not over the batch)."""
+  expert, experts = cfg.mesh.expert, getattr(cfg.model, "num_experts", 0)
+  if expert == 1:
+    return
+  if not experts:
+    raise ConfigError(
+      f"mesh.expert={expert} splits a mixture-of-experts model's experts, and this model "
+      "has none (model.num_experts=0): set mesh.expert=1"
+    )
+  if experts % expert:
+    fits = [d for d in range(1, experts + 1) if experts % d == 0]
+    nearest = min(fits, key=lambda d: (abs(d - expert), d))
+    raise ConfigError(
+      f"mesh.expert={expert} does not divide model.num_experts={experts}; the nearest that "
+      f"does is mesh.expert={nearest}"
+    )
+  if cfg.model.capacity_factor:
+    raise ConfigError(
+      "model.capacity_factor > 0 with mesh.expert > 1 is not supported (expert parallelism "
+      "routes dropless): set model.capacity_factor=0"
+    )
 
 
 def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:

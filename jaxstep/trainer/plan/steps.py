@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import models, parallel
-from jaxstep.core import freeze, preference
+from jaxstep.core import freeze, preference, router_loss
 from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.losses import document_fields, masked_nll, next_token_loss
 from jaxstep.core.optim import make_optimizer
@@ -40,6 +40,10 @@ def _poisonable(loss_fn):
     loss_sum, aux = loss_fn(params, batch, rng)
     return loss_sum + jnp.sum(poison), aux
 
+  if hasattr(loss_fn, "global_sums"):  # an MoE model's routing pass reads no poison
+    poisoned.global_sums = lambda params, batch, rng: loss_fn.global_sums(
+      params, {k: v for k, v in batch.items() if k != "poison"}, rng
+    )
   return poisoned
 
 
@@ -49,18 +53,24 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
   t = cfg.train
   pairs, rl = bool(cfg.preference.loss), bool(cfg.rl.rewards)
   if rl:
-    loss_fn = rl_plan.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg))
-    units = rl_plan.units_fn(cfg)
+    build = lambda f: rl_plan.loss_fn(cfg, f, rl_plan.sampler_allowed(cfg))  # noqa: E731
+    rows, units = router_loss.rl_rows, rl_plan.units_fn(cfg)
   elif pairs:
-    loss_fn, units = preference_plan.loss_fn(cfg, apply_fn), preference.pair_units
+    build = lambda f: preference_plan.loss_fn(cfg, f)  # noqa: E731
+    rows, units = router_loss.preference_rows, preference.pair_units
   else:
-    loss_fn, units = next_token_loss(apply_fn), None
+    build, rows, units = next_token_loss, router_loss.sft_rows, None
+  if sparse(cfg):  # an MoE model: its router losses, exact over the global batch
+    loss_fn = router_loss.with_router_losses(build, apply_fn, cfg.model, rows)
+  else:
+    loss_fn = build(apply_fn)
+  sharded = mesh.devices.size > 1
   step = make_train_step(
     _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
     make_optimizer(cfg.optim, schedule_steps),
     grad_accum_steps=k,
     precision=t.precision,
-    mesh=mesh if mesh.devices.size > 1 else None,
+    mesh=mesh if sharded else None,
     loss_scale=loss_scaler(t),
     spike_factor=t.spike_factor,
     spike_window=t.spike_window,
@@ -69,8 +79,18 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     units_fn=units,
   )
   if rl:
-    return rl_plan.with_token_means(step)
-  return preference_plan.with_pair_means(step) if pairs else step
+    step = rl_plan.with_token_means(step)
+  elif pairs:
+    step = preference_plan.with_pair_means(step)
+  if sparse(cfg):
+    terms = k * (parallel.batch_shards(mesh) if sharded else 1)
+    step = router_loss.with_router_metrics(step, cfg.model, terms)
+  return step
+
+
+def sparse(cfg: config_lib.Config) -> bool:
+  """Whether ``cfg``'s model is a mixture of experts."""
+  return bool(getattr(cfg.model, "num_experts", 0))
 
 
 def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:

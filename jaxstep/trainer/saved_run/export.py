@@ -6,7 +6,8 @@ as it is.
 
 The architecture is the one the run was imported as (its ``hf_config.json``, whose other
 fields are kept), else the one the model's settings name: the bundled GPT is GPT-2; a
-Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama.
+Llama-family model with q/k norms is Qwen3, with q/k/v biases Qwen2, with neither Llama; a
+mixture of experts is ``hf_moe.architecture_for``'s (OLMoE, Qwen3-MoE, Qwen2-MoE, Mixtral).
 A run on the byte tokenizer gets the byte tokenizer written as a Hugging Face one
 (``jaxstep.data.byte_folder``: the same ids), so the folder is a model folder like any other
 (``AutoTokenizer``, a later run's ``model.init_from``). ``config.json`` and
@@ -38,6 +39,7 @@ from jaxstep.models import (
   hf_config,
   hf_export,
   hf_gpt2,
+  hf_moe,
   lora,
   peft_export,
 )
@@ -50,6 +52,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_config.architecture(base, saved_run.BASE_CONFIG)
   if isinstance(model_cfg, GPTConfig):
     return hf_gpt2.ARCHITECTURE
+  if hf_moe.needs_moe_architecture(model_cfg):
+    return hf_moe.architecture_for(model_cfg)
   if model_cfg.qk_norm:
     return "Qwen3ForCausalLM"
   return "Qwen2ForCausalLM" if model_cfg.attention_bias else "LlamaForCausalLM"

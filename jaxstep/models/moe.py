@@ -1,0 +1,229 @@
+"""A mixture-of-experts MLP for the Llama family: a router, E SwiGLU experts run through a
+grouped matmul (``grouped.py``), optional shared experts.
+
+Per token ``x`` (``d_model``): router logits ``z = x·W_r`` (``[E]``); scores ``s =
+softmax(z)`` (fp32) or ``sigmoid(z)``; the top ``k`` experts by score, their weights the
+top-k scores, renormalized to sum to 1 when ``norm_topk`` (Mixtral, Qwen3-MoE) or kept as
+they are (OLMoE, Qwen2-MoE); output ``Σ_j w_j · expert_{e_j}(x)`` with ``expert_e(x) =
+down_e(silu(gate_e(x)) · up_e(x))``, plus the shared experts' SwiGLU (times
+``sigmoid(x·w_g)`` when gated, Qwen2-MoE). This is Hugging Face's arithmetic, so converted
+weights give the same logits.
+
+Dispatch is dropless: the ``T·k`` (token, expert) assignments are sorted by expert, each
+expert's rows multiplied by its weights in one grouped product, and scattered back. With a
+``capacity_factor`` c > 0 each expert takes at most ``⌈c·T·k/E⌉`` assignments, the first in
+token order (MaxText's rule); the rest are dropped (their weight is zero, the token keeps
+its residual) and counted.
+
+The layer also returns the routing sums the load-balancing and z-losses need, over the
+tokens weighted by ``route_weights`` (``[B, S]``, the loss mask; None: all ones):
+``counts[e] = Σ_t m_t·[e ∈ top-k(t)]`` (no gradient), ``probs[e] = Σ_t m_t·p_t[e]`` with
+``p_t`` the softmax (or the sigmoid scores normalized to sum 1), ``z = Σ_t m_t·
+logsumexp(z_t)²``, and ``dropped`` (assignments over capacity, every token). They are sums,
+so a step adds them up exactly across micro-batches and devices (``core/router_loss.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxstep.core import layout
+from jaxstep.models import grouped
+from jaxstep.models.gpt import platform_kernels
+
+SCORES = ("softmax", "sigmoid")
+
+
+class Routing(NamedTuple):
+  """The router's decision for ``T`` tokens."""
+
+  probs: jax.Array  # f32[T, E]: each token's distribution over experts (the LBL's p)
+  weights: jax.Array  # f32[T, k]: the chosen experts' mixing weights
+  experts: jax.Array  # int32[T, k]: the chosen experts
+
+
+def route(logits: jax.Array, k: int, scores: str, norm_topk: bool) -> Routing:
+  """Top-``k`` routing of ``logits [T, E]`` (scores in fp32, as Hugging Face computes them)."""
+  z = logits.astype(jnp.float32)
+  if scores == "softmax":
+    s = jax.nn.softmax(z, axis=-1)
+    probs = s
+  else:
+    s = jax.nn.sigmoid(z)
+    probs = s / jnp.sum(s, axis=-1, keepdims=True)
+  top, experts = jax.lax.top_k(s, k)
+  if norm_topk:
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+  return Routing(probs, top, experts.astype(jnp.int32))
+
+
+class Dispatch(NamedTuple):
+  """Where each assignment's row goes in the expert-sorted layout (``R`` rows)."""
+
+  row_token: jax.Array  # int32[R]: the token each row holds (T: an empty row)
+  dest: jax.Array  # int32[T, k]: the row of each assignment (R: dropped)
+  group_sizes: jax.Array  # int32[E]: rows per expert, padded to whole tiles
+  tile_groups: jax.Array  # int32[R / tile]: each tile's expert
+  dropped: jax.Array  # f32[]: assignments over capacity
+
+
+def capacity(tokens: int, k: int, experts: int, factor: float) -> int | None:
+  """Assignments one expert takes: ``⌈factor·T·k/E⌉``, or None (dropless) for ``factor`` 0."""
+  return math.ceil(factor * tokens * k / experts) if factor > 0 else None
+
+
+def dispatch(experts: jax.Array, n_experts: int, cap: int | None, tile: int) -> Dispatch:
+  """The expert-sorted layout of ``experts [T, k]``: groups in expert order, each padded to
+  a multiple of ``tile`` rows (1: unpadded), each at most ``cap`` rows (None: all). A
+  stable sort keeps token order inside a group, so capacity drops the latest tokens. An
+  expert id ``>= n_experts`` (another device's expert, under expert parallelism) gets no
+  row: its assignment is left to that device, not dropped."""
+  t, k = experts.shape
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sorted_e = flat[order]
+  counts = jnp.bincount(flat, length=n_experts + 1).astype(jnp.int32)  # last: elsewhere
+  group = jnp.minimum(sorted_e, n_experts)
+  rank = jnp.arange(t * k, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[group]
+  counts = counts[:n_experts]
+  kept = counts if cap is None else jnp.minimum(counts, cap)
+  sizes = (kept + tile - 1) // tile * tile
+  starts = jnp.cumsum(sizes) - sizes
+  per_group = t * k if cap is None else min(cap, t * k)
+  rows = min(t * k, n_experts * per_group) + n_experts * (tile - 1)
+  rows = (rows + tile - 1) // tile * tile
+  here = sorted_e < n_experts
+  safe = jnp.minimum(sorted_e, n_experts - 1)
+  dest_sorted = jnp.where(here & (rank < kept[safe]), starts[safe] + rank, rows)
+  dest = jnp.zeros(t * k, jnp.int32).at[order].set(dest_sorted).reshape(t, k)
+  token_of = jnp.arange(t * k, dtype=jnp.int32) // k
+  row_token = jnp.full(rows, t, jnp.int32).at[dest.reshape(-1)].set(token_of, mode="drop")
+  tile_start = jnp.arange(rows // tile, dtype=jnp.int32) * tile
+  ends = jnp.cumsum(sizes)
+  tile_groups = jnp.minimum(jnp.searchsorted(ends, tile_start, side="right"), n_experts - 1)
+  dropped = jnp.sum(counts - kept).astype(jnp.float32)
+  return Dispatch(row_token, dest, sizes, tile_groups.astype(jnp.int32), dropped)
+
+
+class SwiGLU(nnx.Module):
+  """``down(silu(gate(x)) · up(x))``: a dense MLP (the shared experts)."""
+
+  def __init__(self, d: int, hidden: int, linear):
+    self.gate_proj = linear("gate_proj", d, hidden)
+    self.up_proj = linear("up_proj", d, hidden)
+    self.down_proj = linear("down_proj", hidden, d)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+  """E SwiGLU experts as stacked weights: ``gate_proj``, ``up_proj`` ``[E, d, f]`` and
+  ``down_proj`` ``[E, f, d]`` (``[in, out]`` per expert, as the dense kernels)."""
+
+  def __init__(self, n: int, d: int, f: int, *, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+    self.gate_proj = nnx.Param(init(rngs.params(), (n, d, f)))
+    self.up_proj = nnx.Param(init(rngs.params(), (n, d, f)))
+    self.down_proj = nnx.Param(init(rngs.params(), (n, f, d)))
+
+
+class MoeMLP(nnx.Module):
+  """The MoE MLP of a block (``cfg``: a ``LlamaConfig`` with ``num_experts > 0``)."""
+
+  def __init__(self, cfg, linear, *, rngs: nnx.Rngs):
+    """``linear(name, in, out)``: a projection the config's LoRA may adapt (the shared
+    experts'); the router and the routed experts are never adapted (docs/moe.md)."""
+    d, e = cfg.d_model, cfg.num_experts
+    self.cfg = cfg
+    dense, _ = platform_kernels()
+    self.router = nnx.Linear(d, e, use_bias=False, **dense, rngs=rngs)
+    self.experts = Experts(e, d, cfg.expert_size, rngs=rngs)
+    width = cfg.shared_width
+    self.shared_expert = SwiGLU(d, width, linear) if width else None
+    gate = cfg.shared_expert_gate
+    self.shared_expert_gate = nnx.Linear(d, 1, use_bias=False, **dense, rngs=rngs) if gate else None
+
+  def __call__(self, x: jax.Array, route_weights: jax.Array | None = None):
+    """``x [B, S, d]`` → ``(out [B, S, d], routing sums)`` (module docstring)."""
+    cfg = self.cfg
+    b, s, d = x.shape
+    tokens = x.reshape(b * s, d)
+    logits = self.router(tokens)
+    r = route(logits, cfg.experts_per_token, cfg.router_scores, cfg.norm_topk)
+    out, dropped = self._experts(tokens, r)
+    if self.shared_expert is not None:
+      shared = self.shared_expert(tokens)
+      if self.shared_expert_gate is not None:
+        shared = jax.nn.sigmoid(self.shared_expert_gate(tokens)) * shared
+      out = out + shared
+    m = jnp.ones((b * s,), jnp.float32) if route_weights is None else route_weights.reshape(-1)
+    return out.reshape(b, s, d), routing_sums(logits, r, m, cfg.num_experts, dropped)
+
+  def _experts(self, tokens: jax.Array, r: Routing):
+    """``Σ_j w_j · expert_{e_j}(x)`` for ``tokens [T, d]``, and the dropped assignments.
+
+    Under expert parallelism (``layout.expert_shards() = P > 1``: inside the sharded step,
+    this device holding experts ``[p·E/P, (p+1)·E/P)`` and its own rows of the batch) the
+    P devices of an expert group all-gather their tokens and routings, each runs its own
+    experts on the assignments routed to them, and a reduce-scatter sums the P partial
+    outputs back onto the rows' own devices: Megatron's all-gather token dispatcher. It is
+    dropless and exact (the same sums as one device); its traffic per MoE layer is the
+    group's tokens twice (``d`` floats each), where an all-to-all moves each token's k
+    routed copies."""
+    cfg, ex = self.cfg, self.experts
+    shards = layout.expert_shards()
+    weights = r.weights
+    experts = r.experts
+    if shards > 1:
+      gather = functools.partial(jax.lax.all_gather, axis_name=layout.EXPERT, tiled=True)
+      tokens, weights, experts = gather(tokens), gather(weights), gather(experts)
+      here = ex.gate_proj.shape[0]  # this device's experts
+      experts = experts - jax.lax.axis_index(layout.EXPERT) * here
+      experts = jnp.where((experts >= 0) & (experts < here), experts, here)
+    n, d = tokens.shape
+    n_here = ex.gate_proj.shape[0]
+    impl = grouped.resolve(cfg.moe_matmul)
+    tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, n_here)
+    cap = capacity(n, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor)
+    plan = dispatch(experts, n_here, cap, tile)
+    rows = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)])[plan.row_token]
+    mm = functools.partial(
+      grouped.grouped_matmul, group_sizes=plan.group_sizes, tile_groups=plan.tile_groups, impl=impl
+    )
+    w = lambda p: jnp.asarray(p[...], tokens.dtype)  # noqa: E731 - numpy params too
+    # gate and up in one grouped product: half the groups' passes over their rows
+    gate_up = mm(rows, jnp.concatenate([w(ex.gate_proj), w(ex.up_proj)], axis=-1))
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out_rows = mm(jax.nn.silu(gate) * up, w(ex.down_proj))
+    out_rows = jnp.concatenate([out_rows, jnp.zeros((1, d), out_rows.dtype)])
+    picked = out_rows[jnp.minimum(plan.dest, out_rows.shape[0] - 1)]  # [T, k, d]; not here: 0
+    out = jnp.einsum("tkd,tk->td", picked, weights.astype(tokens.dtype))
+    if shards > 1:
+      out = jax.lax.psum_scatter(out, layout.EXPERT, scatter_dimension=0, tiled=True)
+    return out, plan.dropped
+
+
+def routing_sums(logits, r: Routing, m: jax.Array, n_experts: int, dropped) -> dict:
+  """The additive routing statistics of one layer over tokens weighted by ``m [T]``."""
+  m = m.astype(jnp.float32)
+  chosen = jnp.sum(jax.nn.one_hot(r.experts, n_experts, dtype=jnp.float32), axis=1)  # [T, E]
+  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+  return {
+    "counts": jax.lax.stop_gradient(m @ chosen),
+    "probs": m @ r.probs,
+    "z": jnp.sum(m * lse * lse),
+    "dropped": dropped,
+  }
+
+
+def dense_sums(n_experts: int) -> dict:
+  """A dense layer's routing sums in an MoE model: zeros shaped like ``routing_sums``'."""
+  zeros = jnp.zeros((n_experts,), jnp.float32)
+  return {"counts": zeros, "probs": zeros, "z": jnp.zeros(()), "dropped": jnp.zeros(())}

@@ -1,0 +1,237 @@
+"""Mixture-of-experts layers: the grouped dispatch against every expert on every token, the
+capacity rule, and the router losses exact over the global batch."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxstep import make_train_step, models
+from jaxstep.core import router_loss
+from jaxstep.errors import ConfigError
+from jaxstep.models import grouped, moe
+from jaxstep.models.llama import Llama, LlamaConfig
+
+TINY = dict(
+  vocab_size=40,
+  max_seq_len=16,
+  d_model=16,
+  n_layers=2,
+  n_heads=2,
+  intermediate_size=24,
+  num_experts=4,
+  experts_per_token=2,
+  moe_intermediate_size=12,
+)
+
+
+def _mlp(**fields):
+  cfg = LlamaConfig(**{**TINY, **fields})
+  linear = functools.partial(nnx.Linear, use_bias=False, rngs=nnx.Rngs(1))
+  return moe.MoeMLP(cfg, lambda name, i, o: linear(i, o), rngs=nnx.Rngs(2)), cfg
+
+
+def every_expert(layer: moe.MoeMLP, x, keep=None):
+  """The oracle: all E experts on all tokens, mixed by the top-k weights (``keep``: a
+  ``[T, k]`` mask of the assignments kept)."""
+  cfg, ex = layer.cfg, layer.experts
+  t = x.reshape(-1, x.shape[-1])
+  r = moe.route(layer.router(t), cfg.experts_per_token, cfg.router_scores, cfg.norm_topk)
+  h = jax.nn.silu(jnp.einsum("td,edf->etf", t, ex.gate_proj[...]))
+  h = h * jnp.einsum("td,edf->etf", t, ex.up_proj[...])
+  outs = jnp.einsum("etf,efd->etd", h, ex.down_proj[...])  # [E, T, d]
+  w = r.weights if keep is None else r.weights * keep
+  mixed = jnp.zeros_like(t)
+  for j in range(cfg.experts_per_token):
+    mixed = mixed + w[:, j, None] * outs[r.experts[:, j], jnp.arange(t.shape[0])]
+  if layer.shared_expert is not None:
+    shared = layer.shared_expert(t)
+    if layer.shared_expert_gate is not None:
+      shared = jax.nn.sigmoid(layer.shared_expert_gate(t)) * shared
+    mixed = mixed + shared
+  return mixed.reshape(x.shape)
+
+
+CASES = {
+  "softmax_renorm": {},
+  "softmax_raw": dict(norm_topk=False),
+  "sigmoid": dict(router_scores="sigmoid"),
+  "shared_gated": dict(shared_experts=1, shared_expert_size=20, shared_expert_gate=True),
+  "top1_of_8": dict(num_experts=8, experts_per_token=1),
+}
+
+
+FAST = {("softmax_renorm", "tiles"), ("shared_gated", "tiles"), ("sigmoid", "ragged")}
+
+
+@pytest.mark.parametrize(
+  "case, impl",
+  [
+    (c, i) if (c, i) in FAST else pytest.param(c, i, marks=pytest.mark.slow)
+    for c in sorted(CASES)
+    for i in ("tiles", "ragged")
+  ],
+)
+def test_grouped_dispatch_equals_every_expert_on_every_token(case, impl):
+  layer, _ = _mlp(moe_matmul=impl, **CASES[case])
+  x = jax.random.normal(jax.random.key(3), (3, 11, 16))
+  cot = jax.random.normal(jax.random.key(4), x.shape)
+
+  def loss(fn, layer, x):
+    return jnp.sum(fn(layer, x) * cot)
+
+  ours = lambda m, x: m(x)[0]  # noqa: E731
+  np.testing.assert_allclose(ours(layer, x), every_expert(layer, x), atol=1e-5, rtol=1e-5)
+  g_ours = nnx.grad(functools.partial(loss, ours), argnums=(0, 1))(layer, x)
+  g_ref = nnx.grad(functools.partial(loss, every_expert), argnums=(0, 1))(layer, x)
+  for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref), strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_tiles_cover_uneven_groups_and_empty_experts():
+  x = jax.random.normal(jax.random.key(0), (40, 5))
+  w = jax.random.normal(jax.random.key(1), (6, 5, 3))
+  experts = jnp.array([[0], [0], [5], [0], [2]] * 8, jnp.int32)  # experts 1, 3, 4 get none
+  plan = moe.dispatch(experts, 6, None, tile=8)
+  rows = jnp.concatenate([x, jnp.zeros((1, 5))])[plan.row_token]
+  out = grouped.grouped_matmul(rows, w, plan.group_sizes, plan.tile_groups, "tiles")
+  got = out[plan.dest[:, 0]]
+  np.testing.assert_allclose(got, jnp.einsum("td,tdf->tf", x, w[experts[:, 0]]), atol=1e-5)
+  assert int(plan.dropped) == 0
+
+
+def test_capacity_drops_the_latest_tokens_of_a_full_expert_and_counts_them():
+  layer, cfg = _mlp(capacity_factor=0.5, moe_matmul="tiles")
+  x = jax.random.normal(jax.random.key(5), (2, 10, 16))
+  out, sums = layer(x)
+  t = x.reshape(-1, 16)
+  r = moe.route(layer.router(t), 2, "softmax", True)
+  cap = moe.capacity(20, 2, 4, 0.5)
+  seen = np.zeros(4, int)
+  keep = np.zeros((20, 2), np.float32)
+  for token in range(20):  # in token order, as the stable sort keeps them
+    for j in range(2):
+      e = int(r.experts[token, j])
+      keep[token, j] = seen[e] < cap
+      seen[e] += 1
+  assert int(sums["dropped"]) == int((1 - keep).sum()) > 0
+  np.testing.assert_allclose(out, every_expert(layer, x, jnp.asarray(keep)), atol=1e-5)
+
+
+def test_moe_settings_are_checked_with_one_line():
+  with pytest.raises(ConfigError, match="experts_per_token must be in"):
+    LlamaConfig(**{**TINY, "experts_per_token": 5})
+  with pytest.raises(ConfigError, match="lbl_scope must be one of global, micro_batch"):
+    LlamaConfig(**{**TINY, "lbl_scope": "sequence"})
+  with pytest.raises(ConfigError, match="scan_layers=false"):
+    LlamaConfig(**{**TINY, "scan_layers": True, "dense_layers": (0,)})
+  assert LlamaConfig(**{**TINY, "moe_every": 2}).moe_layers == (False, True)
+
+
+def _batches(seed=0, g=8, s=12):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(2):
+    tokens = rng.integers(0, 40, size=(g, s + 1), dtype=np.int32)
+    # very uneven masks: some rows nearly empty, some full, one empty
+    mask = (rng.random((g, s)) < rng.choice([0.1, 1.0], size=(g, 1))).astype(np.int32)
+    mask[1] = 0
+    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask})
+  return out
+
+
+def _train(cfg, k, batches):
+  apply_fn, params = models.build(cfg, 0)
+  loss = router_loss.next_token_loss(apply_fn, cfg)
+  opt = optax.adamw(1e-2)
+  step = make_train_step(loss, opt, grad_accum_steps=k)
+  state = step.init(params, 0)
+  step = jax.jit(router_loss.with_router_metrics(step, cfg, k))
+  metrics = []
+  for b in batches:
+    state, m = step(state, b)
+    metrics.append(jax.device_get(m))
+  return state, metrics
+
+
+@pytest.mark.parametrize(
+  "remat, scan", [("none", False), pytest.param("block", True, marks=pytest.mark.slow)]
+)
+def test_global_lbl_gives_the_update_of_one_big_batch_for_any_k(remat, scan):
+  cfg = LlamaConfig(**TINY, router_aux_loss=0.5, router_z_loss=0.1, remat=remat, scan_layers=scan)
+  batches = _batches()
+  one, m1 = _train(cfg, 1, batches)
+  four, m4 = _train(cfg, 4, batches)
+  for a, b in zip(m1, m4, strict=True):
+    for key in ("loss", "moe/lbl", "moe/z_loss", "grad_norm", "extra_loss", "moe/max_load"):
+      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert m1[0]["moe/lbl"] > 1.0  # k = 2: 2 at perfect balance, near it at init
+
+
+def _by_hand(cfg, params, batch):
+  """LBL and Z of ``batch`` computed outside the model's routing sums: the router's
+  input rebuilt from the block's own parts, top-k taken in numpy. One MoE layer."""
+  model = nnx.merge(nnx.graphdef(Llama(cfg, rngs=nnx.Rngs(0))), nnx.State(params))
+  blk = model.blocks[0]
+  x = model.embed_tokens(jnp.asarray(batch["inputs"]))
+  x = x + blk.attention(blk.input_layernorm(x))
+  z = np.asarray(blk.mlp.router(blk.post_attention_layernorm(x)), np.float64).reshape(-1, 4)
+  m = batch["loss_mask"].reshape(-1).astype(np.float64)
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  top = np.argsort(-p, axis=-1)[:, :2]
+  chosen = np.zeros_like(p)
+  np.put_along_axis(chosen, top, 1.0, axis=-1)
+  t = m.sum()
+  if not t:  # an empty micro-batch adds 0 to the mean
+    return 0.0, 0.0
+  lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+  lbl = 4 * np.sum((m @ chosen / t) * (m @ p / t))
+  return lbl, np.sum(m * lse**2) / t
+
+
+def test_lbl_scopes_against_the_formula_by_hand():
+  """global at K = 4 is the formula over the whole batch; micro_batch at K = 4 is the mean
+  of the formula over each micro-batch (rows k, k + 4, …), as the anchors compute it."""
+  base = {**TINY, "n_layers": 1}
+  batch = _batches(seed=3)[0]
+  params = models.build(LlamaConfig(**base), 0)[1]
+  whole = _by_hand(LlamaConfig(**base), params, batch)
+  parts = [
+    _by_hand(LlamaConfig(**base), params, {k: v[i::4] for k, v in batch.items()}) for i in range(4)
+  ]
+  for scope, (lbl, z) in {
+    "global": whole,
+    "micro_batch": (np.mean([p[0] for p in parts]), np.mean([p[1] for p in parts])),
+  }.items():
+    cfg = LlamaConfig(**base, lbl_scope=scope)
+    _, m = _train(cfg, 4, [batch])
+    np.testing.assert_allclose(m[0]["moe/lbl"], lbl, rtol=1e-5, err_msg=scope)
+    np.testing.assert_allclose(m[0]["moe/z_loss"], z, rtol=1e-5, err_msg=scope)
+  assert abs(whole[0] - np.mean([p[0] for p in parts])) > 1e-3  # the scopes do differ here
+
+
+def test_the_specialization_measure_is_bits_between_domain_and_expert():
+  from benchmarks.moe_specialization import mutual_information
+
+  assert mutual_information(np.array([[5.0, 0.0], [0.0, 5.0]])) == pytest.approx(1.0)
+  assert mutual_information(np.array([[3.0, 3.0], [2.0, 2.0]])) == pytest.approx(0.0, abs=1e-12)
+  assert 0 < mutual_information(np.array([[4.0, 1.0], [1.0, 4.0]])) < 1
+
+
+@pytest.mark.slow
+def test_the_specialization_benchmark_runs_both_scopes(tmp_path):
+  import json
+
+  from benchmarks import moe_specialization
+
+  assert moe_specialization.main(["--quick", "--out", str(tmp_path / "s.json")]) == 0
+  out = json.loads((tmp_path / "s.json").read_text())
+  assert {r["scope"] for r in out["runs"]} == {"global", "micro_batch"}
+  assert all(0 <= r["mutual_information_bits"] <= 1 for r in out["runs"])

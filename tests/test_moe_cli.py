@@ -1,0 +1,99 @@
+"""An MoE model through the commands: ``jaxstep.train`` with expert parallelism, a kill -9
+and resume, a resume on another expert split, ``jaxstep check``, and the settings' errors."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import read_lines, straight_and_killed
+
+import jaxstep
+
+MOE = [
+  "--config", "tiny", "model.family=llama", "model.num_experts=4", "model.experts_per_token=2",
+  "model.moe_intermediate_size=32", "model.d_model=64", "model.n_heads=2",
+  "model.intermediate_size=96", "train.log_every=1",
+]  # fmt: skip
+
+
+def _train(*args, env_extra=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+  cmd = [sys.executable, "-m", "jaxstep.train", *MOE, *args]
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+  args = [*MOE, "train.max_steps=6", "checkpoint.every=2", "mesh.expert=2", "mesh.data=1"]
+  straight_and_killed(tmp_path, args, kill_at=2)
+  a, b = (jaxstep.load_run(tmp_path / n) for n in ("straight", "killed"))
+  assert a.step == b.step == 6
+  pairs = zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+  metrics = read_lines(tmp_path / "straight" / "metrics.jsonl")
+  assert {"moe/lbl", "moe/z_loss", "moe/max_load", "moe/dropped"} <= set(metrics[-1])
+
+
+@pytest.mark.slow
+def test_expert_split_runs_match_and_reshard_on_resume(tmp_path):
+  """2 devices as data 2 or as expert 2: the same losses; a checkpoint of one resumes on
+  the other."""
+  runs = {}
+  for name, mesh in {"data": "mesh.data=2", "expert": "mesh.expert=2"}.items():
+    extra = [] if name == "data" else ["mesh.data=1"]
+    done = _train("train.max_steps=4", mesh, *extra, f"run_dir={tmp_path / name}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs[name] = [m["loss"] for m in read_lines(tmp_path / name / "metrics.jsonl")]
+  np.testing.assert_allclose(runs["data"], runs["expert"], rtol=1e-5)
+  more = _train(
+    "train.max_steps=6", "train.schedule_steps=4", "mesh.data=2", f"run_dir={tmp_path / 'expert'}"
+  )
+  assert more.returncode == 0 and "resumed from the checkpoint" in more.stderr, more.stderr
+  assert jaxstep.load_run(tmp_path / "expert").step == 6
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (["model.num_experts=6", "mesh.expert=4"], "nearest that does is mesh.expert=3"),
+    pytest.param(
+      ["model.num_experts=0", "mesh.expert=2"],
+      "has none (model.num_experts=0)",
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
+      ["model.lbl_scope=batch"],
+      "model.lbl_scope must be one of global, micro_batch",
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
+      ["model.experts_per_token=9"],
+      "model.experts_per_token must be in [1, num_experts=4]",
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_moe_settings_that_cannot_run_are_one_line(tmp_path, args, message):
+  done = _train("train.max_steps=1", *args, f"run_dir={tmp_path / 'run'}")
+  assert done.returncode == 2, done.stderr[-2000:]
+  lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_check_passes_for_global_and_names_the_extra_loss_for_micro_batch(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = {}
+  for scope in ("global", "micro_batch"):
+    cmd = [sys.executable, "-m", "jaxstep", "check", *MOE, f"model.lbl_scope={scope}"]
+    out[scope] = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert out["global"].returncode == 0, out["global"].stderr[-2000:]
+  assert (
+    "extra loss" in out["global"].stdout and "PASS: accumulation is exact" in out["global"].stdout
+  )
+  assert out["micro_batch"].returncode != 0
+  assert "first divergence at 'extra loss'" in out["micro_batch"].stdout

@@ -1,0 +1,69 @@
+"""LoRA on a Hugging Face MoE folder: the adapters train (attention, dense layers, shared
+experts), the router and the routed experts stay bit for bit the folder's, and the PEFT
+adapter jaxstep exports loads onto transformers' model with the run's logits."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_hf_moe import CASES, SHAPE
+from test_init_from import run_cfg
+from test_lora_export import export, logits, ours
+from test_pretrained import CHATML_TEMPLATE
+from tolerance import assert_close, assert_far
+
+import jaxstep
+from jaxstep import trainer
+from jaxstep.core.trees import path_name
+from jaxstep.models import hf_weights
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
+
+
+@pytest.fixture
+def moe_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
+  """A tiny random Qwen2-MoE (gated shared expert, layer 1 dense) with a tokenizer."""
+  name, extra = CASES["qwen2_moe"]
+  cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  path = tmp_path / "qwen2moe"
+  model.eval().save_pretrained(path)
+  shutil.copy(tokenizer_files["plain"], path / "tokenizer.json")
+  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+  (path / "tokenizer_config.json").write_text(json.dumps(specials))
+  (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+  return path
+
+
+@pytest.mark.slow
+def test_lora_on_an_moe_folder_exports_a_peft_adapter_with_the_runs_logits(tmp_path, moe_folder):
+  cfg = run_cfg(tmp_path, moe_folder, "model.lora.rank=4", "train.max_steps=2", "optim.lr=1e-2")
+  trainer.train(cfg)
+  run_dir, out = tmp_path / "run", tmp_path / "adapter"
+  saved = jaxstep.load_run(run_dir)
+  base = hf_weights.read_params(moe_folder, saved.cfg.model)
+  flat = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(saved.params)[0]}
+  folder = {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(base)[0]}
+  frozen = [n for n in flat if "/mlp/router/" in n or "/mlp/experts/" in n]
+  assert frozen and all(np.array_equal(flat[n], folder[n]) for n in frozen)
+  adapted = [n for n in flat if n.endswith("lora_b") and np.any(flat[n])]
+  assert any("shared_expert" in n for n in adapted) and any("q_proj" in n for n in adapted)
+
+  assert export(run_dir, out, "--adapter") == 0
+  hf = transformers.AutoModelForCausalLM.from_pretrained(moe_folder)
+  with_adapter = peft.PeftModel.from_pretrained(hf, out)
+  expected = ours(run_dir)
+  assert_close(logits(with_adapter), expected, terms=TERMS)
+  plain = transformers.AutoModelForCausalLM.from_pretrained(moe_folder)
+  assert_far(logits(plain), expected, terms=TERMS)

@@ -1,0 +1,32 @@
+"""An MoE model's step on meshes of 8 virtual CPU devices (a subprocess,
+``tests/helpers/moe_mesh.py``) against one device: with data, fsdp, expert and tensor axes
+the global load-balancing loss and the update are exact for every mesh and K; the
+micro-batch one is not."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from test_sharding import devices_env
+
+HELPER = pathlib.Path(__file__).parent / "helpers" / "moe_mesh.py"
+
+
+@pytest.mark.slow
+def test_global_lbl_is_the_same_update_on_every_mesh_and_k():
+  proc = subprocess.run(
+    [sys.executable, str(HELPER)], env=devices_env(8), capture_output=True, text=True, timeout=900
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = [json.loads(line) for line in proc.stdout.splitlines()]
+  exact = [r for r in rows if r["scope"] == "global"]
+  assert len(exact) == 16  # 8 meshes × K 1, 4
+  for r in exact:
+    for key in ("loss", "moe/lbl", "grad_norm", "params"):
+      assert r[key] <= 1e-5, (key, r)
+    data, fsdp, expert, tensor = r["mesh"]
+    assert ("'expert'" in r["experts_spec"]) == (expert > 1), r  # split, not replicated
+  # per micro-batch and device, as most frameworks count it: another update
+  assert all(r["moe/lbl"] > 1e-3 for r in rows if r["scope"] == "micro_batch")
