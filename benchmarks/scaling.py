@@ -86,17 +86,17 @@ def replica_groups(rest: str, devices: int) -> list[list[int]]:
   return [list(range(devices))]
 
 
-def mesh_axis(group: list[int], data: int, fsdp: int, tensor: int = 1) -> str:
-  """Which axes of a row-major (data, fsdp[, tensor]) mesh a replica group spans."""
+def mesh_axis(group: list[int], data: int, fsdp: int, tensor: int = 1, expert: int = 1) -> str:
+  """Which axes of a row-major (data, fsdp[, expert][, tensor]) mesh a replica group spans."""
   import numpy as np
 
   members = sorted(group)
-  if len(members) == data * fsdp * tensor:
+  if len(members) == data * fsdp * expert * tensor:
     return "all"
-  coords = np.array(np.unravel_index(members, (data, fsdp, tensor))).T
-  names = ("data", "fsdp", "tensor")
+  coords = np.array(np.unravel_index(members, (data, fsdp, expert, tensor))).T
+  names = ("data", "fsdp", "expert", "tensor")
   varying = [n for n, col in zip(names, coords.T, strict=True) if len(set(col)) > 1]
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
   if varying and len(members) == math.prod(sizes[n] for n in varying):
     return "+".join(varying)
   return f"{len(members)} devices"
@@ -116,7 +116,7 @@ def loop_computations(hlo: str) -> set[str]:
   return seen
 
 
-def collectives(hlo: str, data: int, fsdp: int, tensor: int = 1) -> list[dict]:
+def collectives(hlo: str, data: int, fsdp: int, tensor: int = 1, expert: int = 1) -> list[dict]:
   """Every collective of a compiled HLO module: op, mesh axis, operands, operand bytes per
   device, and whether it runs inside a while loop."""
   in_loop = loop_computations(hlo)
@@ -132,8 +132,8 @@ def collectives(hlo: str, data: int, fsdp: int, tensor: int = 1) -> list[dict]:
         size = 2
         axis = "pairs"
       else:
-        groups = replica_groups(rest, data * fsdp * tensor)
-        size, axis = len(groups[0]), mesh_axis(groups[0], data, fsdp, tensor)
+        groups = replica_groups(rest, data * fsdp * expert * tensor)
+        size, axis = len(groups[0]), mesh_axis(groups[0], data, fsdp, tensor, expert)
       operand = {"all-gather": result // size, "reduce-scatter": result * size}.get(op, result)
       name = re.search(r'op_name="([^"]*)"', rest)
       out.append(
@@ -184,7 +184,13 @@ def group_rows(found: list[dict]) -> list[dict]:
 
 
 def measure(
-  config: str, overrides: list[str], data: int, fsdp: int, ks: list[int], tensor: int = 1
+  config: str,
+  overrides: list[str],
+  data: int,
+  fsdp: int,
+  ks: list[int],
+  tensor: int = 1,
+  expert: int = 1,
 ) -> dict:
   """Compiles the train step of ``config`` for each K on a (data, fsdp[, tensor]) mesh of
   this process's (virtual) devices and counts what it sends, writes and reads, and what each
@@ -198,22 +204,22 @@ def measure(
   from jaxstep.trainer.plan import auto_accum, steps, tensor_split
 
   cfg = config_lib.load(config, overrides)
-  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=tensor))
+  cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor=tensor, expert=expert))
   tensor_split.check(cfg.model, cfg.mesh, cfg.train.seq_len)
   if cfg.model.vocab_size == 0:
     raise SystemExit("set model.vocab_size: the tokenizer is not read here")
   t = cfg.train
-  mesh = parallel.make_mesh(data, fsdp, tensor=tensor)
+  mesh = parallel.make_mesh(data, fsdp, tensor=tensor, expert=expert)
   schedule = t.schedule_steps or t.max_steps or 1
   out = {"config": config, "overrides": overrides, "data": data, "fsdp": fsdp, "runs": []}
-  out["tensor"] = tensor
+  out["tensor"], out["expert"] = tensor, expert
   for k in ks:
     cfg_k = dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum_steps=k))
     start = time.perf_counter()
     apply_fn, state = steps.abstract_state(cfg_k, mesh, schedule)
     compiled = steps.compile_step(cfg_k, apply_fn, mesh, schedule, k, state)
     seconds = time.perf_counter() - start
-    found = collectives(compiled.as_text(), data, fsdp, tensor)
+    found = collectives(compiled.as_text(), data, fsdp, tensor, expert)
     memory = compiled.memory_analysis()
     out["runs"].append(
       {
@@ -280,6 +286,7 @@ def report(m: dict, sizes=(8, 64, 512)) -> str:
   """Markdown: the measured collectives per K, then the computed per-host table (a data ×
   fsdp mesh) or each axis's wire bytes (with a tensor axis)."""
   tensor = f" × tensor {m['tensor']}" if m.get("tensor", 1) > 1 else ""
+  tensor += f" × expert {m['expert']}" if m.get("expert", 1) > 1 else ""
   lines = [
     f"`{m['config']}` {' '.join(m['overrides'])}: {m['num_params']:,} parameters, "
     f"mesh data {m['data']} × fsdp {m['fsdp']}{tensor} ({m['devices']} virtual CPU devices), "
@@ -372,18 +379,19 @@ def main(argv=None) -> int:
   p.add_argument("--data", type=int, default=8)
   p.add_argument("--fsdp", type=int, default=8)
   p.add_argument("--tensor", type=int, default=1)
+  p.add_argument("--expert", type=int, default=1, help="expert-parallel size (an MoE model)")
   p.add_argument("--ks", default="1,8", help="comma-separated K values to compile")
   p.add_argument("--json", default=None, help="also write the measurements here")
   p.add_argument("overrides", nargs="*", metavar="key=value")
   args = p.parse_args(argv)
-  devices = args.data * args.fsdp * args.tensor
+  devices = args.data * args.fsdp * args.tensor * args.expert
   if "jax" in sys.modules:
     raise SystemExit("run benchmarks.scaling in a fresh process (it sets XLA_FLAGS)")
   os.environ["JAX_PLATFORMS"] = "cpu"
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
   ks = [int(k) for k in args.ks.split(",")]
-  m = measure(args.config, args.overrides, args.data, args.fsdp, ks, args.tensor)
+  m = measure(args.config, args.overrides, args.data, args.fsdp, ks, args.tensor, args.expert)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(m, f, indent=1)

@@ -97,3 +97,35 @@ def test_check_passes_for_global_and_names_the_extra_loss_for_micro_batch(tmp_pa
   )
   assert out["micro_batch"].returncode != 0
   assert "first divergence at 'extra loss'" in out["micro_batch"].stdout
+
+
+@pytest.mark.slow
+def test_an_moe_run_generates_and_evaluates(tmp_path):
+  done = _train("train.max_steps=2", f"run_dir={tmp_path / 'run'}")
+  assert done.returncode == 0, done.stderr[-2000:]
+  text = tmp_path / "text.txt"
+  text.write_text("the cat sees the dog.\n12 + 5 = 17\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  jaxstep_cmd = [sys.executable, "-m", "jaxstep"]
+  run = str(tmp_path / "run")
+  scored = subprocess.run(
+    [*jaxstep_cmd, "evaluate", run, "--data", str(text)], env=env, capture_output=True, text=True
+  )
+  assert scored.returncode == 0 and "ppl" in scored.stdout, scored.stderr[-2000:]
+  sampled = subprocess.run(
+    [*jaxstep_cmd, "generate", run, "--prompt", "12 + 5 =", "--max-new-tokens", "4"],
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_memory_ledger_names_the_experts_share_per_device(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, "-m", "jaxstep", "memory", *MOE, "mesh.expert=2", "mesh.data=1"]
+  done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  # 2 layers × 4 experts × 3 matrices of 64 × 32
+  assert "the routed experts hold 49,152 of the parameters, 24,576 per device" in done.stdout

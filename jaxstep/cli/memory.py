@@ -68,6 +68,8 @@ def report(cfg) -> str:
     lines += ["", preference_line(c["cfg"])]
   if cfg.rl.rewards:
     lines += ["", rl_line(c["cfg"])]
+  if getattr(cfg.model, "num_experts", 0):
+    lines += ["", moe_line(c["cfg"], c["expert_params"], c["expert"])]
   if c["auto_table"]:
     budget = c["budget_bytes"]
     lines += ["", f"grad_accum_steps=auto, budget {gib(budget).strip()} per device:"]
@@ -97,6 +99,26 @@ def preference_line(cfg) -> str:
   return (
     f"preference.loss={p.loss}: the reference is the LoRA base (adapters off), the same "
     f"weights: no second copy of the model; its forward keeps no activations"
+  )
+
+
+def moe_line(cfg, expert_params: int, expert: int) -> str:
+  """What a mixture-of-experts model holds and moves, in the ledger's words (docs/moe.md)."""
+  m, t = cfg.model, cfg.train
+  tokens = t.global_batch_size * t.seq_len // max(t.grad_accum_steps, 1)
+  split = (
+    f", {expert_params // expert:,} per device over mesh.expert={expert}" if expert > 1 else ""
+  )
+  moved = (
+    f"; expert parallelism all-gathers each MoE layer's group rows ({expert} × a device's) in "
+    f"and reduce-scatters them out"
+    if expert > 1
+    else ""
+  )
+  return (
+    f"mixture of experts: the routed experts hold {expert_params:,} of the parameters{split}; "
+    f"a micro-step routes {tokens:,} tokens × {m.experts_per_token} experts per MoE layer "
+    f"(sorted rows of width {m.d_model}, padded to whole tiles on CPU){moved}"
   )
 
 

@@ -112,7 +112,22 @@ def compiled_memory(cfg) -> dict:
     "fsdp": mesh.shape["fsdp"],
     "data": mesh.shape["data"],
     "tensor": dict(mesh.shape).get("tensor", 1),
+    "expert": dict(mesh.shape).get("expert", 1),
+    "expert_params": _expert_params(state.params),
   }
+
+
+def _expert_params(params) -> int:
+  """How many parameters the routed experts of an MoE model hold (0 for a dense one)."""
+  leaves = jax_leaves_with_path(params)
+  return sum(math.prod(x.shape) for path, x in leaves if "['experts']" in path)
+
+
+def jax_leaves_with_path(tree) -> list[tuple[str, object]]:
+  import jax
+
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
 
 def _shard_bytes(x) -> int:
