@@ -96,30 +96,35 @@ def test_tiles_cover_uneven_groups_and_empty_experts():
   x = jax.random.normal(jax.random.key(0), (40, 5))
   w = jax.random.normal(jax.random.key(1), (6, 5, 3))
   experts = jnp.array([[0], [0], [5], [0], [2]] * 8, jnp.int32)  # experts 1, 3, 4 get none
-  plan = moe.dispatch(experts, 6, None, tile=8)
+  plan = moe.dispatch(experts, 6, tile=8)
   rows = jnp.concatenate([x, jnp.zeros((1, 5))])[plan.row_token]
   out = grouped.grouped_matmul(rows, w, plan.group_sizes, plan.tile_groups, "tiles")
   got = out[plan.dest[:, 0]]
   np.testing.assert_allclose(got, jnp.einsum("td,tdf->tf", x, w[experts[:, 0]]), atol=1e-5)
-  assert int(plan.dropped) == 0
 
 
-def test_capacity_drops_the_latest_tokens_of_a_full_expert_and_counts_them():
+def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
+  """⌈c·S·k/E⌉ per expert and sequence (MaxText's rule), in token order; the same drops
+  whichever rows share the call (micro-batch and mesh independent)."""
   layer, cfg = _mlp(capacity_factor=0.5, moe_matmul="tiles")
-  x = jax.random.normal(jax.random.key(5), (2, 10, 16))
+  x = jax.random.normal(jax.random.key(5), (3, 10, 16))
   out, sums = layer(x)
-  t = x.reshape(-1, 16)
-  r = moe.route(layer.router(t), 2, "softmax", True)
-  cap = moe.capacity(20, 2, 4, 0.5)
-  seen = np.zeros(4, int)
-  keep = np.zeros((20, 2), np.float32)
-  for token in range(20):  # in token order, as the stable sort keeps them
-    for j in range(2):
-      e = int(r.experts[token, j])
-      keep[token, j] = seen[e] < cap
-      seen[e] += 1
+  r = moe.route(layer.router(x.reshape(-1, 16)), 2, "softmax", True)
+  experts = np.asarray(r.experts).reshape(3, 10, 2)
+  cap = moe.capacity(10, 2, 4, 0.5)
+  keep = np.zeros((3, 10, 2), np.float32)
+  for row in range(3):
+    seen = np.zeros(4, int)
+    for token in range(10):
+      for j in range(2):
+        e = experts[row, token, j]
+        keep[row, token, j] = seen[e] < cap
+        seen[e] += 1
   assert int(sums["dropped"]) == int((1 - keep).sum()) > 0
-  np.testing.assert_allclose(out, every_expert(layer, x, jnp.asarray(keep)), atol=1e-5)
+  expected = every_expert(layer, x, jnp.asarray(keep.reshape(30, 2)))
+  np.testing.assert_allclose(out, expected, atol=1e-5)
+  alone, _ = layer(x[1:2])  # a sequence's drops are its own
+  np.testing.assert_allclose(alone, out[1:2], atol=1e-5)
 
 
 def test_moe_settings_are_checked_with_one_line():

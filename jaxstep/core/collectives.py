@@ -47,11 +47,14 @@ def gather(x, spec: P):
 
 def average(x, spec: P, axes: tuple[str, ...]):
   """A full model-state leaf that differs per device → its mean (max for non-floating
-  leaves) over every device, then this device's fsdp shard of it."""
+  leaves) over every device holding the same part of it (an expert-split leaf, e.g. a live
+  reference's experts, not over ``expert``: those devices hold other experts), then this
+  device's fsdp shard of it."""
+  rows = _rows_of(spec, axes)
   if jnp.issubdtype(x.dtype, jnp.floating):
-    x = over_rows(jax.lax.pmean, x, axes)
+    x = over_rows(jax.lax.pmean, x, rows)
   else:
-    x = over_rows(jax.lax.pmax, x, axes)
+    x = over_rows(jax.lax.pmax, x, rows)
   dim = _fsdp_dim(spec)
   if dim is None:
     return x

@@ -64,9 +64,13 @@ def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Cal
     if not (train and "mask" in pending):  # a reference's forward pass, an evaluation
       return apply_fn(params, inputs, rng=rng, train=train, **fields)
     weights = pending.pop("mask")
-    logits, pending["sums"] = apply_fn(
+    logits, sums = apply_fn(
       params, inputs, rng=rng, train=True, route_weights=weights, with_routing=True, **fields
     )
+    local = {"counts": sums["counts"], "tokens": jnp.sum(weights)}
+    if pending.pop("sum_here"):  # K = 1: this forward's counts, summed over the devices' rows
+      local = sum_over_batch(local)
+    pending["sums"], pending["totals"] = sums, local
     return logits
 
   inner = build(routed_apply)
@@ -75,19 +79,17 @@ def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Cal
     _, mask, _ = rows(batch)
     pending.clear()
     pending["mask"] = mask.astype(jnp.float32)
+    pending["sum_here"] = scope == "global" and GLOBAL_SUMS not in batch
     loss, aux, *rest = inner(params, batch, rng, *model_state)
-    sums = pending.pop("sums")
-    local = {"counts": sums["counts"], "tokens": jnp.sum(mask.astype(jnp.float32))}
-    if scope == "global":
-      totals = batch.get(GLOBAL_SUMS)
-      totals = sum_over_batch(local) if totals is None else totals
-    else:
-      totals = local
+    sums, totals = pending.pop("sums"), pending.pop("totals")
+    if scope == "global" and GLOBAL_SUMS in batch:  # K > 1: the step's routing pass
+      totals = batch[GLOBAL_SUMS]
     lbl, z = router_terms(sums, totals, model_cfg.num_experts, layers)
     objective = model_cfg.router_aux_loss * lbl + model_cfg.router_z_loss * z
+    term = "extra_share" if scope == "global" else "extra_loss"
     aux = {
       **aux,
-      "extra_share" if scope == "global" else "extra_loss": objective,
+      term: aux.get(term, 0.0) + objective,
       "moe/lbl": lbl,
       "moe/z_loss": z,
       "moe/counts": sums["counts"],

@@ -11,9 +11,10 @@ weights give the same logits.
 
 Dispatch is dropless: the ``T·k`` (token, expert) assignments are sorted by expert, each
 expert's rows multiplied by its weights in one grouped product, and scattered back. With a
-``capacity_factor`` c > 0 each expert takes at most ``⌈c·T·k/E⌉`` assignments, the first in
-token order (MaxText's rule); the rest are dropped (their weight is zero, the token keeps
-its residual) and counted.
+``capacity_factor`` c > 0 each expert takes at most ``⌈c·S·k/E⌉`` assignments from each
+sequence of S tokens, the first in token order (MaxText's per-sequence rule); the rest are
+dropped (their weight is zero, the token keeps its residual) and counted. Counted per
+sequence, the drops do not depend on the micro-batch size, the mesh or the expert split.
 
 The layer also returns the routing sums the load-balancing and z-losses need, over the
 tokens weighted by ``route_weights`` (``[B, S]``, the loss mask; None: all ones):
@@ -70,45 +71,54 @@ class Dispatch(NamedTuple):
   dest: jax.Array  # int32[T, k]: the row of each assignment (R: dropped)
   group_sizes: jax.Array  # int32[E]: rows per expert, padded to whole tiles
   tile_groups: jax.Array  # int32[R / tile]: each tile's expert
-  dropped: jax.Array  # f32[]: assignments over capacity
 
 
-def capacity(tokens: int, k: int, experts: int, factor: float) -> int | None:
-  """Assignments one expert takes: ``⌈factor·T·k/E⌉``, or None (dropless) for ``factor`` 0."""
-  return math.ceil(factor * tokens * k / experts) if factor > 0 else None
+def capacity(seq_len: int, k: int, experts: int, factor: float) -> int | None:
+  """Assignments one expert takes from one sequence: ``⌈factor·S·k/E⌉``, or None
+  (dropless) for ``factor`` 0."""
+  return math.ceil(factor * seq_len * k / experts) if factor > 0 else None
 
 
-def dispatch(experts: jax.Array, n_experts: int, cap: int | None, tile: int) -> Dispatch:
+def over_capacity(experts: jax.Array, n_experts: int, cap: int) -> jax.Array:
+  """``experts [B, S, k]`` with every assignment past the first ``cap`` of its expert in its
+  sequence (in token order) sent to ``n_experts`` (nowhere: dropped). Per sequence, so what
+  is dropped does not depend on the micro-batch, the mesh or the expert split."""
+  b, s, k = experts.shape
+  row = jnp.arange(b, dtype=jnp.int32)[:, None]
+  key = (row * n_experts + experts.reshape(b, s * k)).reshape(-1)
+  order = jnp.argsort(key, stable=True)
+  counts = jnp.bincount(key, length=b * n_experts).astype(jnp.int32)
+  rank_sorted = jnp.arange(key.size, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[key[order]]
+  rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+  return jnp.where(rank < cap, experts.reshape(-1), n_experts).reshape(b, s, k)
+
+
+def dispatch(experts: jax.Array, n_experts: int, tile: int) -> Dispatch:
   """The expert-sorted layout of ``experts [T, k]``: groups in expert order, each padded to
-  a multiple of ``tile`` rows (1: unpadded), each at most ``cap`` rows (None: all). A
-  stable sort keeps token order inside a group, so capacity drops the latest tokens. An
-  expert id ``>= n_experts`` (another device's expert, under expert parallelism) gets no
-  row: its assignment is left to that device, not dropped."""
+  a multiple of ``tile`` rows (1: unpadded); a stable sort keeps token order inside a
+  group. An expert id ``>= n_experts`` (dropped over capacity, or another device's expert
+  under expert parallelism) gets no row."""
   t, k = experts.shape
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   sorted_e = flat[order]
-  counts = jnp.bincount(flat, length=n_experts + 1).astype(jnp.int32)  # last: elsewhere
+  counts = jnp.bincount(flat, length=n_experts + 1).astype(jnp.int32)  # last: no row
   group = jnp.minimum(sorted_e, n_experts)
   rank = jnp.arange(t * k, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[group]
   counts = counts[:n_experts]
-  kept = counts if cap is None else jnp.minimum(counts, cap)
-  sizes = (kept + tile - 1) // tile * tile
+  sizes = (counts + tile - 1) // tile * tile
   starts = jnp.cumsum(sizes) - sizes
-  per_group = t * k if cap is None else min(cap, t * k)
-  rows = min(t * k, n_experts * per_group) + n_experts * (tile - 1)
+  rows = t * k + n_experts * (tile - 1)
   rows = (rows + tile - 1) // tile * tile
   here = sorted_e < n_experts
-  safe = jnp.minimum(sorted_e, n_experts - 1)
-  dest_sorted = jnp.where(here & (rank < kept[safe]), starts[safe] + rank, rows)
+  dest_sorted = jnp.where(here, starts[jnp.minimum(sorted_e, n_experts - 1)] + rank, rows)
   dest = jnp.zeros(t * k, jnp.int32).at[order].set(dest_sorted).reshape(t, k)
   token_of = jnp.arange(t * k, dtype=jnp.int32) // k
   row_token = jnp.full(rows, t, jnp.int32).at[dest.reshape(-1)].set(token_of, mode="drop")
   tile_start = jnp.arange(rows // tile, dtype=jnp.int32) * tile
   ends = jnp.cumsum(sizes)
   tile_groups = jnp.minimum(jnp.searchsorted(ends, tile_start, side="right"), n_experts - 1)
-  dropped = jnp.sum(counts - kept).astype(jnp.float32)
-  return Dispatch(row_token, dest, sizes, tile_groups.astype(jnp.int32), dropped)
+  return Dispatch(row_token, dest, sizes, tile_groups.astype(jnp.int32))
 
 
 class SwiGLU(nnx.Module):
@@ -157,7 +167,7 @@ class MoeMLP(nnx.Module):
     tokens = x.reshape(b * s, d)
     logits = self.router(tokens)
     r = route(logits, cfg.experts_per_token, cfg.router_scores, cfg.norm_topk)
-    out, dropped = self._experts(tokens, r)
+    out, dropped = self._experts(tokens, r, s)
     if self.shared_expert is not None:
       shared = self.shared_expert(tokens)
       if self.shared_expert_gate is not None:
@@ -166,7 +176,7 @@ class MoeMLP(nnx.Module):
     m = jnp.ones((b * s,), jnp.float32) if route_weights is None else route_weights.reshape(-1)
     return out.reshape(b, s, d), routing_sums(logits, r, m, cfg.num_experts, dropped)
 
-  def _experts(self, tokens: jax.Array, r: Routing):
+  def _experts(self, tokens: jax.Array, r: Routing, seq_len: int):
     """``Σ_j w_j · expert_{e_j}(x)`` for ``tokens [T, d]``, and the dropped assignments.
 
     Under expert parallelism (``layout.expert_shards() = P > 1``: inside the sharded step,
@@ -179,8 +189,12 @@ class MoeMLP(nnx.Module):
     routed copies."""
     cfg, ex = self.cfg, self.experts
     shards = layout.expert_shards()
-    weights = r.weights
-    experts = r.experts
+    weights, experts, dropped = r.weights, r.experts, jnp.zeros((), jnp.float32)
+    cap = capacity(seq_len, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor)
+    if cap is not None:  # on this device's own rows, before any exchange
+      kept = over_capacity(experts.reshape(-1, seq_len, experts.shape[1]), cfg.num_experts, cap)
+      experts = kept.reshape(experts.shape)
+      dropped = jnp.sum(experts == cfg.num_experts).astype(jnp.float32)
     if shards > 1:
       gather = functools.partial(jax.lax.all_gather, axis_name=layout.EXPERT, tiled=True)
       tokens, weights, experts = gather(tokens), gather(weights), gather(experts)
@@ -190,12 +204,15 @@ class MoeMLP(nnx.Module):
     n, d = tokens.shape
     n_here = ex.gate_proj.shape[0]
     impl = grouped.resolve(cfg.moe_matmul)
-    tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, n_here)
-    cap = capacity(n, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor)
-    plan = dispatch(experts, n_here, cap, tile)
+    # the mean group: the n·k assignments over all E experts (n_here of them are here)
+    tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, cfg.num_experts)
+    plan = dispatch(experts, n_here, tile)
     rows = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)])[plan.row_token]
     mm = functools.partial(
-      grouped.grouped_matmul, group_sizes=plan.group_sizes, tile_groups=plan.tile_groups, impl=impl
+      grouped.grouped_matmul,
+      group_sizes=plan.group_sizes,
+      tile_groups=plan.tile_groups,
+      impl=impl,
     )
     w = lambda p: jnp.asarray(p[...], tokens.dtype)  # noqa: E731 - numpy params too
     # gate and up in one grouped product: half the groups' passes over their rows
@@ -207,7 +224,7 @@ class MoeMLP(nnx.Module):
     out = jnp.einsum("tkd,tk->td", picked, weights.astype(tokens.dtype))
     if shards > 1:
       out = jax.lax.psum_scatter(out, layout.EXPERT, scatter_dimension=0, tiled=True)
-    return out, plan.dropped
+    return out, dropped
 
 
 def routing_sums(logits, r: Routing, m: jax.Array, n_experts: int, dropped) -> dict:
