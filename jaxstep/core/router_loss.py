@@ -29,7 +29,6 @@ terms. Few sequences per micro-batch then push every sequence to use every exper
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import jax
@@ -39,6 +38,7 @@ from jaxstep.core import losses
 from jaxstep.core.accumulate import GLOBAL_SUMS
 from jaxstep.core.layout import sum_over_batch
 from jaxstep.core.losses import document_fields
+from jaxstep.core.step import binds
 
 METRICS = ("moe/lbl", "moe/z_loss")  # means over the update whatever the scope
 
@@ -113,7 +113,7 @@ def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Cal
 def _arity_of(inner: Callable, loss_fn: Callable) -> Callable:
   """``loss_fn`` with ``inner``'s signature (3 arguments, or 4 with a model state): the step
   reads the signature to know which form it calls."""
-  if step_binds_model_state(inner):
+  if binds(inner, 4):  # the step's own test of the form it calls
 
     def four(params, batch, rng, model_state):
       return loss_fn(params, batch, rng, model_state)
@@ -128,15 +128,6 @@ def _arity_of(inner: Callable, loss_fn: Callable) -> Callable:
   if hasattr(loss_fn, "global_sums"):
     wrapped.global_sums = loss_fn.global_sums
   return wrapped
-
-
-def step_binds_model_state(fn: Callable) -> bool:
-  """Whether the loss ``fn`` takes the model state (4 positional arguments)."""
-  try:
-    inspect.signature(fn).bind(*range(4))
-  except TypeError:
-    return False
-  return True
 
 
 def sft_rows(batch):

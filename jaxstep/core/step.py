@@ -151,7 +151,7 @@ def _loss_spike(recent_losses: jax.Array, loss: jax.Array, factor: float) -> jax
   return (jnp.sum(filled) * 2 >= recent_losses.shape[0]) & (loss > factor * median)
 
 
-def _binds(fn, n: int) -> bool | None:
+def binds(fn, n: int) -> bool | None:
   """Can ``fn`` take ``n`` positional arguments? None if its signature is unknown."""
   try:
     inspect.signature(fn).bind(*range(n))
@@ -166,7 +166,7 @@ def check_loss_arity(loss_fn, model_state) -> None:
   """Fails at ``init``, on the host, when the loss's signature cannot take the form the
   step will call: 3 arguments without model state, 4 with it (a TypeError deep inside the
   traced step otherwise)."""
-  takes3, takes4 = _binds(loss_fn, 3), _binds(loss_fn, 4)
+  takes3, takes4 = binds(loss_fn, 3), binds(loss_fn, 4)
   if model_state is None and takes3 is False and takes4:
     raise ConfigError(
       "the state holds no model state (model_state is None or empty: the model keeps "
