@@ -21,6 +21,8 @@ def raw_key(rng) -> jax.Array:
   Accepts an int seed (``PRNGKey(seed)``), a new-style typed key (``jax.random.key``; its
   ``key_data``) or a raw key. One stored form keeps checkpoints and resume the same
   whichever the caller passed, and a typed key and its ``key_data`` draw the same numbers.
+  Always a new array: a step jitted with ``donate_argnums=0`` consumes the state's key,
+  never the caller's (a key's ``key_data`` and ``astype`` to its own dtype share its buffer).
   """
   if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
     return jax.random.PRNGKey(int(rng))
@@ -32,7 +34,7 @@ def raw_key(rng) -> jax.Array:
       f"rng must be an int seed, a jax.random.key or a raw uint32[2] key (PRNGKey); got "
       f"{rng.dtype}{list(rng.shape)}"
     )
-  return rng.astype(jnp.uint32)
+  return jnp.array(rng, jnp.uint32, copy=True)
 
 
 def empty_to_none(model_state: Any) -> Any:
