@@ -31,6 +31,7 @@ token. Both sides have S columns, so a batch stacks them into one forward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -112,7 +113,8 @@ def read_pairs(path: str) -> list[PairRow]:
   """
   rows = []
   for file in readers.list_files(path, "jsonl"):
-    rows += [pair_row(record, file, number) for number, record in _records(file)]
+    with contextlib.closing(_records(file)) as records:  # a bad row closes the file too
+      rows += [pair_row(record, file, number) for number, record in records]
   if not rows:
     raise DataError(f"{path} holds no preference pairs (it is empty); {SHAPES}, one a line")
   return rows

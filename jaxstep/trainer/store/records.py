@@ -124,11 +124,13 @@ def read_npz(path: pathlib.Path, names: tuple[str, ...] = ()) -> dict[str, np.nd
       another kind of file); the message says what failed.
   """
   try:
-    stored = np.load(path)
-    if not isinstance(stored, np.lib.npyio.NpzFile):  # an .npy file: one array
-      raise ValueError("one .npy array")
-    with stored:
-      arrays = {name: stored[name] for name in stored.files}
+    # opened here: np.load leaves a file it opened itself open when the zip is damaged
+    with open(path, "rb") as file:
+      stored = np.load(file)
+      if not isinstance(stored, np.lib.npyio.NpzFile):  # an .npy file: one array
+        raise ValueError("one .npy array")
+      with stored:
+        arrays = {name: stored[name] for name in stored.files}
   except OSError:
     raise
   except _NPZ_DAMAGE as e:
