@@ -218,6 +218,18 @@ def test_step_compiles_once_across_steps(np_rng):
   assert int(state.step) == 3
 
 
+@pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key], ids=["raw", "typed"])
+def test_a_donating_step_leaves_the_callers_params_and_key_alive(make_key):
+  """``init`` copies what it is given: a step jitted with ``donate_argnums=0`` consumes the
+  state, never the caller's params or key, which the caller may use again."""
+  params, key = {"w": jnp.float32(1.0)}, make_key(0)
+  step = make_train_step(regression_loss, optax.sgd(0.1), grad_accum_steps=1)
+  batch = {"x": jnp.ones(2), "y": jnp.zeros(2), "loss_mask": jnp.ones(2)}
+  jax.block_until_ready(jax.jit(step, donate_argnums=0)(step.init(params, key), batch))
+  assert float(params["w"]) == 1.0
+  assert jax.random.uniform(key).shape == ()  # raises on a donated (deleted) buffer
+
+
 def test_micro_step_rngs_differ_per_micro_step_and_update():
   def rng_loss(params, batch, rng):
     return jnp.sum(batch["loss_mask"]) * params["w"], {"r": jax.random.uniform(rng)}
