@@ -40,10 +40,19 @@ def _fast_compile_flags() -> list[str]:
 FAST_COMPILE = _fast_compile_flags()
 
 
-def xla_flags(*flags: str) -> str:
+def xla_flags(*flags: str, fast_compile: bool = True) -> str:
   """``XLA_FLAGS`` for a test's subprocess: ``flags`` (e.g. a device count) and the session's
-  fast-compile ones."""
-  return " ".join([*flags, *(f for f in FAST_COMPILE if f not in flags)])
+  fast-compile ones; ``fast_compile=False`` for a process whose run time, not its compiles,
+  is the cost (a demo's hundreds of updates run 2-3× slower without LLVM's optimizations)."""
+  fast = FAST_COMPILE if fast_compile else []
+  return " ".join([*flags, *(f for f in fast if f not in flags)])
+
+
+def long_run_env(**extra: str) -> dict:
+  """The environment for a subprocess that trains for hundreds of updates: the session's,
+  with XLA's default optimizations (see ``xla_flags``)."""
+  own = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
+  return {**os.environ, "XLA_FLAGS": xla_flags(*own, fast_compile=False), **extra}
 
 
 os.environ["XLA_FLAGS"] = xla_flags(*os.environ.get("XLA_FLAGS", "").split())
@@ -56,6 +65,10 @@ import pytest  # noqa: E402
 from jaxstep import config as config_lib  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The backend starts now, with one CPU device: a command run in-process later (many tests
+# call a command's entry point) then leaves the device count and XLA_FLAGS of this process
+# alone and logs no "CPU: N devices" line, whichever test a worker happens to run first.
+jax.devices()
 
 
 def regression_loss(params, batch, rng):

@@ -1,4 +1,5 @@
-"""The commands as a user runs them, in subprocesses."""
+"""The commands as a user runs them: in subprocesses, and through the same dispatcher in this
+process where a test checks what a command prints and returns, not how a process starts."""
 
 import json
 import os
@@ -148,11 +149,24 @@ def test_default_config_trains_and_writes_every_output(tmp_path):
   assert plot.returncode == 0 and (run_dir / "loss.png").stat().st_size > 10_000
 
 
-def test_help_lists_flags_and_config_keys():
-  proc = cli("--help")
-  assert proc.returncode == 0
+def train_here(capsys, *args):
+  """``jaxstep train`` with ``args`` in this process, through the commands' dispatcher:
+  ``(exit code, stdout, stderr)`` (conftest started JAX's backend, so the command leaves
+  this process's devices as they are)."""
+  from jaxstep.cli import run
+
+  code = run("train", [str(a) for a in args])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_help_lists_flags_and_config_keys(capsys):
+  with pytest.raises(SystemExit) as stop:
+    train_here(capsys, "--help")
+  assert stop.value.code == 0
+  out = capsys.readouterr().out
   for flag in ("--config", "--debug", "key=value", "train.global_batch_size", "optim.lr"):
-    assert flag in proc.stdout
+    assert flag in out
 
 
 def write(path, text):
@@ -178,26 +192,33 @@ BAD_INPUTS = {
 }
 
 
-SLOW_INPUTS = ("empty_dataset", "malformed_jsonl", "vocab")  # these read and tokenize data
+ALSO_AS_A_PROCESS = ("typo",)  # also run as `python -m jaxstep.train`: the exit code of a process
 
 
-@pytest.mark.parametrize(
-  "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_INPUTS else n for n in BAD_INPUTS]
-)
-def test_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, name):
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line_and_no_run_dir(tmp_path, capsys, name):
   make_args, message = BAD_INPUTS[name]
   run_dir = tmp_path / "run"
-  proc = cli(*make_args(tmp_path), f"run_dir={run_dir}")
-  assert proc.returncode == 2, proc.stderr
-  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and message in errors[0], proc.stderr
-  assert "Traceback" not in proc.stderr
-  assert not run_dir.exists()
+  ways = [train_here(capsys, *make_args(tmp_path), f"run_dir={run_dir}")]
+  if name in ALSO_AS_A_PROCESS:
+    proc = cli(*make_args(tmp_path), f"run_dir={run_dir}")
+    ways.append((proc.returncode, proc.stdout, proc.stderr))
+  for code, _, err in ways:
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
+    assert not run_dir.exists()
 
 
-def test_debug_flag_shows_the_traceback(tmp_path):
-  proc = cli("--debug", "train.max_step=3", f"run_dir={tmp_path / 'r'}")
-  assert proc.returncode != 0 and "Traceback" in proc.stderr
+def test_debug_flag_shows_the_traceback(tmp_path, capsys):
+  """With ``--debug`` the error leaves the command as an exception (Python prints its
+  traceback and the process exits 1), not as one ``error:`` line."""
+  from jaxstep.errors import ConfigError
+
+  with pytest.raises(ConfigError, match="did you mean 'train.max_steps'"):
+    train_here(capsys, "--debug", "train.max_step=3", f"run_dir={tmp_path / 'r'}")
+  assert "error:" not in capsys.readouterr().err
 
 
 def test_plot_without_metrics_exits_2(tmp_path):

@@ -14,6 +14,12 @@ from jaxstep.models import backends, cpu_kernels
 from jaxstep.models.cpu_kernels import causal_attention, dense_dot_general, query_blocks
 
 
+@nnx.jit
+def forward(layer, x):
+  """``layer(x)`` as one compiled program."""
+  return layer(x)
+
+
 def _plain_and_custom(d_in, d_out):
   plain = nnx.Linear(d_in, d_out, rngs=nnx.Rngs(0))
   return plain, nnx.Linear(d_in, d_out, dot_general=dense_dot_general, rngs=nnx.Rngs(0))
@@ -34,12 +40,12 @@ def test_value_and_grads_match_autodiff(d_in, d_out, dtype):
   assert gxc.dtype == x.dtype
   if dtype == jnp.bfloat16:
     tol = 2e-2
-    chex.assert_trees_all_close(custom(x), plain(x), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(forward(custom, x), forward(plain, x), rtol=tol, atol=tol)
     chex.assert_trees_all_close(nnx.state(gc), nnx.state(gp), rtol=tol, atol=tol)
     chex.assert_trees_all_close(gxc, gxp, rtol=tol, atol=tol)
     return
   terms = max(d_in, d_out, 3 * 5)  # x·W sums d_in, dx sums d_out, dW sums the 15 rows
-  assert_close(custom(x), plain(x), terms=terms)
+  assert_close(forward(custom, x), forward(plain, x), terms=terms)
   assert_close(nnx.state(gc), nnx.state(gp), terms=terms)
   assert_close(gxc, gxp, terms=terms)
   # the margin: a weight gradient pairing each row's activations with another row's dy
@@ -181,9 +187,10 @@ def test_attention_is_causal():
   q, k, v = (jax.random.normal(jax.random.key(i), (1, 6, 2, 4)) for i in range(3))
   k2, v2 = k.at[:, 4:].add(1.0), v.at[:, 4:].add(1.0)
   # bitwise: the same program, and the masked keys add exact zeros
-  chex.assert_trees_all_equal(causal_attention(q, k, v)[:, :4], causal_attention(q, k2, v2)[:, :4])
+  attend = jax.jit(causal_attention)
+  chex.assert_trees_all_equal(attend(q, k, v)[:, :4], attend(q, k2, v2)[:, :4])
   early = lambda q, k, v: jnp.sum(causal_attention(q, k, v)[:, :4])  # noqa: E731
-  assert float(jnp.abs(jax.grad(early, argnums=1)(q, k, v)[:, 4:]).max()) == 0.0
+  assert float(jnp.abs(jax.jit(jax.grad(early, argnums=1))(q, k, v)[:, 4:]).max()) == 0.0
 
 
 @pytest.mark.parametrize("s", [1, 2, 5, 8, 127, 128, 300, 1024, 4099])
@@ -222,7 +229,7 @@ def test_every_gpt_gradient_dot_is_canonical_on_cpu():
   cfg = models.GPTConfig(
     vocab_size=16, max_seq_len=8, d_model=16, n_layers=1, n_heads=2, tie_embeddings=False
   )
-  apply_fn, params = models.build(cfg, 0)
+  apply_fn, params = models.build(cfg, 0, abstract=True)  # only the program is read
   tokens = jnp.zeros((2, 8), jnp.int32)
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(apply_fn(p, tokens))))(params).jaxpr
   dots = list(_dots(jaxpr))
@@ -253,26 +260,31 @@ def test_layer_norm_value_and_grads_match_flax(dtype, param_dtype):
 
   grad = jax.jit(nnx.grad(objective, argnums=(0, 1)))
   (g_ours, gx_ours), (g_flax, gx_flax) = grad(ours, x), grad(flax_ln, x)
-  assert ours(x).dtype == flax_ln(x).dtype
+  y_ours, y_flax = forward(ours, x), forward(flax_ln, x)
+  assert y_ours.dtype == y_flax.dtype
   assert gx_ours.dtype == dtype
   if not dtype == param_dtype == jnp.float32:
     tol = 3e-2
-    chex.assert_trees_all_close(ours(x), flax_ln(x), rtol=tol, atol=tol)
+    chex.assert_trees_all_close(y_ours, y_flax, rtol=tol, atol=tol)
     chex.assert_trees_all_close(nnx.state(g_ours), nnx.state(g_flax), rtol=tol, atol=tol)
     chex.assert_trees_all_close(gx_ours, gx_flax, rtol=tol, atol=tol)
     return
   terms = 16  # the statistics over the 16 features (the scale's gradient: 10 rows)
-  assert_close(ours(x), flax_ln(x), terms=terms)
+  assert_close(y_ours, y_flax, terms=terms)
   assert_close(nnx.state(g_ours), nnx.state(g_flax), terms=terms)
   assert_close(gx_ours, gx_flax, terms=terms)
+
+  @jax.jit
+  def unbiased(x):
+    centered = x - x.mean(-1, keepdims=True)
+    return centered / jnp.sqrt(centered.var(-1, ddof=1, keepdims=True) + flax_ln.epsilon)
+
   # the margin: the unbiased variance (÷ 15, not ÷ 16) is far outside the tolerance
-  centered = x - x.mean(-1, keepdims=True)
-  unbiased = centered / jnp.sqrt(centered.var(-1, ddof=1, keepdims=True) + flax_ln.epsilon)
-  assert_far(unbiased * scale + bias, flax_ln(x), terms=terms)
+  assert_far(unbiased(x) * scale + bias, y_flax, terms=terms)
 
 
 def test_layer_norm_other_configurations_run_flax():
   ln = cpu_kernels.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
   x = jnp.arange(8.0).reshape(2, 4)
   flax_ln = nnx.LayerNorm(4, use_bias=False, rngs=nnx.Rngs(0))
-  chex.assert_trees_all_equal(ln(x), flax_ln(x))  # flax's own code: bitwise
+  chex.assert_trees_all_equal(forward(ln, x), forward(flax_ln, x))  # flax's own code: bitwise

@@ -4,6 +4,7 @@ each document of a packed window gets the losses (and, summed, the gradients) it
 alone from position 0, on every attention backend this host runs; cuDNN's fallback with
 the platform mocked as a GPU."""
 
+import functools
 import json
 import logging
 
@@ -149,12 +150,15 @@ CONFIGS = {
 }
 
 
+@jax.jit
 def token_nll(logits, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
+@functools.cache
 def built(cfg):
-  """``models.build(cfg, 0)`` with the ``apply_fn`` jitted (one compile per shape)."""
+  """``models.build(cfg, 0)`` with the ``apply_fn`` jitted (one compile per shape), shared by
+  the tests of the same model (none changes its params)."""
   apply_fn, params = models.build(cfg, 0)
   return jax.jit(apply_fn, static_argnames="train"), params
 
@@ -321,13 +325,14 @@ def test_the_segment_kernel_masks_inside_its_blocks():
     return lambda q, k, v: jnp.sum(fn(q, k, v) * jnp.cos(jnp.arange(dh)))
 
   kernel = lambda q, k, v: cpu_kernels.segment_causal_attention(q, k, v, seg)  # noqa: E731
-  assert_close(jax.jit(kernel)(q, k, v), reference(q, k, v), terms=s)  # a softmax over keys
+  expected = jax.jit(reference)(q, k, v)
+  assert_close(jax.jit(kernel)(q, k, v), expected, terms=s)  # a softmax over keys
   got = jax.jit(jax.grad(total(kernel), argnums=(0, 1, 2)))(q, k, v)
   want = jax.jit(jax.grad(total(reference), argnums=(0, 1, 2)))(q, k, v)
   assert_close(got, want, terms=s)
   # the margin: the kernel without the segments (attention across documents) is far off
   across = jax.jit(cpu_kernels.causal_attention)(q, k, v)
-  assert_far(across, reference(q, k, v), terms=s)
+  assert_far(across, expected, terms=s)
 
 
 # --- cuDNN ------------------------------------------------------------------------------

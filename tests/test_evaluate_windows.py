@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
@@ -79,6 +78,8 @@ def test_a_stride_of_the_whole_window_is_the_plain_windows():
 def hf_sliding_nll(model, ids: np.ndarray, window: int, stride: int) -> float:
   """The transformers perplexity guide's loop: windows of ``window`` ids ``stride`` apart,
   labels masked but for the ids no earlier window scored; the summed NLL."""
+  import torch  # the reference implementation, imported by the tests that use it
+
   total, prev_end = 0.0, 0
   for begin in range(0, len(ids), stride):
     end = min(begin + window, len(ids))

@@ -34,19 +34,22 @@ def cached_logits_by_position(params, tokens, lengths, dtype=jnp.float32):
   dec = models.decoder(CFG)
   decode_fn = jax.jit(dec.decode_fn)
   p = jax.tree.map(lambda x: x.astype(dtype), params)
+  tokens = np.asarray(tokens)
   b, s = tokens.shape
   prefill = int(lengths.max())
   cache = dec.init_cache(b, s, dtype)
-  positions = jnp.broadcast_to(jnp.arange(prefill), (b, prefill))
+  positions = np.broadcast_to(np.arange(prefill, dtype=np.int32), (b, prefill))
   logits, cache = decode_fn(p, tokens[:, :prefill], positions, cache)
+  logits = np.asarray(logits)
   out = np.zeros((b, s, CFG.vocab_size), np.float32)
   for row in range(b):
     out[row, : lengths[row]] = logits[row, : lengths[row]]
-  pos = jnp.asarray(lengths)
-  rows = jnp.arange(b)
+  pos = np.asarray(lengths, np.int32)
+  rows = np.arange(b)
   while int(pos.min()) < s:
-    at = jnp.minimum(pos, s - 1)
+    at = np.minimum(pos, s - 1)
     step, cache = decode_fn(p, tokens[rows, at][:, None], at[:, None], cache)
+    step = np.asarray(step)
     for row in range(b):
       if pos[row] < s:
         out[row, int(pos[row])] = step[row, 0]
@@ -165,9 +168,9 @@ def test_top_k_one_and_a_tiny_top_p_are_greedy():
   keys = jax.random.split(jax.random.PRNGKey(1), 8)
   greedy = np.argmax(logits, axis=-1)
   allowed = jnp.ones(30, bool)
-  assert (np.asarray(next_tokens(logits, keys, allowed, 1.5, 1, 1.0)) == greedy).all()
-  assert (np.asarray(next_tokens(logits, keys, allowed, 1.5, 0, 1e-6)) == greedy).all()
-  kept = np.isfinite(np.asarray(filter_logits(logits, 1.0, 0, 1.0)))
+  assert (np.asarray(DRAW(logits, keys, allowed, 1.5, 1, 1.0)) == greedy).all()
+  assert (np.asarray(DRAW(logits, keys, allowed, 1.5, 0, 1e-6)) == greedy).all()
+  kept = np.isfinite(np.asarray(jax.jit(filter_logits)(logits, 1.0, 0, 1.0)))
   assert kept.all()  # both filters off: nothing removed
 
 

@@ -3,6 +3,7 @@ row stops at any stop id, and BOS goes before a prompt only as the model's texts
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,13 +52,18 @@ def steered_llama(token):
   cfg = models.LlamaConfig(
     vocab_size=VOCAB, max_seq_len=16, d_model=16, n_layers=1, n_heads=2, intermediate_size=32
   )
-  params = models.build(cfg, 0)[1]
-  block = params["blocks"][0]
-  block["o_proj"]["kernel"] = jnp.zeros_like(block["o_proj"]["kernel"])
-  block["down_proj"]["kernel"] = jnp.zeros_like(block["down_proj"]["kernel"])
-  params["embed_tokens"]["embedding"] = jnp.ones((VOCAB, 16))
-  params["lm_head"]["kernel"] = jnp.zeros((16, VOCAB)).at[:, token].set(1.0)
-  return cfg, params
+
+  @jax.jit
+  def steered():
+    params = models.build(cfg, 0)[1]
+    block = params["blocks"][0]
+    block["o_proj"]["kernel"] = jnp.zeros_like(block["o_proj"]["kernel"])
+    block["down_proj"]["kernel"] = jnp.zeros_like(block["down_proj"]["kernel"])
+    params["embed_tokens"]["embedding"] = jnp.ones((VOCAB, 16))
+    params["lm_head"]["kernel"] = jnp.zeros((16, VOCAB)).at[:, token].set(1.0)
+    return params
+
+  return cfg, steered()
 
 
 def test_a_stop_id_that_is_also_pad_and_bos_is_generated_and_stops_the_row():

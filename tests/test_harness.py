@@ -44,20 +44,25 @@ def saved(folder):
   return load_run(folder[0])
 
 
-def model_logits(saved, ids, width: int = 24) -> np.ndarray:
+@pytest.fixture(scope="module")
+def forward(saved):
+  """The saved model's forward pass, jitted once: ``forward(params, ids) -> logits``."""
+  return jax.jit(models.decoder(saved.cfg.model).apply_fn)
+
+
+def model_logits(forward, saved, ids, width: int = 24) -> np.ndarray:
   """``[len(ids), V]`` float64 logits of one sequence, run padded to ``width`` (a causal
   model: the padding changes no earlier position), so that one compiled shape serves all."""
-  apply_fn = jax.jit(models.decoder(saved.cfg.model).apply_fn)
   padded = np.zeros((1, width), np.int32)
   padded[0, : len(ids)] = ids
-  return np.asarray(apply_fn(saved.params, padded)[0, : len(ids)], np.float64)
+  return np.asarray(forward(saved.params, padded)[0, : len(ids)], np.float64)
 
 
-def reference_logp(saved, context, continuation, max_length):
+def reference_logp(forward, saved, context, continuation, max_length):
   """Σ log softmax of the continuation's ids, from one forward pass of the whole sequence,
   summed in float64 on the host."""
   whole = (list(context) + list(continuation))[-(max_length + 1) :]
-  logits = model_logits(saved, whole[:-1])
+  logits = model_logits(forward, saved, whole[:-1])
   shifted = logits - logits.max(-1, keepdims=True)
   logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
   at = np.arange(len(whole) - 1)[-len(continuation) :]
@@ -65,7 +70,7 @@ def reference_logp(saved, context, continuation, max_length):
   return logp[at, targets].sum(), bool(np.all(logits[at].argmax(-1) == targets))
 
 
-def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model, saved):
+def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model, saved, forward):
   rng = np.random.default_rng(0)
   requests = []
   for length, cont in [(3, 1), (9, 4), (30, 2), (1, 1), (17, 7), (5, 3)]:  # 30 + 2 > 24: cut
@@ -73,15 +78,15 @@ def test_a_loglikelihood_is_the_sum_of_its_continuations_log_probs(model, saved)
     requests.append((None, ids[:length], ids[length:]))
   got = model._loglikelihood_tokens(requests, disable_tqdm=True)
   for (_, context, cont), (logp, greedy) in zip(requests, got, strict=True):
-    want, want_greedy = reference_logp(saved, context, cont, 24)
+    want, want_greedy = reference_logp(forward, saved, context, cont, 24)
     assert logp == pytest.approx(want, abs=1e-4) and greedy == want_greedy
 
 
-def test_the_greedy_flag_is_true_for_the_models_own_argmax(model, saved):
+def test_the_greedy_flag_is_true_for_the_models_own_argmax(model, saved, forward):
   context = [model.jax_tokenizer.BOS, 40, 41, 42]
   ids = list(context)
   for _ in range(3):
-    ids.append(int(np.argmax(model_logits(saved, ids)[-1])))
+    ids.append(int(np.argmax(model_logits(forward, saved, ids)[-1])))
   (logp, greedy), (_, other) = model._loglikelihood_tokens(
     [(None, context, ids[4:]), (None, context, [*ids[4:6], (ids[6] + 1) % 300])], True
   )

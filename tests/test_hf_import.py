@@ -4,6 +4,7 @@ params, checked against transformers' own forward pass on tiny random models sav
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from conftest import TINY_HF_SHAPE
@@ -63,7 +64,7 @@ def imported_logits(folder, ids: np.ndarray) -> np.ndarray:
   cfg = hf_config.model_config(hf_config.read_config(folder), attention="xla")
   apply_fn, _ = models.build(cfg, 0, abstract=True)
   params = hf_weights.read_params(folder, cfg)
-  return np.asarray(apply_fn(params, ids))
+  return np.asarray(jax.jit(apply_fn)(params, ids))
 
 
 def torch_logits(model, ids: np.ndarray) -> np.ndarray:

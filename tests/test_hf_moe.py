@@ -105,7 +105,7 @@ def imported(folder, **options):
 def our_logits(folder, ids=IDS, **options) -> np.ndarray:
   cfg, params = imported(folder, **options)
   apply_fn, _ = models.build(cfg, 0, abstract=True)
-  return np.asarray(apply_fn(params, ids))
+  return np.asarray(jax.jit(apply_fn)(params, ids))
 
 
 def their_logits(model, ids=IDS) -> np.ndarray:
@@ -278,7 +278,7 @@ def test_scanned_moe_params_export_the_same_tensors(saved):
   _, path, _ = saved("qwen3_moe")
   cfg = hf_config.model_config(hf_config.read_config(path))
   params = hf_weights.read_params(path, cfg)
-  stacked = layers.convert_layout(params, scan_layers=True)
+  stacked = jax.jit(layers.convert_layout, static_argnums=1)(params, True)
   arch = "Qwen3MoeForCausalLM"
   flat, scanned = hf_export.tensors_of(cfg, params, arch), hf_export.tensors_of(cfg, stacked, arch)
   assert [t.name for t in flat] == [t.name for t in scanned]

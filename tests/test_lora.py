@@ -42,7 +42,7 @@ def test_adapters_at_init_leave_the_base_models_logits_and_weights(cfg):
   base_fn, base = models.build(cfg, 3)
   lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=4, alpha=8.0))
   lora_fn, params = models.build(lora_cfg, 3)
-  assert np.array_equal(base_fn(base, IDS), lora_fn(params, IDS))
+  assert np.array_equal(jax.jit(base_fn)(base, IDS), jax.jit(lora_fn)(params, IDS))
   adapters = {n: x for n, x in names(params).items() if "/lora/" in n}
   assert adapters and all(
     np.array_equal(x, names(base)[n]) for n, x in names(params).items() if n not in adapters
@@ -63,13 +63,14 @@ def test_merged_weights_compute_what_the_adapters_do():
     params,
   )
   base_fn, _ = models.build(dataclasses.replace(cfg, lora=LoraConfig()), 0, abstract=True)
-  got = base_fn(merged(params, cfg.lora.scale), IDS)
-  want = apply_fn(params, IDS)
+  merged_logits = jax.jit(lambda params, scale: base_fn(merged(params, scale), IDS))
+  got = merged_logits(params, cfg.lora.scale)
+  want = jax.jit(apply_fn)(params, IDS)
   terms = LLAMA.intermediate_size  # the longest sum: the MLP's down projection
   assert_close(got, want, terms=terms)
   # the margin: the base without the adapters, and the adapters at twice their scale, are far
-  assert_far(base_fn(merged(params, 0.0), IDS), want, terms=terms)
-  assert_far(base_fn(merged(params, 2 * cfg.lora.scale), IDS), want, terms=terms)
+  assert_far(merged_logits(params, 0.0), want, terms=terms)
+  assert_far(merged_logits(params, 2 * cfg.lora.scale), want, terms=terms)
 
 
 def test_a_lora_run_trains_only_the_adapters(tmp_path):
@@ -353,12 +354,13 @@ def test_your_own_linen_model_gets_adapters_by_path_pattern():
 
   x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
   y = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
-  params = MLP().init(jax.random.PRNGKey(0), x)["params"]
+  params = jax.jit(MLP().init)(jax.random.PRNGKey(0), x)["params"]
   apply_fn = lora.merged_apply(lambda p, x: MLP().apply({"params": p}, x), 2.0)
   adapted = lora.add_adapters(params, ["Dense_0"], rank=2, rng=jax.random.PRNGKey(1))
   assert "lora" in adapted["Dense_0"] and "lora" not in adapted["Dense_1"]
   assert "lora" not in params["Dense_0"]  # the caller's tree is left as it was
-  assert np.array_equal(apply_fn(adapted, x), MLP().apply({"params": params}, x))
+  plain = jax.jit(lambda p, x: MLP().apply({"params": p}, x))
+  assert np.array_equal(jax.jit(apply_fn)(adapted, x), plain(params, x))
 
   def loss(p, batch, rng):
     return jnp.sum((apply_fn(p, batch["x"]) - batch["y"]) ** 2), {}
@@ -395,6 +397,7 @@ def test_adapter_dropout_acts_in_training_only_and_repeats_with_its_key(cfg):
     params,
   )
   quiet_fn, _ = models.build(dataclasses.replace(cfg, lora=LoraConfig(rank=4)), 0, abstract=True)
+  apply_fn, quiet_fn = (jax.jit(f, static_argnames="train") for f in (apply_fn, quiet_fn))
   key = jax.random.PRNGKey(5)
   train = apply_fn(params, IDS, rng=key, train=True)
   assert np.array_equal(train, apply_fn(params, IDS, rng=key, train=True))

@@ -65,7 +65,7 @@ def test_auto_runs_the_blocked_kernel_on_cpu(monkeypatch):
   original = cpu_kernels.causal_attention
   monkeypatch.setattr(cpu_kernels, "causal_attention", lambda *a: calls.append(1) or original(*a))
   apply_fn, params = models.build(variant(attention="auto"), 0)
-  apply_fn(params, TOKENS)
+  jax.jit(apply_fn)(params, TOKENS)
   assert backends.platform() == "cpu" and len(calls) == CFG.n_layers
   assert backends.resolve_attention("auto", jnp.bfloat16, 64) == "blocked"
 
@@ -136,9 +136,10 @@ def test_a_seed_initialises_the_same_model_in_both_layouts():
   _, scanned = models.build(variant(scan_layers=True), 0)
   assert not layers.is_stacked(unrolled["blocks"]) and layers.is_stacked(scanned["blocks"])
   assert scanned["blocks"]["qkv"]["kernel"].shape == (3, 32, 96)
-  chex.assert_trees_all_equal(layers.convert_layout(unrolled, True), scanned)
-  chex.assert_trees_all_equal(layers.convert_layout(scanned, False), unrolled)
-  chex.assert_trees_all_equal(layers.convert_layout(scanned, True), scanned)
+  convert = jax.jit(layers.convert_layout, static_argnums=1)
+  chex.assert_trees_all_equal(convert(unrolled, True), scanned)
+  chex.assert_trees_all_equal(convert(scanned, False), unrolled)
+  chex.assert_trees_all_equal(convert(scanned, True), scanned)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -177,9 +178,10 @@ def test_layout_conversion_covers_the_whole_train_state_and_the_decay_mask():
   optimizer = make_optimizer(OptimConfig(), 10)
   step = make_train_step(next_token_loss(apply_fn), optimizer, grad_accum_steps=1)
   state = step.init(params, 0)
-  stacked = layers.convert_layout(state, True)
+  convert = jax.jit(layers.convert_layout, static_argnums=1)
+  stacked = convert(state, True)
   assert layers.layout_of(stacked) is True and layers.layout_of(state) is False
-  chex.assert_trees_all_equal(layers.convert_layout(stacked, False), state)
+  chex.assert_trees_all_equal(convert(stacked, False), state)
   # Adam moments moved with the params
   mu = jax.tree.leaves(stacked.opt_state, is_leaf=lambda n: isinstance(n, dict))
   assert any(layers.layout_of(m) for m in mu if isinstance(m, dict))

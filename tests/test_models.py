@@ -1,5 +1,7 @@
 """The bundled NNX GPT: shapes, causality, tying, FLOPs, from_nnx, and that it learns."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,14 +15,21 @@ from jaxstep.core.optim import OptimConfig, make_optimizer
 SMALL = models.GPTConfig(vocab_size=16, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
 
+@functools.cache
+def built(cfg):
+  """``models.build(cfg, 0)`` once per module, its apply function jitted."""
+  apply_fn, params = models.build(cfg, 0)
+  return jax.jit(apply_fn, static_argnames="train"), params
+
+
 def test_logits_shape_and_dtype():
-  apply_fn, params = models.build(SMALL, 0)
+  apply_fn, params = built(SMALL)
   logits = apply_fn(params, jnp.zeros((3, 7), jnp.int32))
   assert logits.shape == (3, 7, 16) and logits.dtype == jnp.float32
 
 
 def test_attention_is_causal():
-  apply_fn, params = models.build(SMALL, 0)
+  apply_fn, params = built(SMALL)
   a = jnp.array([[1, 2, 3, 4, 5, 6]])
   b = a.at[0, 4:].set(9)  # change only the future of position 3
   # bitwise: the same program on the same earlier tokens, the masked keys adding exact zeros
@@ -31,10 +40,10 @@ def test_attention_is_causal():
 @pytest.mark.parametrize("tie", [True, False])
 def test_tied_head_has_no_separate_weights(tie):
   cfg = models.GPTConfig(**{**SMALL.__dict__, "tie_embeddings": tie})
-  _, params = models.build(cfg, 0)
+  _, params = built(cfg)
   assert ("head" in params) is (not tie)
   extra = 0 if tie else cfg.d_model * cfg.vocab_size
-  _, tied = models.build(SMALL, 0)
+  _, tied = built(SMALL)
   assert models.num_params(params) == models.num_params(tied) + extra
 
 
@@ -47,7 +56,7 @@ def test_flops_per_token_matches_perf_notes_model():
 
 def test_dropout_is_active_only_in_training_and_follows_the_rng():
   cfg = models.GPTConfig(**{**SMALL.__dict__, "dropout": 0.5})
-  apply_fn, params = models.build(cfg, 0)
+  apply_fn, params = built(cfg)
   x = jnp.array([[1, 2, 3, 4]])
   np.testing.assert_array_equal(apply_fn(params, x), apply_fn(params, x, train=False))
   k1, k2 = jax.random.PRNGKey(1), jax.random.PRNGKey(2)
@@ -73,7 +82,7 @@ def test_from_nnx_adapts_a_plain_module():
 
 
 def test_sequence_longer_than_max_seq_len_is_a_clear_error():
-  apply_fn, params = models.build(SMALL, 0)
+  apply_fn, params = built(SMALL)
   with pytest.raises(BatchError, match="exceeds model.max_seq_len 16"):
     apply_fn(params, jnp.zeros((1, 17), jnp.int32))
 

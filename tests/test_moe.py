@@ -85,9 +85,16 @@ def test_grouped_dispatch_equals_every_expert_on_every_token(case, impl):
     return jnp.sum(fn(layer, x) * cot)
 
   ours = lambda m, x: m(x)[0]  # noqa: E731
-  np.testing.assert_allclose(ours(layer, x), every_expert(layer, x), atol=1e-5, rtol=1e-5)
-  g_ours = nnx.grad(functools.partial(loss, ours), argnums=(0, 1))(layer, x)
-  g_ref = nnx.grad(functools.partial(loss, every_expert), argnums=(0, 1))(layer, x)
+
+  @nnx.jit
+  def values_and_grads(layer, x):
+    return [
+      (fn(layer, x), nnx.grad(functools.partial(loss, fn), argnums=(0, 1))(layer, x))
+      for fn in (ours, every_expert)
+    ]
+
+  (y_ours, g_ours), (y_ref, g_ref) = values_and_grads(layer, x)
+  np.testing.assert_allclose(y_ours, y_ref, atol=1e-5, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref), strict=True):
     np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
@@ -96,11 +103,16 @@ def test_tiles_cover_uneven_groups_and_empty_experts():
   x = jax.random.normal(jax.random.key(0), (40, 5))
   w = jax.random.normal(jax.random.key(1), (6, 5, 3))
   experts = jnp.array([[0], [0], [5], [0], [2]] * 8, jnp.int32)  # experts 1, 3, 4 get none
-  plan = moe.dispatch(experts, 6, tile=8)
-  rows = jnp.concatenate([x, jnp.zeros((1, 5))])[plan.row_token]
-  out = grouped.grouped_matmul(rows, w, plan.group_sizes, plan.tile_groups, "tiles")
-  got = out[plan.dest[:, 0]]
-  np.testing.assert_allclose(got, jnp.einsum("td,tdf->tf", x, w[experts[:, 0]]), atol=1e-5)
+
+  @jax.jit
+  def tiled(x, w, experts):
+    plan = moe.dispatch(experts, 6, tile=8)
+    rows = jnp.concatenate([x, jnp.zeros((1, 5))])[plan.row_token]
+    out = grouped.grouped_matmul(rows, w, plan.group_sizes, plan.tile_groups, "tiles")
+    return out[plan.dest[:, 0]]
+
+  expected = jax.jit(lambda x, w, e: jnp.einsum("td,tdf->tf", x, w[e[:, 0]]))(x, w, experts)
+  np.testing.assert_allclose(tiled(x, w, experts), expected, atol=1e-5)
 
 
 def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
@@ -108,8 +120,9 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
   whichever rows share the call (micro-batch and mesh independent)."""
   layer, cfg = _mlp(capacity_factor=0.5, moe_matmul="tiles")
   x = jax.random.normal(jax.random.key(5), (3, 10, 16))
-  out, sums = layer(x)
-  r = moe.route(layer.router(x.reshape(-1, 16)), 2, "softmax", True)
+  call = nnx.jit(lambda layer, x: layer(x))
+  out, sums = call(layer, x)
+  r = nnx.jit(lambda layer: moe.route(layer.router(x.reshape(-1, 16)), 2, "softmax", True))(layer)
   experts = np.asarray(r.experts).reshape(3, 10, 2)
   cap = moe.capacity(10, 2, 4, 0.5)
   keep = np.zeros((3, 10, 2), np.float32)
@@ -121,9 +134,9 @@ def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
         keep[row, token, j] = seen[e] < cap
         seen[e] += 1
   assert int(sums["dropped"]) == int((1 - keep).sum()) > 0
-  expected = every_expert(layer, x, jnp.asarray(keep.reshape(30, 2)))
+  expected = nnx.jit(every_expert)(layer, x, jnp.asarray(keep.reshape(30, 2)))
   np.testing.assert_allclose(out, expected, atol=1e-5)
-  alone, _ = layer(x[1:2])  # a sequence's drops are its own
+  alone, _ = call(layer, x[1:2])  # a sequence's drops are its own
   np.testing.assert_allclose(alone, out[1:2], atol=1e-5)
 
 
@@ -182,14 +195,20 @@ def test_global_lbl_gives_the_update_of_one_big_batch_for_any_k(remat, scan):
   assert m1[0]["moe/lbl"] > 1.0  # k = 2: 2 at perfect balance, near it at init
 
 
+@nnx.jit
+def _router_logits(model, inputs):
+  """The first block's router logits for ``inputs``, from the block's own parts."""
+  blk = model.blocks[0]
+  x = model.embed_tokens(inputs)
+  x = x + blk.attention(blk.input_layernorm(x))
+  return blk.mlp.router(blk.post_attention_layernorm(x))
+
+
 def _by_hand(cfg, params, batch):
   """LBL and Z of ``batch`` computed outside the model's routing sums: the router's
   input rebuilt from the block's own parts, top-k taken in numpy. One MoE layer."""
-  model = nnx.merge(nnx.graphdef(Llama(cfg, rngs=nnx.Rngs(0))), nnx.State(params))
-  blk = model.blocks[0]
-  x = model.embed_tokens(jnp.asarray(batch["inputs"]))
-  x = x + blk.attention(blk.input_layernorm(x))
-  z = np.asarray(blk.mlp.router(blk.post_attention_layernorm(x)), np.float64).reshape(-1, 4)
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))), params)
+  z = np.asarray(_router_logits(model, jnp.asarray(batch["inputs"])), np.float64).reshape(-1, 4)
   m = batch["loss_mask"].reshape(-1).astype(np.float64)
   p = np.exp(z - z.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)

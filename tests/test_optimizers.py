@@ -101,7 +101,7 @@ def test_muon_takes_the_hidden_matrices_and_leaves_the_rest_to_adamw():
   [n if n in ("adamw", "muon") else pytest.param(n, marks=pytest.mark.slow) for n in OPTIMIZERS],
 )
 def test_k_micro_batches_give_one_batchs_update_with_each_optimizer(name, np_rng):
-  apply_fn, params = models.build(LLAMA, 0)
+  apply_fn, params = models.build(dataclasses.replace(LLAMA, n_layers=1), 0)
   batches = [lm_batch(np_rng, 16, 8, 32) for _ in range(2)]
   out = []
   for k in (1, 4):
@@ -167,24 +167,33 @@ def test_jaxstep_train_runs_each_optimizer_and_reports_its_lr(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_the_memory_ledger_shows_each_optimizers_own_state(name):
+def test_the_memory_ledger_shows_each_optimizers_own_state(name, monkeypatch):
   """The ledger's optimizer row is the state's bytes as the optimizer lays it out: Adam's
-  two moments, one for Lion and SGD, Muon's one on matrices, Adafactor's factored rows."""
+  two moments, one for Lion and SGD, Muon's one on matrices, Adafactor's factored rows.
+  The report's own compile of the step is the one whose numbers are checked."""
   from jaxstep.cli import memory
   from jaxstep.trainer.config import loading as config_lib
-  from jaxstep.trainer.plan.memory import compiled_memory
+
+  compiled, compile_for = [], memory.compiled_memory
+
+  def recorded(cfg):
+    compiled.append(compile_for(cfg))
+    return compiled[-1]
+
+  monkeypatch.setattr(memory, "compiled_memory", recorded)
 
   args = [*SMALL_MODEL, "model.family=llama", "model.vocab_size=264", "mesh.cpu_devices=1"]
   cfg = config_lib.load(None, [*args, f"optim.name={name}", "train.global_batch_size=8"])
   _, params = models.build(cfg.model, 0, abstract=True)
   state = jax.eval_shape(make_optimizer(cfg.optim, 10).init, params)
   expected = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-  assert compiled_memory(cfg)["optimizer_state_bytes"] == expected
+  text = memory.report(cfg)
+  (ledger,) = compiled
+  assert ledger["optimizer_state_bytes"] == expected
   p = sum(x.size for x in jax.tree.leaves(params))
   ratio = {"adamw": 2.0, "lion": 1.0, "sgd": 1.0}
   if name in ratio:
     assert expected == pytest.approx(4 * p * ratio[name], rel=1e-3)
-  text = memory.report(cfg)
   assert ("Adam moments" in text) == (name == "adamw")
   assert (f"{name} state (its own shapes, per device)" in text) == (name != "adamw")
 

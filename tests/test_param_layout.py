@@ -2,6 +2,7 @@
 of the columns keeps each head whole; checkpoints an older jaxstep wrote with GPT-2's
 ``[q | k | v]`` order are permuted as they are read, and resume as if never written so."""
 
+import functools
 import hashlib
 import shutil
 
@@ -39,7 +40,7 @@ def test_head_major_and_back_is_the_identity_and_splits_like_gpt2(lead, heads, h
   x = np.random.default_rng(0).standard_normal((*lead, width)).astype(np.float32)
   np.testing.assert_array_equal(gpt.qkv_major(gpt.head_major(x, heads), heads), x)
   rows = np.random.default_rng(1).standard_normal((2, 3, width)).astype(np.float32)
-  ours = gpt.split_heads(jnp.asarray(gpt.head_major(rows, heads)), heads)
+  ours = jax.jit(gpt.split_heads, static_argnums=1)(jnp.asarray(gpt.head_major(rows, heads)), heads)
   theirs = np.split(rows.reshape(2, 3, 3 * heads, head_dim), 3, axis=2)  # GPT-2's order
   for a, b in zip(ours, theirs, strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
@@ -47,6 +48,7 @@ def test_head_major_and_back_is_the_identity_and_splits_like_gpt2(lead, heads, h
     assert not np.array_equal(gpt.head_major(x, heads), x)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def old_layout(tree, n_heads: int, d_model: int):
   """``tree`` as an older jaxstep held it: every fused-column leaf in ``[q | k | v]``."""
 
@@ -59,6 +61,7 @@ def old_layout(tree, n_heads: int, d_model: int):
   return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def a_trained_state(cfg):
   apply_fn, params = models.build(cfg, 0)
   step = make_train_step(

@@ -290,10 +290,14 @@ def test_the_preference_loss_takes_a_batch(three):
   table = jax.random.normal(jax.random.key(0), (BYTES.vocab_size, BYTES.vocab_size))
   apply_fn = lambda params, inputs, *, rng, train: params[inputs]  # noqa: E731 - a bigram model
   loss_fn = preference.preference_loss(apply_fn, loss="simpo")
-  total, aux = loss_fn(table, batch, jax.random.key(1))
-  assert np.isfinite(float(total)) and float(preference.pair_units(batch)) == 3
+  total, aux = jax.jit(loss_fn)(table, batch, jax.random.key(1))
+  assert np.isfinite(float(total)) and float(jax.jit(preference.pair_units)(batch)) == 3
+
+  @jax.jit
+  def chosen_logps(table, batch):
+    logits = apply_fn(table, batch["chosen_inputs"], rng=None, train=False)
+    return preference.sequence_logps(logits, batch["chosen_targets"], batch["chosen_mask"])
+
   # the summed log-probs cover exactly the completion tokens: chosen of pair 2 is "hhh" + EOS
-  _, counts = preference.sequence_logps(apply_fn(table, batch["chosen_inputs"], rng=None,
-                                                 train=False), batch["chosen_targets"],
-                                        batch["chosen_mask"])  # fmt: skip
+  _, counts = chosen_logps(table, batch)
   assert counts.tolist() == [2, 2, 4, 0]

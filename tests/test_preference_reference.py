@@ -82,13 +82,21 @@ def test_a_lora_run_precomputes_with_the_adapters_off_and_k_micro_batches_agree(
         np.testing.assert_allclose(b[name], a[name], rtol=2e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+  """The reference file a one-update precompute run wrote (read, never changed, by tests)."""
+  tmp_path = tmp_path_factory.mktemp("stored")
+  config_run.train(cfg_for(tmp_path, *PRE, "train.max_steps=1"))
+  return tmp_path / "run" / "reference_logps.npz"
+
+
 @pytest.mark.parametrize(
   "other, words",
   [(["train.seed=1"], "other weights"), (["preference.max_prompt_len=8"], "other data")],
 )
-def test_a_file_of_other_weights_or_data_is_one_line_and_exit_2(tmp_path, capsys, other, words):
-  config_run.train(cfg_for(tmp_path, *PRE, "train.max_steps=1"))
-  stored = tmp_path / "run" / "reference_logps.npz"
+def test_a_file_of_other_weights_or_data_is_one_line_and_exit_2(
+  tmp_path, capsys, stored, other, words
+):
   path = sums_file(tmp_path)
   args = [*BASE, *PRE, f"data.path={path}", f"run_dir={tmp_path / 'other'}", *other]
   assert train_cli.main([*args, f"preference.reference_file={stored}"]) == 2

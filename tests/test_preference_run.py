@@ -60,11 +60,21 @@ def logged(run_dir):
   return read_lines(run_dir / "metrics.jsonl")
 
 
-def test_a_lora_dpo_run_starts_at_ln2_with_zero_rewards(tmp_path):
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory):
+  """The records of LoRA DPO runs with K = 1, 2 and 4 micro-batches from the same start."""
+  tmp_path, runs = tmp_path_factory.mktemp("dpo"), {}
+  for k in (1, 2, 4):
+    name = f"k{k}"
+    config_run.train(cfg_for(tmp_path, *DPO, f"train.grad_accum_steps={k}", name=name))
+    runs[k] = logged(tmp_path / name)
+  return runs
+
+
+def test_a_lora_dpo_run_starts_at_ln2_with_zero_rewards(dpo_runs):
   """The adapters start at zero, so the policy is its reference: every pair's DPO loss is
   −log σ(0) = ln 2 and every reward 0 (no chosen reward beats its rejected one)."""
-  config_run.train(cfg_for(tmp_path, *DPO, "train.max_steps=1"))
-  first = logged(tmp_path / "run")[0]
+  first = dpo_runs[2][0]
   assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
   for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
     assert first[name] == 0.0, name
@@ -72,15 +82,11 @@ def test_a_lora_dpo_run_starts_at_ln2_with_zero_rewards(tmp_path):
   assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
 
 
-def test_k_micro_batches_and_a_padded_last_batch_equal_one_big_batch(tmp_path):
+def test_k_micro_batches_and_a_padded_last_batch_equal_one_big_batch(dpo_runs):
   """20 pairs in global batches of 8: the third holds 4 real pairs and 4 padding rows. With
   K = 1, 2 and 4 micro-batches every update's loss and metrics agree (the mean over real
   pairs of the whole global batch, never a mean of micro-batch means)."""
-  runs = {}
-  for k in (1, 2, 4):
-    name = f"k{k}"
-    config_run.train(cfg_for(tmp_path, *DPO, f"train.grad_accum_steps={k}", name=name))
-    runs[k] = logged(tmp_path / name)
+  runs = dpo_runs
   assert [r["tokens"] for r in runs[1]] == [8, 8, 4]
   for k in (2, 4):
     for a, b in zip(runs[1], runs[k], strict=True):
@@ -98,6 +104,7 @@ def test_a_simpo_run_needs_no_reference_and_its_first_loss_is_computed_by_hand(t
   batch = config_run.next_batch(run, rs)
   params = jax.device_get(state.params)
   apply_fn, _ = models.build(run.cfg.model, jax.random.PRNGKey(0), abstract=True)
+  apply_fn = jax.jit(apply_fn)
 
   def mean_logp(side):
     logits = np.asarray(apply_fn(params, jnp.asarray(batch[f"{side}_inputs"])), np.float64)
@@ -197,6 +204,7 @@ def test_the_lora_reference_is_the_base_models_forward_bitwise(tmp_path):
   )
   base_cfg = dataclasses.replace(cfg, lora=lora.LoraConfig())
   base_fn, _ = models.build(base_cfg, jax.random.PRNGKey(0), abstract=True)
+  lora_fn, base_fn = jax.jit(lora_fn), jax.jit(base_fn)  # as a train step computes them
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 16)), jnp.int32)
   assert not np.array_equal(lora_fn(trained, ids), base_fn(lora.merged(params, 1.0), ids))
   want = base_fn(lora.merged(params, 1.0), ids)  # B = 0: the base weights themselves

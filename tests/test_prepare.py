@@ -133,19 +133,21 @@ def test_damaged_prepared_data_names_the_file(tmp_path, damage):
     read_manifest(tmp_path / "p")
 
 
-def test_the_command_prints_counts_and_bad_input_exits_2(tmp_path):
+def test_the_command_prints_counts_and_bad_input_exits_2(tmp_path, capsys, monkeypatch):
+  """The counts in this process, through the commands' dispatcher; the bad input as
+  ``python -m jaxstep.prepare``: the exit code and the one line of a process."""
+  from jaxstep.cli import prepare as cli
+  from jaxstep.cli import run
+
+  monkeypatch.setattr(cli, "setup_logging", lambda: None)  # keep the root logger as it is
   write_corpus(tmp_path / "c.txt")
+  options = ["--no-progress", "--workers", "1"]
+  code = run("prepare", [*options, str(tmp_path / "c.txt"), "--out", str(tmp_path / "p")])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert "train" in out and "tokens in" in out and "tokenizer byte" in out
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "jaxstep.prepare", "--no-progress", "--workers", "1"]
-  ok = subprocess.run(
-    [*cmd, str(tmp_path / "c.txt"), "--out", str(tmp_path / "p")],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-  )
-  assert ok.returncode == 0, ok.stderr
-  assert "train" in ok.stdout and "tokens in" in ok.stdout and "tokenizer byte" in ok.stdout
+  cmd = [sys.executable, "-m", "jaxstep.prepare", *options]
   bad = subprocess.run(
     [*cmd, str(tmp_path / "nope.txt"), "--out", str(tmp_path / "q")],
     capture_output=True,
@@ -243,15 +245,16 @@ def test_the_command_refuses_a_non_prepared_out_with_exit_2_and_one_line(
   write_corpus(tmp_path / "c.txt")
   (tmp_path / "mine").mkdir()
   (tmp_path / "mine" / "notes.txt").write_text("keep me\n")
-  args = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "mine"), "--no-progress"]
-  assert main([*args, "--workers", "1"]) == 2
+  one = ["--no-progress", "--workers", "1"]  # no worker processes to start
+  args = [str(tmp_path / "c.txt"), "--out", str(tmp_path / "mine")]
+  assert main([*args, *one]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error:") and "notes.txt" in err[0]
   assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me\n"
-  assert main([str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"), "--no-progress"]) == 0
-  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", "--no-progress"]) == 2
+  assert main([*args[:1], "--out", str(tmp_path / "p"), *one]) == 0
+  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", *one]) == 2
   assert "--force" in capsys.readouterr().err
-  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", "--force"]) == 0
+  assert main([*args[:1], "--out", str(tmp_path / "p"), "--format", "file", "--force", *one]) == 0
 
 
 def test_an_out_that_is_an_existing_file_is_exit_2_one_line_and_the_file_kept(

@@ -107,26 +107,39 @@ def test_verify_folder_rehashes_every_shard_and_names_the_first_damaged_one(tmp_
     verify_folder(tmp_path / "p")
 
 
-def test_the_verify_command_exits_0_when_intact_and_2_naming_a_flipped_byte(tmp_path):
+def test_the_verify_command_exits_0_when_intact_and_2_naming_a_flipped_byte(tmp_path, capsys):
+  """In this process through the commands' dispatcher, and the damaged folder also as
+  ``python -m jaxstep.prepare``: the exit code of a process."""
+  from jaxstep.cli import run
+
   write_corpus(tmp_path / "c.txt", n=400)
   prepare([str(tmp_path / "c.txt")], tmp_path / "p", progress=False, shard_tokens=999)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
   def verify(*args):
-    cmd = [sys.executable, "-m", "jaxstep.prepare", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    try:
+      code = run("prepare", ["--verify", *map(str, args)])
+    except SystemExit as stop:  # a usage error
+      code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
-  ok = verify("--verify", str(tmp_path / "p"))
-  assert ok.returncode == 0 and "OK" in ok.stdout and ok.stderr == "", ok.stderr
+  def verify_in_a_process(*args):
+    cmd = [sys.executable, "-m", "jaxstep.prepare", "--verify", *map(str, args)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return done.returncode, done.stdout, done.stderr
+
+  code, out, err = verify(tmp_path / "p")
+  assert code == 0 and "OK" in out and err == "", err
   flip_a_byte_keeping_its_time(tmp_path / "p" / "train-00002.bin", at=5)
-  bad = verify("--verify", str(tmp_path / "p"))
-  errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
-  assert bad.returncode == 2 and len(errors) == 1 and bad.stdout == "", bad.stderr
-  assert "train-00002.bin does not match its checksum" in errors[0]
-  missing = verify("--verify", str(tmp_path / "nowhere"))
-  assert missing.returncode == 2 and "holds no manifest.json" in missing.stderr
-  both = verify("--verify", str(tmp_path / "p"), str(tmp_path / "c.txt"))
-  assert both.returncode == 2 and "--verify" in both.stderr and not (tmp_path / "q").exists()
+  for code, out, err in (verify(tmp_path / "p"), verify_in_a_process(tmp_path / "p")):
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and out == "", err
+    assert "train-00002.bin does not match its checksum" in errors[0]
+  code, _, err = verify(tmp_path / "nowhere")
+  assert code == 2 and "holds no manifest.json" in err
+  code, _, err = verify(tmp_path / "p", tmp_path / "c.txt")
+  assert code == 2 and "--verify" in err and not (tmp_path / "q").exists()
 
 
 def test_zero_shard_tokens_is_a_domain_error_naming_the_option(tmp_path, capsys, monkeypatch):

@@ -55,7 +55,7 @@ def test_one_call_reads_the_model_its_tokenizer_and_its_template(folder):
   apply_fn, _ = models.build(got.config, 0, abstract=True)
   with torch.no_grad():
     expected = model(torch.tensor(ids)).logits.numpy()
-  ours = np.asarray(apply_fn(got.params, ids))
+  ours = np.asarray(jax.jit(apply_fn)(got.params, ids))
   assert_close(ours, expected, terms=FOLDER_TERMS)
   assert_far(planted(ours), expected, terms=FOLDER_TERMS)
 
@@ -72,7 +72,7 @@ def test_every_tensor_goes_through_place_and_scan_layers_stacks(folder):
   assert len(placed) == len(jax.tree.leaves(flat.params))
   stacked = jaxstep.load_pretrained(path, scan_layers=True)
   assert stacked.config.scan_layers and not flat.config.scan_layers
-  expected = layers.convert_layout(flat.params, scan_layers=True)
+  expected = jax.jit(layers.convert_layout, static_argnums=1)(flat.params, True)
   for a, b in zip(jax.tree.leaves(stacked.params), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -182,7 +182,8 @@ def test_lora_on_a_loaded_folder_adds_adapters_that_start_at_the_base(folder, tm
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 320, size=(2, 12)))
   apply_fn, _ = models.build(got.config, 0, abstract=True)
   base_fn, _ = models.build(plain.config, 0, abstract=True)
-  np.testing.assert_array_equal(apply_fn(got.params, ids), base_fn(plain.params, ids))
+  logits, base_logits = jax.jit(apply_fn), jax.jit(base_fn)
+  np.testing.assert_array_equal(logits(got.params, ids), base_logits(plain.params, ids))
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(got.params)[0]]
   assert sum("lora" in n for n in names) == 2 * 7 * SHAPE["num_hidden_layers"]  # A, B × 7
 
@@ -197,9 +198,9 @@ def test_lora_on_a_loaded_folder_adds_adapters_that_start_at_the_base(folder, tm
   out = got.save(tmp_path / "merged", trained)
   merged = jaxstep.load_pretrained(out)
   assert_close(
-    base_fn(merged.params, ids), apply_fn(trained, ids), terms=FOLDER_TERMS
+    base_logits(merged.params, ids), logits(trained, ids), terms=FOLDER_TERMS
   )  # W + (α/r)·A·B
-  assert_far(base_fn(plain.params, ids), apply_fn(trained, ids), terms=FOLDER_TERMS)
+  assert_far(base_logits(plain.params, ids), logits(trained, ids), terms=FOLDER_TERMS)
 
 
 def test_saving_adapters_into_a_plain_config_says_how_to_merge(folder, tmp_path):

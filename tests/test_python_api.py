@@ -1,6 +1,8 @@
 """The Python API with your own flax model: NNX and linen modules with dropout and
 BatchNorm, state built by the step, checkpoints, Session safety."""
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -42,6 +44,21 @@ def classification_loss(apply_fn):
   return loss_fn
 
 
+@functools.cache
+def nnx_model():
+  """``Net`` through ``models.from_nnx``, built once: no test changes it."""
+  return models.from_nnx(Net(nnx.Rngs(0)))
+
+
+@functools.cache
+def nnx_sgd_step():
+  """The train step of ``nnx_model`` with SGD, and its jitted form that donates the state."""
+  train_step = make_train_step(
+    classification_loss(nnx_model().apply_fn), optax.sgd(0.1), grad_accum_steps=K
+  )
+  return train_step, jax.jit(train_step, donate_argnums=0)
+
+
 def data(g=16, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(g, 4)).astype(np.float32)
@@ -53,13 +70,10 @@ def data(g=16, seed=0):
 
 
 def test_nnx_dropout_rngs_and_batchnorm_train_under_jit():
-  model = models.from_nnx(Net(nnx.Rngs(0)))
+  model = nnx_model()
   assert set(model.model_state["bn"]) == {"mean", "var"}
-  train_step = make_train_step(
-    classification_loss(model.apply_fn), optax.sgd(0.1), grad_accum_steps=K
-  )
+  train_step, step = nnx_sgd_step()
   state = train_step.init(model.params, 0, model_state=model.model_state)
-  step = jax.jit(train_step, donate_argnums=0)
   for seed in range(3):
     state, metrics = step(state, data(seed=seed))
     assert bool(metrics["updated"])
@@ -103,7 +117,7 @@ def test_model_state_goes_through_the_micro_steps_in_order_like_a_pytorch_loop()
 
 
 def test_each_micro_step_draws_fresh_dropout_and_eval_is_deterministic():
-  model = models.from_nnx(Net(nnx.Rngs(0)))
+  model = nnx_model()
   x = data()["x"]
 
   def run(rng, train):
@@ -147,7 +161,7 @@ def test_linen_module_with_batch_stats_and_dropout():
 
 
 def test_state_with_model_state_round_trips_through_a_checkpoint(tmp_path):
-  model = models.from_nnx(Net(nnx.Rngs(0)))
+  model = nnx_model()
   train_step = make_train_step(
     classification_loss(model.apply_fn), optax.adamw(1e-3), grad_accum_steps=K
   )
@@ -216,10 +230,8 @@ def test_session_empty_batch_error_says_to_reset():
 def test_a_checkpoint_of_another_model_state_is_a_clear_error(tmp_path):
   from jaxstep import CheckpointError
 
-  model = models.from_nnx(Net(nnx.Rngs(0)))
-  train_step = make_train_step(
-    classification_loss(model.apply_fn), optax.sgd(0.1), grad_accum_steps=K
-  )
+  model = nnx_model()
+  train_step, _ = nnx_sgd_step()
   state = train_step.init(model.params, 0, model_state=model.model_state)
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     ckpt.save(0, state)
@@ -229,10 +241,8 @@ def test_a_checkpoint_of_another_model_state_is_a_clear_error(tmp_path):
 
 
 def test_a_typed_key_a_raw_key_and_an_int_seed_give_the_same_run():
-  model = models.from_nnx(Net(nnx.Rngs(0)))
-  train_step = make_train_step(
-    classification_loss(model.apply_fn), optax.sgd(0.1), grad_accum_steps=K
-  )
+  model = nnx_model()
+  train_step, _ = nnx_sgd_step()
   step = jax.jit(train_step)
   typed = jax.random.key(3)
   results = []

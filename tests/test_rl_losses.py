@@ -101,10 +101,10 @@ def test_the_loss_and_its_kl_equal_a_numpy_computation(loss_norm):
   params = tiny_lm_params(vocab=VOCAB)
   options = dict(epsilon_low=0.2, epsilon_high=0.28, beta=0.04, temperature=0.7, **NORMS[loss_norm])
   loss_fn = rl.grpo_loss(tiny_lm_apply, loss_norm=loss_norm, **options)
-  total, aux = loss_fn(params, batch, None)
-  units = rl.units_fn(loss_norm, options.get("max_new_tokens"))(batch)
+  total, aux = jax.jit(loss_fn)(params, batch, None)
+  units = jax.jit(rl.units_fn(loss_norm, options.get("max_new_tokens")))(batch)
   want, kl = numpy_loss(
-    tiny_lm_apply(params, batch["inputs"]),
+    jax.jit(tiny_lm_apply)(params, batch["inputs"]),
     batch,
     loss_norm=loss_norm,
     eps_low=0.2,
@@ -141,11 +141,12 @@ def test_a_mean_of_micro_batch_means_misses_the_global_normalization(loss_norm):
   ``loss_sum_k / N`` hits."""
   batch = jax.tree.map(jnp.asarray, rl_batch())
   loss_fn = rl.grpo_loss(tiny_lm_apply, loss_norm=loss_norm)
-  units = rl.units_fn(loss_norm)
+  units = jax.jit(rl.units_fn(loss_norm))
   params = tiny_lm_params(vocab=VOCAB)
   value_and_grad = jax.jit(jax.value_and_grad(lambda p, b, n: loss_fn(p, b, None)[0] / n))
   exact = value_and_grad(params, batch, units(batch))
-  micro = [jax.tree.map(lambda x, k=k: x[k], split_micro_batches(batch, 4)) for k in range(4)]
+  split = jax.tree.map(np.asarray, split_micro_batches(batch, 4))
+  micro = [jax.tree.map(lambda x, k=k: x[k], split) for k in range(4)]
   summed = jax.tree.map(
     lambda *x: sum(x), *(value_and_grad(params, m, units(batch)) for m in micro)
   )

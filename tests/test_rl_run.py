@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SMALL_MODEL, read_lines
+from conftest import SMALL_MODEL, long_run_env, read_lines
 from fault_helpers import damage, one_error
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_pretrained import folder  # noqa: F401 - fixture
@@ -91,9 +91,8 @@ def test_k_micro_batches_give_one_batchs_updates(tmp_path, norm):
   params, so the runs agree only if the updates did."""
   runs = {}
   for k in (1, 4):
-    config_run.train(
-      cfg_for(tmp_path, f"train.grad_accum_steps={k}", f"rl.loss_norm={norm}", name=f"k{k}")
-    )
+    overrides = [f"train.grad_accum_steps={k}", f"rl.loss_norm={norm}", "train.eval_every=0"]
+    config_run.train(cfg_for(tmp_path, *overrides, name=f"k{k}"))
     runs[k] = read_lines(tmp_path / f"k{k}" / "metrics.jsonl")
   for a, b in zip(runs[1], runs[4], strict=True):
     assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
@@ -225,7 +224,8 @@ def test_the_kl_reference_is_the_start_and_the_kl_grows_from_zero(tmp_path, refe
   reference at the first update (KL exactly 0) and moves away after; only the live
   reference is a copy in the state."""
   extra = ["model.lora.rank=4", "model.lora.alpha=8"] if reference == "adapters" else []
-  result = config_run.train(cfg_for(tmp_path, *extra, "rl.beta=0.1", f"rl.reference={reference}"))
+  extra += ["rl.beta=0.1", f"rl.reference={reference}", "train.max_steps=2", "train.eval_every=0"]
+  result = config_run.train(cfg_for(tmp_path, *extra))
   kl = [r["kl"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")]
   assert kl[0] == 0.0 and kl[-1] > 0.0
   assert (result.state.model_state is not None) == (reference == "live")
@@ -322,7 +322,8 @@ def test_a_bf16_reference_copy_halves_its_bytes_and_its_kl_starts_near_zero(tmp_
   import jax
   import jax.numpy as jnp
 
-  result = config_run.train(cfg_for(tmp_path, "rl.beta=0.1", "rl.reference_dtype=bf16"))
+  bf16 = ["rl.beta=0.1", "rl.reference_dtype=bf16", "train.max_steps=1", "train.eval_every=0"]
+  result = config_run.train(cfg_for(tmp_path, *bf16))
   leaves = jax.tree.leaves(result.state.model_state["reference"])
   assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
   kl = read_lines(tmp_path / "run" / "metrics.jsonl")[0]["kl"]
@@ -422,9 +423,9 @@ def test_the_arithmetic_demo_raises_held_out_accuracy(tmp_path):
   import subprocess
   import sys
 
-  def jaxstep(*args):
+  def jaxstep(*args):  # with XLA's default optimizations, as a user runs it
     done = subprocess.run([sys.executable, "-m", "jaxstep", *args], cwd=tmp_path, text=True,
-                          capture_output=True)  # fmt: skip
+                          capture_output=True, env=long_run_env())  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
 
   jaxstep("train", "--config", "sft-sums")

@@ -2,6 +2,7 @@
 from (allowed ids, temperature, top-k, top-p) equals the training pass's for the same
 params and settings, and differs where a setting differs — the gap the RL check reports."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,10 +18,14 @@ PROMPTS = ["the ", "12 + 3", "a longer prompt of text", "x"]
 
 
 @pytest.fixture(scope="module")
-def sampled():
+def params():
+  return models.build(CFG, 0)[1]
+
+
+@pytest.fixture(scope="module")
+def sampled(params):
   """Params, and 4 prompts × 2 samples at temperature 0.7 and top-p 0.9 (with the log-probs
   the sampler saw), laid out as RL rows."""
-  params = models.build(CFG, 0)[1]
   gen = Generator(CFG, params, TOK)
   prompts = [gen.encode_prompt(p) for p in PROMPTS for _ in range(2)]
   ids, _, logps = gen.sample_ids(prompts, max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
@@ -41,10 +46,15 @@ def rows(prompts, ids, logps, width=40):
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "completion_mask": mask, "old": old}
 
 
-def trainer_logps(params, batch, **settings):
-  logits = models.decoder(CFG).apply_fn(params, batch["inputs"])
+def trainer_logps(params, batch, temperature=1.0, top_p=1.0):
+  return np.asarray(_trainer_logps(params, batch["inputs"], batch["targets"], temperature, top_p))
+
+
+@jax.jit  # one program for every setting: the temperature and top-p are traced
+def _trainer_logps(params, inputs, targets, temperature, top_p):
+  logits = models.decoder(CFG).apply_fn(params, inputs)
   allowed = allowed_ids(CFG.vocab_size, TOK)
-  return np.asarray(rl.token_logps(logits, batch["targets"], allowed=allowed, **settings)[0])
+  return rl.token_logps(logits, targets, temperature, top_p=top_p, allowed=allowed)[0]
 
 
 def test_sampler_and_trainer_log_probs_agree_at_temperature_and_top_p(sampled):
@@ -71,8 +81,7 @@ def test_a_different_setting_opens_a_gap(sampled, settings):
   assert gap > 0.05
 
 
-def test_greedy_samples_report_the_argmax_log_prob_at_temperature_one():
-  params = models.build(CFG, 0)[1]
+def test_greedy_samples_report_the_argmax_log_prob_at_temperature_one(params):
   gen = Generator(CFG, params, TOK)
   prompts = [gen.encode_prompt(p) for p in PROMPTS]
   ids, _, logps = gen.sample_ids(prompts, max_new_tokens=6, temperature=0.0)
@@ -84,6 +93,7 @@ def test_greedy_samples_report_the_argmax_log_prob_at_temperature_one():
 
 
 def test_a_longer_prefill_samples_the_same_and_compiles_once_for_any_prompt_lengths(
+  params,
   monkeypatch,
 ):
   traces = []
@@ -91,7 +101,6 @@ def test_a_longer_prefill_samples_the_same_and_compiles_once_for_any_prompt_leng
   monkeypatch.setattr(
     Generator, "_loop", lambda self, *a, **k: traces.append(1) or loop(self, *a, **k)
   )
-  params = models.build(CFG, 0)[1]
   gen = Generator(CFG, params, TOK)
   prompts = [gen.encode_prompt(p) for p in PROMPTS]
   settings = dict(max_new_tokens=6, temperature=0.8, seed=5)

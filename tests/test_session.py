@@ -120,7 +120,7 @@ def test_session_and_make_train_step_agree(np_rng):
     mask[0, 0] = 1
     batch = lm_batch(np_rng, 6, 5, vocab=11, mask=mask)
     state, _ = step(state, batch)
-    micro_batches = split_micro_batches(batch, 3)
+    micro_batches = jax.tree.map(np.asarray, split_micro_batches(batch, 3))
     for k in range(3):
       mb = jax.tree.map(lambda x, k=k: x[k], micro_batches)
       s.train_step(mb, normalization_units=int(mb["loss_mask"].sum()))

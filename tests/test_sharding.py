@@ -206,17 +206,50 @@ for g in (6, 8):
 """
 
 
-def batch_errors_on_4_devices(code: str) -> list[str]:
-  """The lines ``code`` prints, run on 4 virtual CPU devices in a fresh process."""
+PUT_BATCH_CHECK = """
+import jax.numpy as jnp
+from jaxstep import BatchError, parallel
+
+mesh = parallel.make_mesh()
+for g, k in ((6, None), (12, 2)):
+  try:
+    batch = {"x": jnp.ones(g)}
+    parallel.put_batch(batch, parallel.batch_sharding(mesh), grad_accum_steps=k)
+  except BatchError as e:
+    print("BatchError:", e)
+"""
+
+BATCH_CHECKS = {"step": MESH_SPLIT_CHECK, "put_batch": PUT_BATCH_CHECK}
+CHECK_STARTS = "check: "
+
+
+@pytest.fixture(scope="module")
+def batch_errors_on_4_devices() -> dict[str, list[str]]:
+  """The lines each of ``BATCH_CHECKS`` prints, by name: the checks run one after the other,
+  each in a namespace of its own, in one fresh process on 4 virtual CPU devices."""
+  code = (
+    f"for name, check in {BATCH_CHECKS!r}.items():\n"
+    f"  print({CHECK_STARTS!r} + name)\n"
+    "  exec(check, {})\n"
+  )
   proc = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=devices_env(4)
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
-  return proc.stdout.strip().splitlines()
+  printed, lines = {}, []
+  for line in proc.stdout.strip().splitlines():
+    if line.startswith(CHECK_STARTS):
+      lines = printed.setdefault(line.removeprefix(CHECK_STARTS), [])
+    else:
+      lines.append(line)
+  assert list(printed) == list(BATCH_CHECKS), proc.stdout
+  return printed
 
 
-def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_times_k():
-  lines = batch_errors_on_4_devices(MESH_SPLIT_CHECK)
+def test_step_on_a_mesh_names_the_numbers_when_g_does_not_split_over_devices_times_k(
+  batch_errors_on_4_devices,
+):
+  lines = batch_errors_on_4_devices["step"]
   assert len(lines) == 2 and all(x.startswith("BatchError:") for x in lines), lines
   assert "a global batch of 6 does not split evenly over 4 devices" in lines[0]
   assert "multiple of devices × grad_accum_steps = 4 × K" in lines[0]
@@ -234,22 +267,8 @@ def test_the_batch_split_rule_is_complete_when_k_is_not_known_yet():
   assert split_problem(8, None, 4) is None  # K decides the rest, and the step checks it
 
 
-PUT_BATCH_CHECK = """
-import jax.numpy as jnp
-from jaxstep import BatchError, parallel
-
-mesh = parallel.make_mesh()
-for g, k in ((6, None), (12, 2)):
-  try:
-    batch = {"x": jnp.ones(g)}
-    parallel.put_batch(batch, parallel.batch_sharding(mesh), grad_accum_steps=k)
-  except BatchError as e:
-    print("BatchError:", e)
-"""
-
-
-def test_put_batch_states_the_devices_times_k_rule():
-  lines = batch_errors_on_4_devices(PUT_BATCH_CHECK)
+def test_put_batch_states_the_devices_times_k_rule(batch_errors_on_4_devices):
+  lines = batch_errors_on_4_devices["put_batch"]
   assert len(lines) == 2, lines
   assert "4 × K" in lines[0] and "use a multiple of 4" not in lines[0]
   assert "12 is not divisible by devices × grad_accum_steps = 4 × 2 = 8" in lines[1]

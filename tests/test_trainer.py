@@ -105,25 +105,29 @@ def test_eval_sets_report_the_sums_of_an_independent_computation(tmp_path):
   }
 
 
-def test_a_plain_iterable_resumes_by_skipping_what_was_consumed(tmp_path):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The params after 12 uninterrupted updates on ``batch_of(0)``, ``batch_of(1)``, …"""
+  return trainer(tmp_path_factory.mktemp("straight")).fit().state.params["w"]
+
+
+def test_a_plain_iterable_resumes_by_skipping_what_was_consumed(tmp_path, straight):
   data = [batch_of(i) for i in range(40)]
-  straight = trainer(tmp_path / "s", data=data).fit()
   first = trainer(tmp_path / "k", data=data, train={"max_steps": 7}).fit()
   assert first.step == 7
   resumed = trainer(tmp_path / "k", data=data, train={"max_steps": 12}).fit()
   assert resumed.position == {"batches": 12, "data": None}
-  np.testing.assert_array_equal(resumed.state.params["w"], straight.state.params["w"])
+  np.testing.assert_array_equal(resumed.state.params["w"], straight)
 
 
-def test_a_resumable_iterator_gets_its_state_back(tmp_path):
+def test_a_resumable_iterator_gets_its_state_back(tmp_path, straight):
   import grain
 
   data = grain.MapDataset.range(200).map(batch_of)
-  straight = trainer(tmp_path / "s", data=data).fit()
   trainer(tmp_path / "k", data=data, train={"max_steps": 5}).fit()
   resumed = trainer(tmp_path / "k", data=data).fit()
   assert resumed.position["data"] == {"next_index": 12}
-  np.testing.assert_array_equal(resumed.state.params["w"], straight.state.params["w"])
+  np.testing.assert_array_equal(resumed.state.params["w"], straight)
 
 
 def test_data_that_ends_ends_the_run_with_its_state_saved(tmp_path):
