@@ -109,3 +109,27 @@ def configure_cpu_defaults(
     "" if n == 1 else "s",
     os.environ.get("XLA_FLAGS", ""),
   )
+
+
+def fresh_compiles_for_expert_meshes(mesh) -> None:
+  """Turns JAX's persistent compilation cache off for this process when ``mesh`` has an
+  expert axis on CPU devices.
+
+  XLA:CPU runs an expert-parallel train step that it loaded from the cache with its
+  collectives out of order across devices: one device waits in the MoE layer's all-gather
+  while another waits in the all-reduce of the token count, until XLA's rendezvous
+  terminates the process after 40 s. The same program compiled in the process runs (tested
+  over dozens of runs; jaxlib 0.10), so such a run compiles its programs every start. Other
+  meshes keep the cache: their resumed runs load the same programs and run them."""
+  if mesh.shape.get("expert", 1) == 1 or mesh.devices.flat[0].platform != "cpu":
+    return
+  if not jax.config.jax_enable_compilation_cache:
+    return
+  from jax.experimental.compilation_cache import compilation_cache
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  log.info(
+    "compilation cache: off for this run (XLA:CPU runs an expert-parallel step loaded from "
+    "it with its collectives out of order)"
+  )

@@ -130,7 +130,7 @@ class MeshConfig:
   fsdp: int = 1  # parameter-sharding size (-1 = all devices not used by data)
   tensor: int = 1  # tensor-parallel size: each layer split over this many devices
   sequence_parallel: bool = False  # with tensor > 1: activations split over positions too
-  expert: int = 1  # expert-parallel size (MoE); > 1 refused by the commands for now (docs/moe.md)
+  expert: int = 1  # expert-parallel size (MoE): devices the experts split over (docs/moe.md)
   coordinator: str = ""  # host:port of process 0 for multi-host ("" = JAXSTEP_COORDINATOR)
   num_processes: int = 0  # processes in the job (0 = JAXSTEP_NUM_PROCESSES / auto)
   process_id: int = -1  # this process's index (-1 = JAXSTEP_PROCESS_ID / auto)

@@ -31,6 +31,7 @@ from jaxstep import data, parallel
 from jaxstep.core import device_memory, geometry, layout
 from jaxstep.errors import ConfigError, DataError
 from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama
+from jaxstep.parallel.cpu_devices import fresh_compiles_for_expert_meshes
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import CONFIG_NAMES_OF_G_AND_K, TrainConfig
 from jaxstep.trainer.plan import auto_accum, init_from, steps, tensor_split
@@ -94,6 +95,7 @@ def mesh_for(cfg: config_lib.Config) -> Mesh:
   check_expert_split(cfg)
   m = cfg.mesh
   mesh = parallel.make_mesh(m.data, m.fsdp, tensor=m.tensor, expert=m.expert)
+  fresh_compiles_for_expert_meshes(mesh)
   tensor_split.check(cfg.model, cfg.mesh, cfg.train.seq_len)
   problem = geometry.split_problem(
     t.global_batch_size, split_k(t), layout.batch_shards(mesh), names=CONFIG_NAMES_OF_G_AND_K
@@ -104,8 +106,7 @@ def mesh_for(cfg: config_lib.Config) -> Mesh:
 
 
 def check_expert_split(cfg: config_lib.Config) -> None:
-  """``mesh.expert`` > 1 needs an MoE model whose experts it divides, and is refused by
-  the commands for now (docs/moe.md#expert-parallelism)."""
+  """``mesh.expert`` > 1 needs an MoE model whose experts it divides."""
   expert, experts = cfg.mesh.expert, getattr(cfg.model, "num_experts", 0)
   if expert == 1:
     return
@@ -121,11 +122,6 @@ def check_expert_split(cfg: config_lib.Config) -> None:
       f"mesh.expert={expert} does not divide model.num_experts={experts}; the nearest that "
       f"does is mesh.expert={nearest}"
     )
-  raise ConfigError(
-    f"mesh.expert={expert} is not available in the commands yet: their training loop "
-    "deadlocks in a collective after a few updates on XLA:CPU; set mesh.expert=1 (the "
-    "Python API's make_train_step takes a mesh with an expert axis: docs/moe.md)"
-  )
 
 
 def resolve_vocab(model_cfg: GPTConfig, tokenizer_size: int) -> GPTConfig:
