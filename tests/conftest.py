@@ -40,19 +40,18 @@ def _fast_compile_flags() -> list[str]:
 FAST_COMPILE = _fast_compile_flags()
 
 
-def xla_flags(*flags: str, fast_compile: bool = True) -> str:
+def xla_flags(*flags: str) -> str:
   """``XLA_FLAGS`` for a test's subprocess: ``flags`` (e.g. a device count) and the session's
-  fast-compile ones; ``fast_compile=False`` for a process whose run time, not its compiles,
-  is the cost (a demo's hundreds of updates run 2-3× slower without LLVM's optimizations)."""
-  fast = FAST_COMPILE if fast_compile else []
-  return " ".join([*flags, *(f for f in fast if f not in flags)])
+  fast-compile ones."""
+  return " ".join([*flags, *(f for f in FAST_COMPILE if f not in flags)])
 
 
 def long_run_env(**extra: str) -> dict:
   """The environment for a subprocess that trains for hundreds of updates: the session's,
-  with XLA's default optimizations (see ``xla_flags``)."""
+  without the fast-compile flags, whose unoptimized code runs such a demo's steps 2-3×
+  slower once compiled."""
   own = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
-  return {**os.environ, "XLA_FLAGS": xla_flags(*own, fast_compile=False), **extra}
+  return {**os.environ, "XLA_FLAGS": " ".join(own), **extra}
 
 
 os.environ["XLA_FLAGS"] = xla_flags(*os.environ.get("XLA_FLAGS", "").split())

@@ -30,9 +30,6 @@ def enospc(filename=None):
 
 def train_main(tmp_path, *overrides) -> int:
   """The CLI in this process (its device set is already fixed by conftest's JAX)."""
-  import jax
-
-  jax.devices()  # the backend is up: the CLI leaves this process's devices alone
   make_cfg(tmp_path)  # writes the corpus
   return train_cli.main(
     [

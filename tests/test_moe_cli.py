@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import read_lines, straight_and_killed
+from test_cli import train_here
 
 import jaxstep
 
@@ -72,11 +73,7 @@ def test_an_expert_parallel_run_equals_the_data_parallel_one_on_every_start(tmp_
 def test_moe_settings_that_cannot_run_are_one_line(tmp_path, capsys, args, message):
   """``jaxstep train`` in this process, through the commands' dispatcher (the messages do
   not depend on the device count; ``test_cli.py`` runs the command as a process)."""
-  from jaxstep.cli import run
-
-  jax.devices()  # the backend is up: the command leaves this process's devices alone
-  code = run("train", [*MOE, "train.max_steps=1", *args, f"run_dir={tmp_path / 'run'}"])
-  err = capsys.readouterr().err
+  code, _, err = train_here(capsys, *MOE, "train.max_steps=1", *args, f"run_dir={tmp_path / 'run'}")
   assert code == 2, err[-2000:]
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and message in lines[0], err[-2000:]

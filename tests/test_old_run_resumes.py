@@ -54,7 +54,6 @@ def test_a_run_written_before_the_split_resumes_bitwise(tmp_path, monkeypatch):
     assert got.dtype == want.dtype and got.shape == want.shape, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
 
-  jax.devices()  # the backend is up: the CLI leaves this process's devices alone
   assert train_cli.main([*ARGS, "train.max_steps=4", "run_dir=run"]) == 0
 
   resumed, straight = (
@@ -80,7 +79,6 @@ def test_a_fresh_run_of_the_same_seed_trains_as_that_version_did(tmp_path, monke
   command gives its 4 losses (to another machine's rounding)."""
   shutil.copy(FIXTURE / "corpus.txt", tmp_path / "corpus.txt")
   monkeypatch.chdir(tmp_path)
-  jax.devices()
   assert train_cli.main([*ARGS, "train.max_steps=4", "run_dir=run"]) == 0
   fresh = metrics(tmp_path / "run" / "metrics.jsonl")
   straight = metrics(FIXTURE / "straight_metrics.jsonl")
