@@ -101,6 +101,7 @@ def test_the_config_takes_its_model_and_tokenizer_from_the_folder(folder, tmp_pa
     ("model.d_model=64", "model.d_model 64 contradicts"),
     ("train.seq_len=100", "exceeds the 64 positions"),
     ("model.mlp_ratio=2", "model.init_from is a llama model: drop the key"),
+    ("model.lora.targets=[experts.down_proj]", "names routed experts, and the model of"),
   ],
 )
 def test_settings_that_contradict_the_folder_are_one_line_and_nothing_is_written(

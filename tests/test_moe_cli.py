@@ -40,25 +40,42 @@ def test_an_moe_run_killed_with_sigkill_resumes_bitwise(tmp_path):
   assert {"moe/lbl", "moe/z_loss", "moe/max_load", "moe/dropped"} <= set(metrics[-1])
 
 
+ROUTED_LORA = [
+  "model.lora.rank=4", "model.lora.targets=[q_proj,experts.gate_up_proj,experts.down_proj]",
+  "train.schedule_steps=8", "checkpoint.every=2", "optim.lr=1e-2",
+]  # fmt: skip
+
+
 @pytest.mark.slow
-def test_an_expert_parallel_run_equals_the_data_parallel_one_on_every_start(tmp_path):
-  """``mesh.expert=2`` through ``jaxstep train`` updates as the same run with the experts
-  whole on each device (``mesh.data=2``), and a second start with the same compilation
-  cache runs too: XLA:CPU deadlocks on an expert-parallel step loaded from the cache
-  (until its rendezvous aborts the process), so such a run compiles afresh."""
+def test_an_expert_parallel_run_resharded_between_meshes_equals_the_data_parallel_one(tmp_path):
+  """LoRA on attention and the routed experts, ``mesh.expert=2`` through ``jaxstep train``:
+  4 updates, resumed on ``mesh.data=2`` (the experts and their adapters whole on each
+  device) for 2, then on ``mesh.expert=2`` again for 2, updates as the same run straight on
+  ``mesh.data=2``. Each expert-parallel start shares one compilation cache: XLA:CPU
+  deadlocks on an expert-parallel step loaded from the cache (until its rendezvous aborts
+  the process), so such a run compiles afresh, and says so."""
   cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
   cache["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  meshes = {"data": ["mesh.data=2"], "expert": ["mesh.expert=2", "mesh.data=1"]}
-  meshes["again"] = meshes["expert"]
-  for name, mesh in meshes.items():
-    done = _train("train.max_steps=6", *mesh, f"run_dir={tmp_path / name}", env_extra=cache)
+  data, expert = ["mesh.data=2"], ["mesh.expert=2", "mesh.data=1"]
+  starts = [("straight", data, 8), ("moved", expert, 4), ("moved", data, 6), ("moved", expert, 8)]
+  for name, mesh, steps in starts:
+    run = [*ROUTED_LORA, f"train.max_steps={steps}", *mesh, f"run_dir={tmp_path / name}"]
+    done = _train(*run, env_extra=cache)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert ("compilation cache: off for this run" in done.stderr) == (name != "data")
-  data, expert, again = (jaxstep.load_run(tmp_path / name).params for name in meshes)
-  for x, y, z in zip(*(jax.tree.leaves(p) for p in (data, expert, again)), strict=True):
-    x, y, z = (np.asarray(v, np.float64) for v in (x, y, z))
-    assert np.max(np.abs(x - y)) <= 1e-5 * max(np.max(np.abs(x)), 1e-12)
-    np.testing.assert_array_equal(y, z)
+    assert ("compilation cache: off for this run" in done.stderr) == (mesh == expert)
+  straight, moved = (jaxstep.load_run(tmp_path / name) for name in ("straight", "moved"))
+  assert straight.step == moved.step == 8
+  flat = [
+    {jax.tree_util.keystr(p): np.asarray(v, np.float64) for p, v in leaves}
+    for leaves in (jax.tree_util.tree_leaves_with_path(r.params) for r in (straight, moved))
+  ]
+  for key, x in flat[0].items():
+    y = flat[1][key]
+    assert np.max(np.abs(x - y)) <= 1e-5 * max(np.max(np.abs(x)), 1e-12), key
+    if "lora" not in key:  # frozen: the base weights never move, whatever the mesh
+      np.testing.assert_array_equal(x, y)
+  lora_b = [k for k in flat[1] if k.endswith("['experts']['gate_up']['lora']['lora_b']")]
+  assert lora_b and all(np.any(flat[1][k]) for k in lora_b)
 
 
 @pytest.mark.parametrize(

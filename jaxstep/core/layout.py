@@ -59,6 +59,9 @@ AXIS_NAMES: list[tuple[str, tuple[str | None, ...]]] = [
   # mixture-of-experts layers: the stacked experts' leading axis
   (r"\['experts'\]\['(gate|up)_proj'\]", ("experts", "embed", "mlp")),
   (r"\['experts'\]\['down_proj'\]", ("experts", "mlp", "embed")),
+  # their adapters (lora.ExpertAdapter), named as if a kernel: A [E, in, r], B [E, r, out]
+  (r"\['experts'\]\['gate_up'\]\['kernel'\]", ("experts", "embed", "mlp")),
+  (r"\['experts'\]\['down'\]\['kernel'\]", ("experts", "mlp", "embed")),
 ]
 
 
@@ -135,8 +138,9 @@ def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
   adapter = re.search(r"\['lora'\]\['lora_([ab])'\]$", path)
   base = path[: adapter.start()] + "['kernel']" if adapter else path
   names = next((n for pattern, n in AXIS_NAMES if re.search(pattern + "$", base)), ())
-  if adapter and len(names) == 2:  # A: [in, r], B: [r, out]
-    names = (names[0], None) if adapter.group(1) == "a" else (None, names[1])
+  if adapter and len(names) >= 2:  # A: [..., in, r], B: [..., r, out]
+    low = (names[-2], None) if adapter.group(1) == "a" else (None, names[-1])
+    names = (*names[:-2], *low)
   if len(names) > ndim:
     return (None,) * ndim
   return (None,) * (ndim - len(names)) + tuple(names)  # a stacked layer axis comes first

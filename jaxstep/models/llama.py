@@ -70,7 +70,7 @@ class LlamaConfig:
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
-  lora: LoraConfig = LoraConfig()  # low-rank adapters on PROJECTIONS (the rest frozen)
+  lora: LoraConfig = LoraConfig()  # adapters on PROJECTIONS (+ lora.ROUTED if named)
   # mixture of experts (moe.py, docs/moe.md); num_experts 0: every MLP dense
   num_experts: int = 0  # num_experts / num_local_experts
   experts_per_token: int = 2  # num_experts_per_tok: k of the top-k routing
@@ -89,7 +89,9 @@ class LlamaConfig:
   lbl_scope: str = "global"  # global | micro_batch: where the LBL's expert shares are counted
 
   def __post_init__(self):
-    self.lora.check_targets(PROJECTIONS)
+    # a folder's model (init_from) says whether it has experts once it is read
+    routed = lora.ROUTED if self.num_experts or self.init_from else ()
+    self.lora.check_targets(PROJECTIONS + routed)
     object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
     check_moe(self)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))

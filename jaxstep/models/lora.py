@@ -7,6 +7,11 @@ in ``±1/√in`` (PEFT's Kaiming-uniform with ``a = √5``) and ``B`` at zero, s
 forward pass is the base model's exactly. With ``model.lora.rank > 0`` everything but the
 adapters is frozen (``optim.trainable`` may add leaves back).
 
+A mixture of experts' routed experts (stacked ``[E, in, out]`` weights, not projections)
+are adapted only when ``targets`` names them (``ROUTED``): one adapter per expert,
+``ExpertAdapter``'s ``A`` ``[E, in, r]`` and ``B`` ``[E, r, out]``, applied by ``moe.MoeMLP``
+on each expert's rows.
+
 ``merged`` folds the adapters into the base weights (``W + (α/r)·A·B``) for an export.
 
 Your own model (any params tree whose projections are ``{"kernel": [in, out], …}``
@@ -30,6 +35,9 @@ from jaxstep.core.trees import node_at, path_name
 from jaxstep.errors import ConfigError
 
 ADAPTER = r"/lora/lora_[ab]$"  # the names of adapter leaves (core.freeze patterns)
+# an MoE layer's routed experts, adapted only when named in model.lora.targets (as PEFT's
+# target_parameters name them): one adapter per expert on the fused gate|up and on down
+ROUTED = ("experts.gate_up_proj", "experts.down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +62,26 @@ class LoraConfig:
     return self.alpha / self.rank if self.rank else 0.0
 
   def check_targets(self, available: tuple[str, ...]) -> None:
-    """``ConfigError`` for a target that names no projection of the model."""
+    """``ConfigError`` for a target that names no projection of the model, and for adapter
+    dropout on routed experts (their adapters act on the expert-sorted rows, as PEFT's on
+    an expert parameter, which has no dropout either)."""
     unknown = [t for t in self.targets if t not in available]
     if unknown:
       raise ConfigError(
         f"model.lora.targets: {', '.join(map(repr, unknown))} is not a projection of this "
         f"model; its projections are {', '.join(available)}"
       )
+    if self.dropout and any(t in ROUTED for t in self.targets):
+      raise ConfigError(
+        "model.lora.dropout must be 0 with routed experts in model.lora.targets (an adapter "
+        "on an expert parameter has no dropout, in PEFT either): set model.lora.dropout=0"
+      )
 
   def adapts(self, name: str) -> bool:
+    """Whether projection ``name`` gets an adapter: every one when ``targets`` is empty,
+    but routed experts (``ROUTED``) only when named."""
+    if name in ROUTED:
+      return bool(self.rank) and name in self.targets
     return bool(self.rank) and (not self.targets or name in self.targets)
 
 
@@ -85,6 +104,25 @@ class LoRALinear(nnx.Linear):
   def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
     y = nnx.Linear.__call__(self, x, out_sharding=out_sharding)
     return y + self.scale * self.lora(_dropped(x, self.rate)).astype(y.dtype)
+
+
+class ExpertFactors(nnx.Module):
+  """One adapter per expert: ``lora_a`` ``[E, in, r]`` and ``lora_b`` ``[E, r, out]`` (set
+  by ``init_adapters``, as ``LoRALinear``'s)."""
+
+  def __init__(self, experts: int, in_features: int, out_features: int, rank: int):
+    self.lora_a = nnx.Param(jnp.zeros((experts, in_features, rank), jnp.float32))
+    self.lora_b = nnx.Param(jnp.zeros((experts, rank, out_features), jnp.float32))
+
+
+class ExpertAdapter(nnx.Module):
+  """The adapters of one stacked expert weight ``[E, in, out]``, at ``…/lora/lora_a`` and
+  ``…/lora/lora_b`` like every adapter (``ADAPTER``). Expert ``e`` computes ``x·W_e +
+  (α/r)·(x·A_e)·B_e`` on the rows routed to it (``moe.MoeMLP``)."""
+
+  def __init__(self, experts: int, in_features: int, out_features: int, lora: LoraConfig):
+    self.lora = ExpertFactors(experts, in_features, out_features, lora.rank)
+    self.scale = lora.scale
 
 
 _DROPOUT = contextvars.ContextVar("lora_dropout", default=None)
@@ -222,17 +260,38 @@ def merged_apply(apply_fn, scale: float):
 
 def merged(params, scale: float):
   """``params`` with every adapter folded in: each module holding ``lora`` gets ``kernel +
-  scale·A·B`` (over a leading layer axis too) and loses its ``lora`` entry."""
+  scale·A·B`` (over a leading layer axis too) and loses its ``lora`` entry; stacked experts
+  get ``W_e + scale·A_e·B_e`` per expert (``gate_up``'s columns split between ``gate_proj``
+  and ``up_proj``) and lose their ``gate_up`` and ``down`` adapters."""
   if isinstance(params, dict):
+    if "down_proj" in params and not isinstance(params["down_proj"], dict):
+      return _merged_experts(params, scale)
     out = {k: merged(v, scale) for k, v in params.items() if k != "lora"}
     if "lora" in params and "kernel" in params:
-      a, b = params["lora"]["lora_a"], params["lora"]["lora_b"]
-      delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
-      out["kernel"] = (params["kernel"].astype(jnp.float32) + scale * delta).astype(
-        params["kernel"].dtype
-      )
+      out["kernel"] = _plus_delta(params["kernel"], params["lora"], scale)
     return out
   return params
+
+
+def _plus_delta(w, factors: dict, scale: float):
+  """``w + scale·A·B`` in fp32, cast back to ``w``'s dtype (leading axes batched)."""
+  a, b = factors["lora_a"].astype(jnp.float32), factors["lora_b"].astype(jnp.float32)
+  delta = jnp.einsum("...ir,...ro->...io", a, b)
+  return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+
+
+def _merged_experts(experts: dict, scale: float) -> dict:
+  """A stacked-experts node (``gate_proj``, ``up_proj``, ``down_proj`` ``[…, E, in, out]``)
+  with its ``gate_up`` and ``down`` adapters folded in."""
+  out = {k: v for k, v in experts.items() if k not in ("gate_up", "down")}
+  if "gate_up" in experts:
+    f = experts["gate_proj"].shape[-1]
+    both = jnp.concatenate([experts["gate_proj"], experts["up_proj"]], axis=-1)
+    both = _plus_delta(both, experts["gate_up"]["lora"], scale)
+    out["gate_proj"], out["up_proj"] = both[..., :f], both[..., f:]
+  if "down" in experts:
+    out["down_proj"] = _plus_delta(experts["down_proj"], experts["down"]["lora"], scale)
+  return out
 
 
 def adapters_off(params):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.core import layout
-from jaxstep.models import grouped
+from jaxstep.models import grouped, lora
 from jaxstep.models.gpt import platform_kernels
 
 SCORES = ("softmax", "sigmoid")
@@ -135,13 +135,20 @@ class SwiGLU(nnx.Module):
 
 class Experts(nnx.Module):
   """E SwiGLU experts as stacked weights: ``gate_proj``, ``up_proj`` ``[E, d, f]`` and
-  ``down_proj`` ``[E, f, d]`` (``[in, out]`` per expert, as the dense kernels)."""
+  ``down_proj`` ``[E, f, d]`` (``[in, out]`` per expert, as the dense kernels); with LoRA
+  on them (``lora.ROUTED`` in ``model.lora.targets``), an adapter per expert on the fused
+  ``gate|up`` (``gate_up``: ``[E, d, r]``, ``[E, r, 2f]``, one adapter on both halves, as
+  PEFT's on transformers' fused ``gate_up_proj``) and on ``down`` (``[E, f, r]``, ``[E, r, d]``)."""
 
-  def __init__(self, n: int, d: int, f: int, *, rngs: nnx.Rngs):
+  def __init__(self, n: int, d: int, f: int, *, rngs: nnx.Rngs, lora_cfg=None):
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
     self.gate_proj = nnx.Param(init(rngs.params(), (n, d, f)))
     self.up_proj = nnx.Param(init(rngs.params(), (n, d, f)))
     self.down_proj = nnx.Param(init(rngs.params(), (n, f, d)))
+    adapts = lambda name: lora_cfg is not None and lora_cfg.adapts(name)  # noqa: E731
+    gate_up, down = lora.ROUTED
+    self.gate_up = lora.ExpertAdapter(n, d, 2 * f, lora_cfg) if adapts(gate_up) else None
+    self.down = lora.ExpertAdapter(n, f, d, lora_cfg) if adapts(down) else None
 
 
 class MoeMLP(nnx.Module):
@@ -149,12 +156,13 @@ class MoeMLP(nnx.Module):
 
   def __init__(self, cfg, linear, *, rngs: nnx.Rngs):
     """``linear(name, in, out)``: a projection the config's LoRA may adapt (the shared
-    experts'); the router and the routed experts are never adapted (docs/moe.md)."""
+    experts'); the routed experts are adapted when ``model.lora.targets`` names them, the
+    router never (docs/moe.md)."""
     d, e = cfg.d_model, cfg.num_experts
     self.cfg = cfg
     dense, _ = platform_kernels()
     self.router = nnx.Linear(d, e, use_bias=False, **dense, rngs=rngs)
-    self.experts = Experts(e, d, cfg.expert_size, rngs=rngs)
+    self.experts = Experts(e, d, cfg.expert_size, rngs=rngs, lora_cfg=cfg.lora)
     width = cfg.shared_width
     self.shared_expert = SwiGLU(d, width, linear) if width else None
     gate = cfg.shared_expert_gate
@@ -217,14 +225,27 @@ class MoeMLP(nnx.Module):
     w = lambda p: jnp.asarray(p[...], tokens.dtype)  # noqa: E731 - numpy params too
     # gate and up in one grouped product: half the groups' passes over their rows
     gate_up = mm(rows, jnp.concatenate([w(ex.gate_proj), w(ex.up_proj)], axis=-1))
+    gate_up = _adapted(gate_up, rows, ex.gate_up, mm, w)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    out_rows = mm(jax.nn.silu(gate) * up, w(ex.down_proj))
+    hidden = jax.nn.silu(gate) * up
+    out_rows = _adapted(mm(hidden, w(ex.down_proj)), hidden, ex.down, mm, w)
     out_rows = jnp.concatenate([out_rows, jnp.zeros((1, d), out_rows.dtype)])
     picked = out_rows[jnp.minimum(plan.dest, out_rows.shape[0] - 1)]  # [T, k, d]; not here: 0
     out = jnp.einsum("tkd,tk->td", picked, weights.astype(tokens.dtype))
     if shards > 1:
       out = jax.lax.psum_scatter(out, layout.EXPERT, scatter_dimension=0, tiled=True)
     return out, dropped
+
+
+def _adapted(y, rows, adapter, mm, w):
+  """``y + (α/r)·(rows·A_e)·B_e`` on each expert's rows (two grouped products through rank
+  ``r``: the routed rows' FLOPs, never a merged ``[E, in, out]`` copy); ``y`` without an
+  adapter."""
+  if adapter is None:
+    return y
+  factors = adapter.lora
+  low = mm(mm(rows, w(factors.lora_a)), w(factors.lora_b))
+  return y + jnp.asarray(adapter.scale, y.dtype) * low
 
 
 def routing_sums(logits, r: Routing, m: jax.Array, n_experts: int, dropped) -> dict:

@@ -26,6 +26,15 @@ GPT-2's projections are ``Conv1D`` layers, which store ``[in, out]``: PEFT's con
 ``fan_in_fan_out: true``, which only changes how PEFT merges into the base weight; the
 adapter tensors are laid out as for a ``Linear``.
 
+Routed experts (``model.lora.targets`` naming ``experts.gate_up_proj`` /
+``experts.down_proj``) are PEFT's ``target_parameters``: an adapter on transformers' fused
+expert parameter ``mlp.experts.gate_up_proj`` ``[E, 2f, d]`` (or ``down_proj`` ``[E, d, f]``),
+stored as ``lora_A.weight`` ``[E·r, in]`` (expert ``e``'s ``Aᵀ`` in rows ``e·r … e·r+r−1``)
+and ``lora_B.weight`` ``[out, r·E]`` (column ``j·E + e`` holding row ``j`` of expert ``e``'s
+``B``), PEFT's ``ParamWrapper`` layout. PEFT nests one wrapper per targeted parameter of a
+module, the first listed innermost, so with both adapted ``gate_up_proj``'s tensors are
+named ``…mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s ``…mlp.experts.lora_A.weight``.
+
 Params may be per block or stacked (``model.scan_layers``: one leaf per adapter with a
 leading layer axis, sliced one layer at a time). The folder is written whole or not at all,
 and replaces only a folder jaxstep wrote, as ``hf_export`` writes (``export_folder``).
@@ -37,9 +46,20 @@ import json
 import pathlib
 from collections.abc import Iterable
 
+import numpy as np
+
 from jaxstep.core.trees import path_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, gpt, hf_export, hf_gpt2, layers, llama, safetensors_out
+from jaxstep.models import (
+  export_folder,
+  gpt,
+  hf_export,
+  hf_gpt2,
+  layers,
+  llama,
+  lora,
+  safetensors_out,
+)
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_weights import hf_names
 from jaxstep.models.llama import LlamaConfig
@@ -67,6 +87,13 @@ def target_modules(cfg: LlamaConfig | GPTConfig) -> list[str]:
   return modules
 
 
+def routed(cfg: LlamaConfig | GPTConfig) -> tuple[str, ...]:
+  """The routed-expert parameters ``cfg``'s adapters sit on (``lora.ROUTED`` order)."""
+  if isinstance(cfg, GPTConfig) or not cfg.num_experts:
+    return ()
+  return tuple(p for p in lora.ROUTED if cfg.lora.adapts(p))
+
+
 def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = "") -> dict:
   """``adapter_config.json`` of ``cfg``'s adapters: PEFT's ``LoraConfig`` fields that say what
   the adapters compute (the rest left to PEFT's defaults)."""
@@ -89,6 +116,7 @@ def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = 
     "rank_pattern": {},
     "revision": None,
     "target_modules": target_modules(cfg),
+    "target_parameters": [f"mlp.{p}" for p in routed(cfg)] or None,
     "task_type": "CAUSAL_LM",
     "use_dora": False,
     "use_rslora": False,
@@ -118,8 +146,42 @@ def adapter_tensors(cfg: LlamaConfig | GPTConfig, params: dict) -> list[hf_expor
       stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
       fetch = hf_export.fetcher(params, where, stacked, hf_gpt2.columns(cfg, where, to_hf=True))
       out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, True, shape[::-1]))
+  out += _routed_tensors(cfg, params, stacked, stored)
   _check_all_written(params, stored)
   return out
+
+
+def _routed_tensors(cfg, params: dict, stacked: bool, stored: set[str]) -> list[hf_export.Tensor]:
+  """The routed experts' adapter tensors in PEFT's ``ParamWrapper`` layout (module
+  docstring), checked against the experts' shapes and ``cfg``'s rank."""
+  names, out = routed(cfg), []
+  e, r, d, f = cfg.num_experts, cfg.lora.rank, cfg.d_model, cfg.expert_size
+  fans = {"experts.gate_up_proj": ("gate_up", d, 2 * f), "experts.down_proj": ("down", f, d)}
+  for i in (i for i, sparse in enumerate(cfg.moe_layers) if sparse):
+    for nested, name in enumerate(names):
+      node, fan_in, fan_out = fans[name]
+      module = f"{PREFIX}model.layers.{i}.mlp.experts" + ".base_layer" * (len(names) - 1 - nested)
+      for leaf, tag, shape in (
+        ("lora_a", "lora_A", (e, fan_in, r)),
+        ("lora_b", "lora_B", (e, r, fan_out)),
+      ):
+        where = ("blocks", i, "mlp", "experts", node, "lora", leaf)
+        if (got := hf_export.leaf_shape(params, where, stacked)) != shape:
+          raise ConfigError(
+            f"params{hf_export.spell(where)} has shape {got}, the config needs {shape}"
+          )
+        stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
+        fetch = hf_export.fetcher(params, where, stacked, _peft_layout(leaf))
+        hf_shape = (e * r, fan_in) if leaf == "lora_a" else (fan_out, r * e)
+        out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, False, hf_shape))
+  return out
+
+
+def _peft_layout(leaf: str):
+  """``A`` ``[E, in, r]`` → ``[E·r, in]``; ``B`` ``[E, r, out]`` → ``[out, r·E]`` (r major)."""
+  if leaf == "lora_a":
+    return lambda a: np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1]))
+  return lambda b: np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], -1))
 
 
 def _check_all_written(params: dict, stored: set[str]) -> None:

@@ -60,6 +60,12 @@ def resolve(cfg: config_lib.Config) -> config_lib.Config:
   where = str(folder / hf_config.CONFIG)
   resolved = hf_config.model_config(hf, where, **_options(model))
   _refuse_contradictions(model, resolved, where)
+  routed = [t for t in model.lora.targets if t in lora.ROUTED]
+  if routed and not getattr(resolved, "num_experts", 0):
+    raise ConfigError(
+      f"model.lora.targets: {', '.join(routed)} names routed experts, and the model of "
+      f"{where} has none: drop them from model.lora.targets"
+    )
   hf_config.check_sliding_window(hf, cfg.train.seq_len, where)
   if cfg.train.seq_len > resolved.max_seq_len:
     raise ConfigError(

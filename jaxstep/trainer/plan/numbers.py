@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxstep import data, parallel
 from jaxstep.core import device_memory, geometry, layout
 from jaxstep.errors import ConfigError, DataError
-from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama
+from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama, lora
 from jaxstep.parallel.cpu_devices import fresh_compiles_for_expert_meshes
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import CONFIG_NAMES_OF_G_AND_K, TrainConfig
@@ -196,14 +196,22 @@ def _param_parts(model: GPTConfig | LlamaConfig) -> list[tuple[int, str, str]]:
 
 
 def _adapter_params(model: GPTConfig | LlamaConfig) -> int:
-  """``rank × (in + out)`` summed over the adapted projections of every block."""
+  """``rank × (in + out)`` summed over the adapted projections of every block, and over
+  every expert of the adapted routed-expert weights (``gate|up``: ``d + 2f``, ``down``:
+  ``f + d``)."""
   projections = gpt.PROJECTIONS if isinstance(model, GPTConfig) else llama.PROJECTIONS
   shapes = hf_weights.expected_shapes(dataclasses.replace(model, scan_layers=False))
-  return sum(
+  dense = sum(
     model.lora.rank * sum(shape)
     for path, shape in shapes.items()
     if path[-1] == "kernel" and path[-2] in projections and model.lora.adapts(path[-2])
   )
+  if isinstance(model, GPTConfig) or not model.num_experts:
+    return dense
+  d, f = model.d_model, model.expert_size
+  fans = dict(zip(lora.ROUTED, (d + 2 * f, f + d), strict=True))
+  per_layer = sum(fan for name, fan in fans.items() if model.lora.adapts(name))
+  return dense + model.lora.rank * model.num_experts * per_layer * sum(model.moe_layers)
 
 
 def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int) -> None:
