@@ -14,6 +14,7 @@ import json
 import pathlib
 import time
 
+from benchmarks.chunked_loss_bench import suite_chunked_loss
 from benchmarks.data_bench import suite_data
 from benchmarks.eval_bench import suite_eval
 from benchmarks.generate_bench import suite_generate
@@ -53,6 +54,7 @@ SUITES = {
   "eval": suite_eval,
   "startup": suite_startup,
   "moe": suite_moe,
+  "chunked_loss": suite_chunked_loss,
 }
 
 
@@ -100,6 +102,7 @@ QUICK_ORDER = (
   "generate",
   "startup",
   "moe",
+  "chunked_loss",
 )
 
 

@@ -26,6 +26,7 @@ MODULES = (
   "rl_bench",
   "eval_bench",
   "memory_bench",
+  "chunked_loss_bench",
   "loop_bench",
 )
 

@@ -10,6 +10,7 @@ from jaxstep.cli._common import config_command
 from jaxstep.trainer.plan.memory import (
   compiled_memory,
   jaxstep_layout,
+  loss_tokens,
   predicted_bytes,
   textbook_state_bytes,
 )
@@ -64,6 +65,7 @@ def report(cfg) -> str:
     f"  {'peak: arguments + outputs − aliased + temps':<48} {gib(c['peak_bytes'])}",
     f"  {'predicted ÷ compiled peak':<48} {predicted['peak'] / c['peak_bytes']:9.3f}",
   ]
+  lines += ["", loss_line(c["cfg"], rows)]
   if cfg.preference.loss:
     lines += ["", preference_line(c["cfg"])]
   if cfg.rl.rewards:
@@ -77,6 +79,31 @@ def report(cfg) -> str:
       lines.append(f"  K={cand:<5} {gib(b)}  {'fits' if b <= budget else 'over'}")
     lines.append(f"  chosen K = {k}")
   return "\n".join(lines)
+
+
+def loss_line(cfg, rows: int) -> str:
+  """The loss's logits in a micro-step, whole and as ``model.loss_chunk`` computes them."""
+  m = cfg.model
+  sequences = 2 if cfg.preference.loss else 1
+  tokens = sequences * rows * cfg.train.seq_len
+  whole = f"[{tokens:,} × {m.vocab_size:,}] fp32 = {_size(tokens * m.vocab_size * 4)}"
+  held = loss_tokens(cfg, sequences * rows)
+  if held == tokens:
+    why = (
+      "the preference and RL losses compute them whole"
+      if cfg.preference.loss or cfg.rl.rewards
+      else f"model.loss_chunk={m.loss_chunk}: whole"
+    )
+    return f"loss logits per micro-step: {whole} ({why})"
+  now = f"[{held:,} × {m.vocab_size:,}] = {_size(held * m.vocab_size * 4)}"
+  return (
+    f"loss logits per micro-step: {whole} whole; model.loss_chunk={m.loss_chunk} computes "
+    f"them {held:,} tokens at a time: {now} alive at once"
+  )
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
 
 
 def preference_line(cfg) -> str:

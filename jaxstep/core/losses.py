@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstep.core import chunked_loss
+
 # Batch fields a document-masked batch adds (``Windows.rows(..., document_mask=True)``),
 # passed to the model as keyword arguments of the same names: ``segment_ids`` and
 # ``positions``, both ``int32[B, S]``.
@@ -21,7 +23,7 @@ def document_fields(batch) -> dict:
   return {name: batch[name] for name in DOCUMENT_FIELDS if name in batch}
 
 
-def next_token_loss(apply_fn: Callable) -> Callable:
+def next_token_loss(apply_fn: Callable, chunk: int | str = 0) -> Callable:
   """Wraps ``apply_fn(params, inputs, *, rng, train) -> logits`` into a step ``loss_fn``.
 
   The batch is ``{"inputs": int32[B, S], "targets": int32[B, S], "loss_mask": {0,1}[B, S]}``
@@ -33,15 +35,36 @@ def next_token_loss(apply_fn: Callable) -> Callable:
   The loss is the NLL *summed* over masked positions, in fp32 (logits are upcast before the
   softmax, whatever the compute dtype); the step divides by the global masked-token count.
 
+  ``chunk`` (``model.loss_chunk``: ``auto``, a number of tokens, 0 = off): an ``apply_fn``
+  that ``emits_hidden`` (the bundled models') is called with ``as_hidden=True`` for the
+  final hidden states and the head's ``[d, V]`` matrix, and the loss is computed chunk by
+  chunk over the tokens without the whole logits (``chunked_loss``); any other ``apply_fn``
+  gives its logits as before.
+
   Returns:
     ``loss_fn(params, batch, rng) -> (nll_sum, {"correct": Σ mask·[argmax == target]})``.
   """
 
   def loss_fn(params, batch, rng):
-    logits = apply_fn(params, batch["inputs"], rng=rng, train=True, **document_fields(batch))
-    return masked_nll(logits, batch["targets"], batch["loss_mask"])
+    nll, correct = token_nll(apply_fn, params, batch, chunk=chunk, rng=rng, train=True)
+    return nll, {"correct": correct}
 
   return loss_fn
+
+
+def token_nll(apply_fn: Callable, params, batch, *, chunk: int | str = 0, rng=None, train=False):
+  """``(Σ mask·NLL, Σ mask·[argmax == target])`` of ``batch`` under ``apply_fn`` (fp32),
+  from the hidden states in chunks when ``chunk`` and the model allow (``next_token_loss``),
+  else from the whole logits: the training loss's and the held-out evaluation's sums."""
+  inputs, fields = batch["inputs"], document_fields(batch)
+  if chunk != 0 and getattr(apply_fn, "emits_hidden", False):
+    size = chunked_loss.chunk_size(chunk, inputs.size, apply_fn.vocab_size)
+    if size:
+      h, w = apply_fn(params, inputs, rng=rng, train=train, as_hidden=True, **fields)
+      return chunked_loss.chunked_nll(h, w, batch["targets"], batch["loss_mask"], size)
+  logits = apply_fn(params, inputs, rng=rng, train=train, **fields)
+  nll, aux = masked_nll(logits, batch["targets"], batch["loss_mask"])
+  return nll, aux["correct"]
 
 
 def masked_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array):

@@ -73,6 +73,9 @@ def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Cal
     pending["sums"], pending["totals"] = sums, local
     return logits
 
+  for name in ("emits_hidden", "vocab_size"):  # a chunked loss asks for the hidden states
+    if hasattr(apply_fn, name):
+      setattr(routed_apply, name, getattr(apply_fn, name))
   inner = build(routed_apply)
 
   def loss_fn(params, batch, rng, *model_state):

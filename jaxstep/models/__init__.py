@@ -58,9 +58,11 @@ def build(
 ) -> tuple[Callable, dict]:
   """Builds the bundled GPT (or Llama, for a ``LlamaConfig``): ``(apply_fn, params)`` with
   ``apply_fn(params, inputs, *, rng=None, train=False, segment_ids=None, positions=None)
-  -> logits``, params initialised from ``rng``; ``segment_ids`` and ``positions``
-  (``int32[B, S]``) are document masking (``DecoderStack.__call__``), None as before. A
-  mixture-of-experts model also takes ``route_weights`` and, with ``with_routing=True``,
+  -> logits``, params initialised from ``rng`` (``as_hidden=True``: ``(h, W)``, the final
+  hidden states after the last norm and the head's ``[d, V]`` matrix, whose product is the
+  logits: for a loss computed in chunks, ``emits_hidden`` says so); ``segment_ids`` and
+  ``positions`` (``int32[B, S]``) are document masking (``DecoderStack.__call__``), None as
+  before. A mixture-of-experts model also takes ``route_weights`` and, with ``with_routing=True``,
   returns ``(logits, routing sums)`` (``core/router_loss.py`` trains on them).
   Either model keeps no state besides its parameters, and takes its dropout key as
   ``rng``. ``abstract``: the params are ``jax.ShapeDtypeStruct`` leaves, nothing
@@ -83,13 +85,18 @@ def build(
     positions=None,
     route_weights=None,
     with_routing=False,
+    as_hidden=False,
   ):
     fields = {"segment_ids": segment_ids, "positions": positions}
     if sparse:
       fields["route_weights"] = route_weights
+    if as_hidden:
+      fields["as_hidden"] = True
     out = model.apply_fn(params, inputs, rng=rng, train=train, **fields)[0]
     return out[0] if sparse and not with_routing else out
 
+  # the chunked loss (core/chunked_loss.py) asks for (final hidden states, head [d, V])
+  apply_fn.emits_hidden, apply_fn.vocab_size = True, model_config.vocab_size
   params = model.params
   if model_config.lora.rank and not abstract:  # adapters from a stream of their own
     params = lora.initialised(params, lora.adapter_key(rng))
@@ -118,9 +125,11 @@ def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
 
   sparse = bool(getattr(model_config, "num_experts", 0))
 
-  def apply_fn(params, inputs, *, segment_ids=None, positions=None):
-    out = merged(params)(inputs, segment_ids=segment_ids, positions=positions)
+  def apply_fn(params, inputs, *, segment_ids=None, positions=None, as_hidden=False):
+    out = merged(params)(inputs, segment_ids=segment_ids, positions=positions, as_hidden=as_hidden)
     return out[0] if sparse else out
+
+  apply_fn.emits_hidden, apply_fn.vocab_size = True, model_config.vocab_size
 
   def decode_fn(params, inputs, positions, cache):
     return merged(params).decode(inputs, positions, cache)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.core import layout
+from jaxstep.core import chunked_loss, layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers, lora
 from jaxstep.models.cpu_kernels import LayerNorm, dense_dot_general
@@ -60,8 +60,10 @@ class GPTConfig:
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
   lora: LoraConfig = LoraConfig()  # low-rank adapters on PROJECTIONS (the rest frozen)
+  loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits; auto; 0: whole
 
   def __post_init__(self):
+    chunked_loss.check_setting(self.loss_chunk)
     self.lora.check_targets(PROJECTIONS)
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
       if getattr(self, name) <= 0:
@@ -199,6 +201,11 @@ class GPT(DecoderStack):
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.ln_f(x)
     return self.embed.attend(x) if self.head is None else self.head(x)
+
+  def _hidden_and_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(ln_f(x), W)`` with ``ln_f(x)·W`` = ``_logits(x)`` (the head has no bias)."""
+    w = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+    return self.ln_f(x), w
 
   def _cache_heads(self) -> tuple[int, int]:
     return self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.core import layout
+from jaxstep.core import chunked_loss, layout
 from jaxstep.errors import ConfigError
 from jaxstep.models import backends, grouped, layers, lora, moe
 from jaxstep.models.gpt import platform_kernels
@@ -71,6 +71,7 @@ class LlamaConfig:
   scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
   init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
   lora: LoraConfig = LoraConfig()  # adapters on PROJECTIONS (+ lora.ROUTED if named)
+  loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits; auto; 0: whole
   # mixture of experts (moe.py, docs/moe.md); num_experts 0: every MLP dense
   num_experts: int = 0  # num_experts / num_local_experts
   experts_per_token: int = 2  # num_experts_per_tok: k of the top-k routing
@@ -89,6 +90,7 @@ class LlamaConfig:
   lbl_scope: str = "global"  # global | micro_batch: where the LBL's expert shares are counted
 
   def __post_init__(self):
+    chunked_loss.check_setting(self.loss_chunk)
     # a folder's model (init_from) says whether it has experts once it is read
     routed = lora.ROUTED if self.num_experts or self.init_from else ()
     self.lora.check_targets(PROJECTIONS + routed)
@@ -353,6 +355,12 @@ class Llama(DecoderStack):
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self.norm(x)
     return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+
+  def _hidden_and_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(norm(x), W)`` with ``norm(x)·W`` = ``_logits(x)`` (``W``: the tied embedding's
+    transpose or the head's kernel)."""
+    w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+    return self.norm(x), w
 
   def _cache_heads(self) -> tuple[int, int]:
     """The cache holds ``n_kv_heads`` heads: grouped-query attention's saving carries over

@@ -3,7 +3,8 @@ forward pass and the forward pass over a key/value cache.
 
 A subclass sets ``cfg`` (with ``n_layers``, ``max_seq_len``, ``scan_layers``, ``remat``),
 ``blocks`` (a list, or one stacked module: ``layers.py``) and ``dropout``, and defines
-``embed_inputs(inputs, positions)``, ``_logits(x)`` and ``_cache_heads()``; each block has
+``embed_inputs(inputs, positions)``, ``_logits(x)``, ``_hidden_and_head(x)`` and
+``_cache_heads()``; each block has
 ``__call__(x, rng=, train=, segment_ids=None, positions=None)`` and ``decode(x, cache,
 positions)``.
 """
@@ -31,6 +32,7 @@ class DecoderStack(nnx.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     route_weights: jax.Array | None = None,
+    as_hidden: bool = False,
   ) -> jax.Array:
     """Logits of ``inputs [B, S]`` at positions ``0 … S-1``; dropout (one key per block
     and one for the embeddings, split from ``rng``) only when ``train``.
@@ -45,7 +47,11 @@ class DecoderStack(nnx.Module):
 
     A mixture-of-experts model (``cfg.num_experts > 0``) returns ``(logits, sums)``: each
     layer's routing sums (``models/moe.py``) stacked ``[L, …]``, over the tokens weighted
-    by ``route_weights`` ``[B, S]`` (the loss mask; None: every token)."""
+    by ``route_weights`` ``[B, S]`` (the loss mask; None: every token).
+
+    ``as_hidden``: ``(h, W)`` in place of the logits, the final hidden states after the
+    last norm ``[B, S, d]`` and the head's ``[d, V]`` matrix (``h·W`` is the logits), for a
+    loss that computes them a chunk at a time (``core/chunked_loss.py``)."""
     s, n = inputs.shape[1], self.cfg.n_layers
     if s > self.cfg.max_seq_len:
       raise BatchError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -72,10 +78,11 @@ class DecoderStack(nnx.Module):
       inputs=block_inputs,
       sums=sparse,
     )
+    out = self._hidden_and_head if as_hidden else self._logits
     if sparse:
       x, sums = x
-      return self._logits(x), sums
-    return self._logits(x)
+      return out(x), sums
+    return out(x)
 
   def block_list(self) -> list[nnx.Module]:
     """The ``n_layers`` blocks in order, one module each (a stacked layout's layer ``i``

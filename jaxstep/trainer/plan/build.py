@@ -107,7 +107,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
     eval_step = preference_plan.make_eval_step(cfg, apply_fn)
   else:
     eval_step = steps.make_eval_step(
-      apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size
+      apply_fn, dataset.tokenizer.token_bytes(), cfg.model.vocab_size, cfg.model.loss_chunk
     )
   batch_sh, replicated = parallel.batch_sharding(mesh), NamedSharding(mesh, PartitionSpec())
   if eval_step is None:

@@ -40,6 +40,7 @@ OPTION_KEYS = (
   "scan_layers",
   "init_from",
   "lora",
+  "loss_chunk",
   "capacity_factor",
   "moe_matmul",
   "lbl_scope",

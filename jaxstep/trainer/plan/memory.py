@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from jaxstep.core import chunked_loss
 from jaxstep.core.precision import PRECISIONS
 from jaxstep.errors import ConfigError
 
@@ -168,14 +169,26 @@ def attention_probs_bytes(model, rows: int, seq_len: int) -> int:
   return rows * model.n_heads * computed * 4
 
 
-def activation_bytes(model, rows: int, seq_len: int, num_params: int, precision: str) -> int:
+def loss_tokens(cfg, rows: int) -> int:
+  """How many tokens' logits a micro-step of ``rows`` samples per device holds at once: a
+  chunk of ``model.loss_chunk`` for a supervised loss (``core/chunked_loss.py``), else all
+  of them (the preference and RL losses compute the whole logits)."""
+  tokens = rows * cfg.train.seq_len
+  if cfg.preference.loss or cfg.rl.rewards:
+    return tokens
+  return chunked_loss.chunk_size(cfg.model.loss_chunk, tokens, cfg.model.vocab_size) or tokens
+
+
+def activation_bytes(
+  model, rows: int, seq_len: int, num_params: int, precision: str, logit_tokens: int = 0
+) -> int:
   """Estimated temporaries per device of a step whose micro-batches hold ``rows`` samples
   per device: what the backward pass keeps (activations, attention probabilities), the
-  logits, and the gradient buffers (the accumulator, the low-precision compute copy);
-  ``COEFFICIENTS`` has the fit."""
+  logits (of ``logit_tokens`` tokens at once; 0: all), and the gradient buffers (the
+  accumulator, the low-precision compute copy); ``COEFFICIENTS`` has the fit."""
   a = rows * seq_len * model.d_model * 4
   probs = attention_probs_bytes(model, rows, seq_len)
-  logits = rows * seq_len * model.vocab_size * 4
+  logits = (logit_tokens or rows * seq_len) * model.vocab_size * 4
   grad = 4 * num_params
   sizes = (
     model.n_layers * a,
@@ -219,6 +232,8 @@ def predicted_bytes(
     "state": sum(b for n, b in layout.items() if "during" not in n) + copy,
     "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,
     "gathered": sum(b for n, b in layout.items() if "gathered" in n),
-    "activations": activation_bytes(cfg.model, rows, t.seq_len, grads, t.precision),
+    "activations": activation_bytes(
+      cfg.model, rows, t.seq_len, grads, t.precision, loss_tokens(cfg, rows)
+    ),
   }
   return {**out, "peak": sum(out.values())}

@@ -4,6 +4,7 @@ jit that lays the state and batch out on the mesh, the abstract state and batch 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -13,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxstep import models, parallel
 from jaxstep.core import freeze, preference, router_loss
 from jaxstep.core.loss_scale import DynamicLossScale
-from jaxstep.core.losses import document_fields, masked_nll, next_token_loss
+from jaxstep.core.losses import next_token_loss, token_nll
 from jaxstep.core.optim import make_optimizer
 from jaxstep.core.step import make_train_step
 from jaxstep.models import lora
@@ -59,7 +60,8 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     build = lambda f: preference_plan.loss_fn(cfg, f)  # noqa: E731
     rows, units = router_loss.preference_rows, preference.pair_units
   else:
-    build, rows, units = next_token_loss, router_loss.sft_rows, None
+    build = functools.partial(next_token_loss, chunk=cfg.model.loss_chunk)
+    rows, units = router_loss.sft_rows, None
   if sparse(cfg):  # an MoE model: its router losses, exact over the global batch
     loss_fn = router_loss.with_router_losses(build, apply_fn, cfg.model, rows)
   else:
@@ -185,14 +187,14 @@ def with_shardings(tree, shardings):
   )
 
 
-def make_eval_step(apply_fn, token_bytes, vocab_size: int) -> Callable:
+def make_eval_step(apply_fn, token_bytes, vocab_size: int, chunk: int | str = 0) -> Callable:
   """``(params, batch) -> (Σ NLL, Σ tokens, Σ bytes)`` over the loss-masked targets (fp32
-  sums), where bytes are the UTF-8 bytes the targets stand for (``token_bytes`` per id)."""
+  sums), where bytes are the UTF-8 bytes the targets stand for (``token_bytes`` per id);
+  the NLL from the hidden states in chunks of ``chunk`` tokens (``model.loss_chunk``)."""
   table = jnp.zeros(vocab_size, jnp.float32).at[: len(token_bytes)].set(token_bytes)
 
   def eval_step(params, batch):
-    logits = apply_fn(params, batch["inputs"], train=False, **document_fields(batch))
-    nll_sum, _ = masked_nll(logits, batch["targets"], batch["loss_mask"])
+    nll_sum, _ = token_nll(apply_fn, params, batch, chunk=chunk)
     mask = batch["loss_mask"].astype(jnp.float32)
     return nll_sum, jnp.sum(mask), jnp.sum(table[batch["targets"]] * mask)
 

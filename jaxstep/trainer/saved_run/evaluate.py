@@ -190,13 +190,15 @@ def evaluate(
     ]
   batch_size = batch_size or fitting_batch(saved, seq_len)
   refuse_batch_that_cannot_fit(saved, batch_size, seq_len=seq_len)
-  apply_fn = models.decoder(saved.cfg.model).apply_fn
+  decode_apply = models.decoder(saved.cfg.model).apply_fn
+
+  def apply_fn(params, inputs, *, train=False, rng=None, **fields):
+    return decode_apply(params, inputs, **fields)
+
+  apply_fn.emits_hidden, apply_fn.vocab_size = True, saved.cfg.model.vocab_size
+  m = saved.cfg.model
   step = jax.jit(
-    make_eval_step(
-      lambda p, x, train, **doc: apply_fn(p, x, **doc),
-      saved.tokenizer.token_bytes(),
-      saved.cfg.model.vocab_size,
-    )
+    make_eval_step(apply_fn, saved.tokenizer.token_bytes(), m.vocab_size, m.loss_chunk)
   )
   rows = min(batch_size or saved.cfg.train.global_batch_size, max(1, *map(len, windows)))
   batches = (batch for w in windows for batch in data.eval_batches(w, rows, dataset.pad_id))

@@ -34,8 +34,9 @@ log = logging.getLogger("jaxstep")
 HARMLESS_MODEL_KEYS = ("dropout",)
 # Model keys that choose kernels or memory layout only: the same parameters and the same
 # math (a different block layout is converted at restore), so a change is simply taken.
-KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers", "init_from")  # init_from: the
-# folder the first params came from; a resume reads them from the checkpoint instead
+KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers", "init_from", "loss_chunk")
+# init_from: the folder the first params came from; a resume reads them from the checkpoint
+# instead; loss_chunk: the same loss summed in chunks (checkpoints older than it lack it)
 # Train-state leaves outside the model whose shape a config key sets: the leaf → the key and
 # its value read back from the leaf's shape, so a checkpoint that does not fit names the key.
 STATE_SHAPE_KEYS = {"recent_losses": ("train.spike_window", lambda shape: shape[0])}
