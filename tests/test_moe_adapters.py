@@ -89,7 +89,7 @@ def test_expert_adapters_equal_each_expert_with_its_update_folded_in(impl):
       assert float(jnp.max(jnp.abs(ours[...]))) > 0
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_merged_folds_the_expert_adapters_into_a_model_without_them(scan):
   cfg = LlamaConfig(**TINY, scan_layers=scan, lora=ROUTED)
   apply_fn, params = models.build(cfg, 0)
