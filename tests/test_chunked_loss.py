@@ -231,3 +231,58 @@ def test_the_held_out_sums_in_chunks_equal_the_whole_logits(source):
   assert logits == [True, False]  # the chunked step never has the whole logits
   assert _rel(chunked[0], whole[0]) <= 1e-6 and whole[0] > 0
   assert float(chunked[1]) == float(whole[1]) and float(chunked[2]) == float(whole[2])
+
+
+def test_chunked_log_probs_and_their_gradients_equal_the_whole_logits():
+  keys = jax.random.split(jax.random.key(7), 4)
+  h = jax.random.normal(keys[0], (4, 9, 16))
+  w = jax.random.normal(keys[1], (16, 29)) * 0.5
+  targets = jax.random.randint(keys[2], (4, 9), 0, 29)
+  cot = jax.random.normal(keys[3], (4, 9))  # a row's cotangent differs token by token
+
+  def whole(h, w):
+    return -optax.softmax_cross_entropy_with_integer_labels(h @ w, targets)
+
+  @jax.jit
+  def both():
+    out = []
+    for f in (whole, lambda h, w: chunked_loss.chunked_logps(h, w, targets, 5)):
+      value, vjp = jax.vjp(f, h, w)
+      out.append((value, vjp(cot)))
+    return out
+
+  (v, g), (v_c, g_c) = both()
+  assert _rel(v_c, v) <= 1e-6
+  assert _rel(g_c[0], g[0]) <= 1e-6 and _rel(g_c[1], g[1]) <= 1e-6
+
+
+@pytest.mark.parametrize("loss, reference", [("dpo", "adapters"), ("simpo", None)])
+def test_a_chunked_preference_loss_equals_the_whole_logits(loss, reference):
+  from test_preference_losses import make_examples, pair_batch
+
+  from jaxstep.core.preference import preference_loss
+  from jaxstep.models import lora
+  from jaxstep.trainer.plan.reference_model import _like
+
+  cfg = dataclasses.replace(MODELS["llama_tied"], lora=lora.LoraConfig(rank=4))
+  apply_fn, params = models.build(cfg, 0)
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: x + 0.1 if jax.tree_util.keystr(p).endswith("['lora_b']") else x, params
+  )
+  off = lambda p, x, **kw: apply_fn(lora.adapters_off(p), x, **kw)  # noqa: E731
+  ref = _like(apply_fn, off) if reference else None
+  batch = pair_batch(make_examples(vocab=61), 12, pad_rows=1, vocab=61)
+  results = []
+  for chunk in (0, 7):
+    fn = preference_loss(apply_fn, loss=loss, reference=ref, chunk=chunk)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, fn=fn: fn(p, batch, None)[0]))
+    results.append(value_and_grad(params))
+  (v, g), (v_c, g_c) = results
+  assert _rel(v_c, v) <= 1e-6 and float(v) != 0
+  for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g), strict=True):
+    assert _rel(a, b) <= 1e-5
+  whole_logits = "10x11x61xf32"  # the 5 pairs' (4, 1 padding) 10 rows of 11 tokens
+  for chunk in (0, 7):
+    fn = preference_loss(apply_fn, loss=loss, reference=ref, chunk=chunk)
+    text = jax.jit(lambda p, fn=fn: fn(p, batch, None)[0]).lower(params).as_text()
+    assert (whole_logits in text) == (chunk == 0)

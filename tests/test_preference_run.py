@@ -62,11 +62,13 @@ def logged(run_dir):
 
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory):
-  """The records of LoRA DPO runs with K = 1, 2 and 4 micro-batches from the same start."""
+  """The records of LoRA DPO runs with K = 1, 2 and 4 micro-batches from the same start;
+  K = 4 computes the log-probs (policy and reference) in chunks of 8 tokens."""
   tmp_path, runs = tmp_path_factory.mktemp("dpo"), {}
   for k in (1, 2, 4):
-    name = f"k{k}"
-    config_run.train(cfg_for(tmp_path, *DPO, f"train.grad_accum_steps={k}", name=name))
+    name, chunk = f"k{k}", 8 if k == 4 else 0
+    overrides = [f"train.grad_accum_steps={k}", f"model.loss_chunk={chunk}"]
+    config_run.train(cfg_for(tmp_path, *DPO, *overrides, name=name))
     runs[k] = logged(tmp_path / name)
   return runs
 
@@ -85,7 +87,8 @@ def test_a_lora_dpo_run_starts_at_ln2_with_zero_rewards(dpo_runs):
 def test_k_micro_batches_and_a_padded_last_batch_equal_one_big_batch(dpo_runs):
   """20 pairs in global batches of 8: the third holds 4 real pairs and 4 padding rows. With
   K = 1, 2 and 4 micro-batches every update's loss and metrics agree (the mean over real
-  pairs of the whole global batch, never a mean of micro-batch means)."""
+  pairs of the whole global batch, never a mean of micro-batch means), the log-probs of
+  K = 4 computed in chunks of tokens."""
   runs = dpo_runs
   assert [r["tokens"] for r in runs[1]] == [8, 8, 4]
   for k in (2, 4):

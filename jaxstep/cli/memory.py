@@ -90,8 +90,8 @@ def loss_line(cfg, rows: int) -> str:
   held = loss_tokens(cfg, sequences * rows)
   if held == tokens:
     why = (
-      "the preference and RL losses compute them whole"
-      if cfg.preference.loss or cfg.rl.rewards
+      "the RL losses compute them whole"
+      if cfg.rl.rewards
       else f"model.loss_chunk={m.loss_chunk}: whole"
     )
     return f"loss logits per micro-step: {whole} ({why})"

@@ -145,3 +145,61 @@ def _nll_bwd(chunk: int, residuals, cotangents):
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def chunked_logps(h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+  """``log softmax(h·W)[target]`` per token (fp32, shaped like ``targets``), a chunk of
+  ``chunk`` tokens at a time: for a loss that is not a plain sum of them (a preference
+  loss, whose gradient scales each row's tokens by that row's cotangent). The forward pass
+  keeps each token's log-sum-exp; the backward pass computes each chunk's logits again and
+  ``g = (onehot − softmax)·c`` from the tokens' cotangents ``c``: one product of the head's
+  size more than the whole logits, for a ``[C, V]`` peak."""
+  d = h.shape[-1]
+  flat_h, flat_t = h.reshape(-1, d), targets.reshape(-1)
+  pad = -flat_h.shape[0] % chunk
+  if pad:
+    flat_h = jnp.concatenate([flat_h, jnp.zeros((pad, d), flat_h.dtype)])
+    flat_t = jnp.concatenate([flat_t, jnp.zeros((pad,), flat_t.dtype)])
+  out = _logps(flat_h, w, flat_t, chunk)
+  return out[: targets.size].reshape(targets.shape)
+
+
+def _lse_and_target(h_c, w, t_c):
+  logits = jnp.matmul(h_c, w).astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return logits, lse, logits[jnp.arange(t_c.shape[0]), t_c]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _logps(h, w, targets, chunk: int):
+  return _logps_fwd(h, w, targets, chunk)[0]
+
+
+def _logps_fwd(h, w, targets, chunk: int):
+  def one(_, xs):
+    _, lse, picked = _lse_and_target(xs[0], w, xs[1])
+    return None, (picked - lse, lse)
+
+  _, (logp, lse) = jax.lax.scan(one, None, (_chunks(h, chunk), _chunks(targets, chunk)))
+  return logp.reshape(-1), (h, w, targets, lse)
+
+
+def _logps_bwd(chunk: int, residuals, cotangent):
+  h, w, targets, lse = residuals
+  w_t = w.T
+
+  def one(dw, xs):
+    h_c, t_c, lse_c, c_c = xs
+    logits = jnp.matmul(h_c, w).astype(jnp.float32)
+    g = -jnp.exp(logits - lse_c[:, None])
+    g = g.at[jnp.arange(t_c.shape[0]), t_c].add(1.0) * c_c[:, None]
+    g = g.astype(h.dtype)
+    dw = dw + jnp.matmul(h_c.T, g, preferred_element_type=jnp.float32)
+    return dw, jnp.matmul(g, w_t).astype(h.dtype)
+
+  xs = (_chunks(h, chunk), _chunks(targets, chunk), lse, _chunks(cotangent, chunk))
+  dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), xs)
+  return dh.reshape(h.shape), dw.astype(w.dtype), np.zeros(targets.shape, jax.dtypes.float0)
+
+
+_logps.defvjp(_logps_fwd, _logps_bwd)

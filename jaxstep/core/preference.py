@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstep.core import chunked_loss
 from jaxstep.errors import BatchError, ConfigError
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -280,13 +281,28 @@ def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return x[:half], x[half:]
 
 
-def reference_logps(reference: Callable, params, rows: Mapping[str, jax.Array]):
+def row_logps(model: Callable, params, rows: Mapping[str, jax.Array], chunk=0, **call):
+  """``sequence_logps`` of ``rows`` under ``model(params, inputs, **call)``: from its
+  logits, or, when ``chunk`` (``model.loss_chunk``) asks and ``model`` ``emits_hidden``,
+  from its hidden states and head a chunk of tokens at a time (``chunked_loss``)."""
+  inputs, targets, mask = rows["inputs"], rows["targets"], rows["mask"]
+  if chunk != 0 and getattr(model, "emits_hidden", False):
+    size = chunked_loss.chunk_size(chunk, inputs.size, model.vocab_size)
+    if size:
+      h, w = model(params, inputs, as_hidden=True, **call)
+      logp = chunked_loss.chunked_logps(h, w, targets, size)
+      mask = mask.astype(jnp.float32)
+      return jnp.sum(logp * mask, axis=-1), jnp.sum(mask, axis=-1)
+  return sequence_logps(model(params, inputs, **call), targets, mask)
+
+
+def reference_logps(reference: Callable, params, rows: Mapping[str, jax.Array], chunk=0):
   """``(ref_c, ref_r)``: the summed log-probs of the chosen and rejected completions of
   ``rows`` (``concatenated``'s 2B rows) under ``reference(params, inputs) -> logits``, without
-  gradient. The loss's reference and the precomputed ones (``preference.reference:
-  precompute``) both come from here."""
-  logits = jax.lax.stop_gradient(reference(params, rows["inputs"]))
-  return _halves(sequence_logps(logits, rows["targets"], rows["mask"])[0])
+  gradient (``row_logps``: in chunks when ``chunk`` asks). The loss's reference and the
+  precomputed ones (``preference.reference: precompute``) both come from here."""
+  params = jax.lax.stop_gradient(params)
+  return _halves(jax.lax.stop_gradient(row_logps(reference, params, rows, chunk)[0]))
 
 
 def preference_loss(
@@ -300,6 +316,7 @@ def preference_loss(
   orpo_lambda: float | None = None,
   rpo_alpha: float | None = None,
   reference: Callable | None = None,
+  chunk: int | str = 0,
 ) -> Callable:
   """A step ``loss_fn(params, micro_batch, rng) -> (loss_sum, aux)`` for preference pairs.
 
@@ -323,6 +340,8 @@ def preference_loss(
     reference: ``(params, inputs) -> logits`` of the reference model (dpo, ipo), called
       on the same 2B rows under ``stop_gradient``; used when the batch holds no
       ``ref_*_logps`` (precomputed ones win).
+    chunk: ``model.loss_chunk``: the log-probs of a model that ``emits_hidden`` (policy and
+      reference) from its hidden states in chunks of tokens (``row_logps``); 0: whole logits.
 
   Raises:
     ConfigError (a ``ValueError``): an unknown loss, an option the loss does not take
@@ -359,8 +378,7 @@ def preference_loss(
   def loss_fn(params, batch, rng):
     ref_from_batch = check_pair_batch(batch, loss, reference is not None)
     rows = concatenated(batch)
-    logits = apply_fn(params, rows["inputs"], rng=rng, train=True)
-    sums, counts = sequence_logps(logits, rows["targets"], rows["mask"])
+    sums, counts = row_logps(apply_fn, params, rows, chunk, rng=rng, train=True)
     real = batch["pair_mask"] > 0
     # padding rows get harmless log-probs before any nonlinearity (no NaN, even in a gradient)
     safe = lambda x, fill: jnp.where(real, x, fill)  # noqa: E731
@@ -371,7 +389,7 @@ def preference_loss(
       if ref_from_batch:
         ref = tuple(batch[name].astype(jnp.float32) for name in REF_FIELDS)
       else:
-        ref = reference_logps(reference, jax.lax.stop_gradient(params), rows)
+        ref = reference_logps(reference, params, rows, chunk)
       ref = tuple(safe(x, -1.0) for x in ref)
     per_pair = pair_losses(loss, logps, tokens, ref, **options)
     weight = real.astype(jnp.float32)

@@ -60,13 +60,20 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -
   p = cfg.preference
   if not train:
     model = apply_fn
-    apply_fn = lambda params, inputs, **kw: model(params, inputs, train=False)  # noqa: E731
+
+    def apply_fn(params, inputs, *, rng=None, train=False, **kw):
+      return model(params, inputs, train=False, **kw)
+
+    for name in ("emits_hidden", "vocab_size"):  # chunked log-probs (model.loss_chunk)
+      if hasattr(model, name):
+        setattr(apply_fn, name, getattr(model, name))
   options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
   options["orpo"] = {"orpo_lambda": p.orpo_lambda}
   options["dpo"] = options["ipo"] = {"rpo_alpha": p.rpo_alpha}
   options = dict(
     loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, **options.get(p.loss, {})
   )
+  options["chunk"] = cfg.model.loss_chunk
   build = lambda reference: preference.preference_loss(apply_fn, reference=reference, **options)  # noqa: E731
   return loss_with_reference(reference_kind(cfg), apply_fn, build)
 

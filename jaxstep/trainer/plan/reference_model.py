@@ -23,13 +23,28 @@ def loss_with_reference(kind: str, apply_fn: Callable, build: Callable) -> Calla
 
     def with_reference(params, batch, rng, model_state):
       frozen = model_state[REFERENCE]
-      loss = build(lambda _, inputs: apply_fn(frozen, inputs, train=False))
+      reference = _like(apply_fn, lambda _, inputs, **kw: apply_fn(frozen, inputs, **kw))
+      loss = build(reference)
       return (*loss(params, batch, rng), model_state)
 
     return with_reference
   if kind == "adapters":
-    return build(lambda params, inputs: apply_fn(lora.adapters_off(params), inputs, train=False))
+    off = lambda params, inputs, **kw: apply_fn(lora.adapters_off(params), inputs, **kw)  # noqa: E731
+    return build(_like(apply_fn, off))
   return build(None)
+
+
+def _like(apply_fn: Callable, reference: Callable) -> Callable:
+  """``reference`` run without dropout (``train=False``), and marked as ``apply_fn`` is for
+  a loss computed from the hidden states in chunks (``emits_hidden``, ``vocab_size``)."""
+
+  def run(params, inputs, **kw):
+    return reference(params, inputs, train=False, **kw)
+
+  for name in ("emits_hidden", "vocab_size"):
+    if hasattr(apply_fn, name):
+      setattr(run, name, getattr(apply_fn, name))
+  return run
 
 
 def frozen_copy(params, dtype: str = "fp32") -> dict:
