@@ -1,10 +1,11 @@
 """The loss from the hidden states in chunks (``model.loss_chunk``) against the whole logits.
 
-Memory (``ce_memory``, one worker, nothing allocated): the compiled temporaries of a
+Memory (``ce_memory``, a worker per loss, nothing allocated): the compiled temporaries of a
 SmolLM2-135M-shaped SFT step (vocabulary 49,152, 30 blocks of width 576, tied head;
 ``scan_layers`` and ``remat: block``, what a run from a model folder uses) on 8 sequences
 of 2,048 tokens in one micro-step, ``loss_chunk: auto`` ÷ ``0``
-(``ce_chunked_temp_over_full``).
+(``ce_chunked_temp_over_full``); the same for a LoRA DPO step on 4 pairs of those
+sequences, the reference the adapters off (``dpo_chunked_temp_over_full``).
 
 Time (``ce_step``, interleaved workers): a step whose time the head dominates (width 256,
 2 blocks, vocabulary 49,152, 4 × 512 tokens, one CPU device), chunked ÷ whole, median of
@@ -26,31 +27,50 @@ HEAD_HEAVY = dict(
 QUICK_HEAD_HEAVY = {**HEAD_HEAVY, "vocab_size": 8192, "max_seq_len": 128}
 
 
-def _step(model: dict, chunk, rows: int):
-  """``(jitted step, state, batch)`` of ``model`` (a ``LlamaConfig``'s fields) with SFT's
-  loss in chunks of ``chunk``; ``rows`` sequences of ``max_seq_len`` tokens, K = 1."""
+def _step(model: dict, chunk, rows: int, loss: str = "sft"):
+  """``(jitted step, state, batch)`` of ``model`` (a ``LlamaConfig``'s fields) in chunks of
+  ``chunk``, K = 1: ``sft``, full fine-tuning on ``rows`` sequences of ``max_seq_len``
+  tokens; ``dpo``, LoRA (rank 16 on every projection) DPO on ``rows / 2`` pairs, the
+  reference the adapters switched off."""
   import jax
   import jax.numpy as jnp
 
   from jaxstep import make_train_step, models
+  from jaxstep.core import freeze
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import OptimConfig, make_optimizer
+  from jaxstep.core.preference import PAIR_FIELDS, pair_units, preference_loss
+  from jaxstep.models import lora
+  from jaxstep.trainer.plan.reference_model import loss_with_reference
 
-  cfg = models.LlamaConfig(**model, loss_chunk=chunk)
+  adapters = lora.LoraConfig(rank=16) if loss == "dpo" else lora.LoraConfig()
+  cfg = models.LlamaConfig(**model, loss_chunk=chunk, lora=adapters)
   apply_fn, params = models.build(cfg, 0, abstract=True)
   opt = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 1000)
-  step = make_train_step(next_token_loss(apply_fn, chunk), opt, grad_accum_steps=1)
-  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
   shape = (rows, cfg.max_seq_len)
-  batch = {n: jax.ShapeDtypeStruct(shape, jnp.int32) for n in ("inputs", "targets", "loss_mask")}
+  if loss == "sft":
+    step = make_train_step(next_token_loss(apply_fn, chunk), opt, grad_accum_steps=1)
+    names = ("inputs", "targets", "loss_mask")
+  else:
+    build = lambda ref: preference_loss(apply_fn, loss="dpo", reference=ref, chunk=chunk)  # noqa: E731
+    loss_fn = loss_with_reference("adapters", apply_fn, build)
+    trainable = freeze.by_patterns([lora.ADAPTER])
+    step = make_train_step(
+      loss_fn, opt, grad_accum_steps=1, units_fn=pair_units, trainable=trainable
+    )
+    shape, names = (rows // 2, cfg.max_seq_len), (*PAIR_FIELDS, "pair_mask")
+  state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
+  batch = {n: jax.ShapeDtypeStruct(shape, jnp.int32) for n in names}
+  if loss == "dpo":
+    batch["pair_mask"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32)
   return jax.jit(step, donate_argnums=0), state, batch
 
 
 def ce_memory(spec: dict):
-  """Compiled temporaries (and the largest, the logits') for each chunk setting."""
+  """Compiled temporaries for each chunk setting."""
   out = {}
   for chunk in spec["chunks"]:
-    jitted, state, batch = _step(spec["model"], chunk, spec["rows"])
+    jitted, state, batch = _step(spec["model"], chunk, spec["rows"], spec.get("loss", "sft"))
     mem = jitted.lower(state, batch).compile().memory_analysis()
     out[str(chunk)] = {"temp_bytes": mem.temp_size_in_bytes}
   return {"compiled": out}, lambda: {}
@@ -107,10 +127,14 @@ def suite_chunked_loss(quick: bool) -> dict:
   mem_model = QUICK_SMOLLM2 if quick else SMOLLM2
   mem_rows = 2 if quick else 8
   chunks = [0, 128] if quick else [0, "auto"]
-  w = Worker({"kind": "ce_memory", "model": mem_model, "rows": mem_rows, "chunks": chunks})
-  compiled = w.info["compiled"]
-  w.close()
-  whole, chunked = (compiled[str(c)]["temp_bytes"] for c in chunks)
+  compiled = {}
+  for loss in ("sft", "dpo"):
+    spec = {"kind": "ce_memory", "model": mem_model, "rows": mem_rows, "chunks": chunks}
+    w = Worker({**spec, "loss": loss})
+    compiled[loss] = w.info["compiled"]
+    w.close()
+  whole, chunked = (compiled["sft"][str(c)]["temp_bytes"] for c in chunks)
+  dpo_whole, dpo_chunked = (compiled["dpo"][str(c)]["temp_bytes"] for c in chunks)
   model = QUICK_HEAD_HEAVY if quick else HEAD_HEAVY
   rows, step_chunk = (2, 64) if quick else (4, 512)
   base = {"kind": "ce_step", "model": model, "rows": rows}
@@ -126,6 +150,14 @@ def suite_chunked_loss(quick: bool) -> dict:
       f"{tokens:,} tokens in one micro-step, vocabulary {mem_model['vocab_size']:,}), "
       f"model.loss_chunk={chunks[1]} ÷ 0 ({chunked / gib:.2f} GiB vs {whole / gib:.2f} GiB)",
       f"{chunked / whole:.3f}",
+      "≤ 0.4",
+    ),
+    (
+      f"compiled temporaries of a LoRA DPO step of that model (rank 16 on every projection, "
+      f"{mem_rows // 2} pairs of {mem_model['max_seq_len']:,} tokens a side, the reference "
+      f"the adapters off), model.loss_chunk={chunks[1]} ÷ 0 ({dpo_chunked / gib:.2f} GiB vs "
+      f"{dpo_whole / gib:.2f} GiB)",
+      f"{dpo_chunked / dpo_whole:.3f}",
       "≤ 0.4",
     ),
     (
@@ -145,6 +177,7 @@ def suite_chunked_loss(quick: bool) -> dict:
     "rows": rows_out,
     "summary": {
       "ce_chunked_temp_over_full": chunked / whole,
+      "dpo_chunked_temp_over_full": dpo_chunked / dpo_whole,
       "ce_chunked_step_time_over_full": time_ratio["median"],
     },
   }

@@ -41,6 +41,7 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "moe_global_lbl_step_over_micro",
   "ce_chunked_temp_over_full",  # the chunked_loss suite's
   "ce_chunked_step_time_over_full",
+  "dpo_chunked_temp_over_full",
 }
 HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_import_over_transformers",
