@@ -286,3 +286,33 @@ def test_a_chunked_preference_loss_equals_the_whole_logits(loss, reference):
     fn = preference_loss(apply_fn, loss=loss, reference=ref, chunk=chunk)
     text = jax.jit(lambda p, fn=fn: fn(p, batch, None)[0]).lower(params).as_text()
     assert (whole_logits in text) == (chunk == 0)
+
+
+def test_the_harness_scorer_in_chunks_scores_as_the_whole_logits(monkeypatch):
+  from jaxstep.lmeval.scoring import Scorer
+
+  cfg = MODELS["gpt"]
+  _, params = models.build(cfg, 0)
+  apply_fn = models.decoder(cfg).apply_fn
+  rng = np.random.default_rng(3)
+  requests = [
+    (list(rng.integers(1, 61, n)), list(rng.integers(1, 61, m)))
+    for n, m in [(5, 3), (2, 7), (9, 1)]
+  ]
+  context = [int(t) for t in rng.integers(1, 61, 4)]
+  own = [int(jnp.argmax(apply_fn(params, jnp.asarray([context]))[0, -1]))]  # its argmax
+  requests.append((context, own))
+  calls = []
+  monkeypatch.setattr(
+    chunked_loss,
+    "chunked_scores",
+    lambda *a, f=chunked_loss.chunked_scores: calls.append(1) or f(*a),
+  )
+  scored = []
+  for chunk in (0, 5):
+    scorer = Scorer(apply_fn, params, rows=4, max_length=16, pad_id=0, chunk=chunk)
+    scored.append(scorer.score(requests))
+  assert calls  # traced through the chunks
+  for (ll, greedy), (ll_w, greedy_w) in zip(scored[1], scored[0], strict=True):
+    assert abs(ll - ll_w) <= 1e-6 * abs(ll_w) and greedy == greedy_w
+  assert [g for _, g in scored[1]] == [False, False, False, True]

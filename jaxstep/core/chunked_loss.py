@@ -203,3 +203,25 @@ def _logps_bwd(chunk: int, residuals, cotangent):
 
 
 _logps.defvjp(_logps_fwd, _logps_bwd)
+
+
+def chunked_scores(h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int):
+  """``(log p(target), [argmax == target])`` per token (fp32 and bool, shaped like
+  ``targets``), a chunk of tokens at a time, without gradient: what a log-likelihood scorer
+  reads (``lmeval/scoring.py``); argmax's ties go to the first index, as ``jnp.argmax``."""
+  from jaxstep.core.losses import argmax_hits  # losses imports this module
+
+  d = h.shape[-1]
+  flat_h, flat_t = h.reshape(-1, d), targets.reshape(-1)
+  pad = -flat_h.shape[0] % chunk
+  if pad:
+    flat_h = jnp.concatenate([flat_h, jnp.zeros((pad, d), flat_h.dtype)])
+    flat_t = jnp.concatenate([flat_t, jnp.zeros((pad,), flat_t.dtype)])
+
+  def one(_, xs):
+    logits, lse, picked = _lse_and_target(xs[0], w, xs[1])
+    return None, (picked - lse, argmax_hits(logits, xs[1]))
+
+  _, (logp, hits) = jax.lax.scan(one, None, (_chunks(flat_h, chunk), _chunks(flat_t, chunk)))
+  n = targets.size
+  return logp.reshape(-1)[:n].reshape(targets.shape), hits.reshape(-1)[:n].reshape(targets.shape)

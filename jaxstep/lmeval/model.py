@@ -110,6 +110,7 @@ class JaxstepLM(TemplateLM):
       rows=self._batch,
       max_length=self._max_length,
       pad_id=tokenizer.PAD,
+      chunk=model.loss_chunk,
     )
     self.generator = Generator(model, params, tokenizer, ban_specials=False)
 

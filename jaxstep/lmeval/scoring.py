@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxstep.core import chunked_loss
 from jaxstep.core.layout import TENSOR
 from jaxstep.errors import ConfigError
 
@@ -64,9 +65,12 @@ class Scorer:
     rows: rows per compiled batch.
     max_length: the most input positions a row takes.
     pad_id: the id padded positions hold (never scored).
+    chunk: ``model.loss_chunk``: with an ``apply_fn`` that ``emits_hidden``, the log-probs
+      and greedy flags from the hidden states a chunk of tokens at a time
+      (``core/chunked_loss.py``), never the whole ``[B, S, V]`` logits; 0: from the logits.
   """
 
-  def __init__(self, apply_fn, params, *, rows: int, max_length: int, pad_id: int):
+  def __init__(self, apply_fn, params, *, rows: int, max_length: int, pad_id: int, chunk=0):
     devices = jax.local_devices()[: 1 if tensor_split(params) else None]
     self.rows = -(-rows // len(devices)) * len(devices)  # a whole number of rows per device
     self.max_length, self.pad_id = max_length, pad_id
@@ -79,11 +83,19 @@ class Scorer:
       self._place = lambda x: jax.device_put(x, split)
     self.set_params(params)
 
+    hidden = chunk != 0 and getattr(apply_fn, "emits_hidden", False)
+
     def scores(params, inputs, targets, mask):  # [B, S] each; mask: the scored targets
-      logits = apply_fn(params, inputs).astype(jnp.float32)
-      logp = jax.nn.log_softmax(logits, axis=-1)
-      picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-      greedy = (jnp.argmax(logits, axis=-1) == targets) | (mask == 0)
+      size = chunked_loss.chunk_size(chunk, inputs.size, apply_fn.vocab_size) if hidden else 0
+      if size:
+        h, w = apply_fn(params, inputs, as_hidden=True)
+        picked, hits = chunked_loss.chunked_scores(h, w, targets, size)
+      else:
+        logits = apply_fn(params, inputs).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        hits = jnp.argmax(logits, axis=-1) == targets
+      greedy = hits | (mask == 0)
       return jnp.sum(picked * mask, axis=-1), jnp.all(greedy, axis=-1)
 
     self._scores = jax.jit(scores)
