@@ -9,8 +9,9 @@ sequences, the reference the adapters off (``dpo_chunked_temp_over_full``).
 
 Time (``ce_step``, interleaved workers): a step whose time the head dominates (width 256,
 2 blocks, vocabulary 49,152, 4 × 512 tokens, one CPU device), chunked ÷ whole, median of
-per-round ratios (``ce_chunked_step_time_over_full``): the chunked backward pass computes
-each chunk's logits again (the head's FLOPs once more), where the whole one reads them back.
+per-round ratios (``ce_chunked_step_time_over_full``): the chunked loss computes each
+chunk's gradients with its loss (the same three products of the head's size as the whole
+logits), in a loop of chunks instead of three large products.
 """
 
 from __future__ import annotations

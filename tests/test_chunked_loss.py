@@ -210,7 +210,9 @@ def test_the_memory_ledger_counts_one_chunk_of_logits(tmp_path):
   tokens, vocab = 4 * cfg.train.seq_len, cfg.model.vocab_size
   assert f"[{tokens:,} × {vocab:,}] fp32" in lines[0] and "model.loss_chunk=0: whole" in lines[0]
   assert f"40 tokens at a time: [40 × {vocab:,}]" in lines[40], lines[40]
-  assert predicted[0] - predicted[40] > (tokens - 40) * vocab * 4  # the fit counts it > once
+  rows = cfg.train.global_batch_size // 2  # K = 2 on one device: the prediction's micro-batch
+  logits = (rows * cfg.train.seq_len - 40) * vocab * 4
+  assert predicted[0] - predicted[40] > 2 * logits  # the fit counts the logits 2.4 times
 
 
 @pytest.mark.parametrize("source", ["build", "decoder"])
@@ -316,3 +318,68 @@ def test_the_harness_scorer_in_chunks_scores_as_the_whole_logits(monkeypatch):
   for (ll, greedy), (ll_w, greedy_w) in zip(scored[1], scored[0], strict=True):
     assert abs(ll - ll_w) <= 1e-6 * abs(ll_w) and greedy == greedy_w
   assert [g for _, g in scored[1]] == [False, False, False, True]
+
+
+@pytest.mark.parametrize(
+  "dist", [dict(temperature=0.7), dict(top_k=5, top_p=0.9, allowed=np.arange(61) % 7 != 3)]
+)
+def test_a_chunked_grpo_loss_equals_the_whole_logits(dist):
+  from jaxstep.core import rl
+  from jaxstep.models import lora
+  from jaxstep.trainer.plan.reference_model import _like
+
+  cfg = dataclasses.replace(MODELS["llama_tied"], lora=lora.LoraConfig(rank=4))
+  apply_fn, params = models.build(cfg, 0)
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: x + 0.1 if jax.tree_util.keystr(p).endswith("['lora_b']") else x, params
+  )
+  off = lambda p, x, **kw: apply_fn(lora.adapters_off(p), x, **kw)  # noqa: E731
+  rng = np.random.default_rng(4)
+  ids = rng.integers(0, 61, (6, 13)).astype(np.int32)
+  mask = (np.arange(12) >= 3) & (np.arange(12) < rng.integers(4, 13, (6, 1)))
+  targets = ids[:, 1:]
+  if "allowed" in dist:  # a sampler draws inside its filters: here the allowed argmax
+    logits = np.asarray(apply_fn(params, ids[:, :-1]))
+    best = np.argmax(np.where(dist["allowed"], logits, -np.inf), axis=-1)
+    targets = np.where(mask, best, targets).astype(np.int32)
+  batch = {
+    "inputs": ids[:, :-1],
+    "targets": targets,
+    "completion_mask": mask.astype(np.int32),
+    "advantages": rng.normal(size=6).astype(np.float32),
+    "old_logps": (np.log(1 / 61) + rng.normal(0, 0.3, (6, 12))).astype(np.float32),
+  }
+  results = []
+  for chunk in (0, 10):
+    # the filters' case without a KL: the reference's own filters may cut the policy's draw
+    ref = dict(beta=0.04, reference=_like(apply_fn, off)) if "allowed" not in dist else {}
+    fn = rl.grpo_loss(apply_fn, chunk=chunk, **ref, **dist)
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, fn=fn: fn(p, batch, None), has_aux=True))
+    results.append(value_and_grad(params))
+    text = jax.jit(lambda p, fn=fn: fn(p, batch, None)[0]).lower(params).as_text()
+    assert ("6x12x61xf32" in text) == (chunk == 0)
+  ((v, aux), g), ((v_c, aux_c), g_c) = results
+  assert _rel(v_c, v) <= 1e-6 and float(v) != 0
+  for key in ("kl", "entropy", "logp_gap"):
+    assert _rel(aux_c[key], aux[key]) <= 1e-6 and np.isfinite(aux[key]), key
+  for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g), strict=True):
+    assert _rel(a, b) <= 1e-5
+
+
+def test_the_commands_train_step_holds_no_whole_logits(tmp_path):
+  """The step ``jaxstep train`` compiles (``trainer/plan/steps.py``) takes the chunked path
+  from the config: no ``[G, S, V]`` logits in its program with ``model.loss_chunk``."""
+  from jaxstep import parallel
+  from jaxstep.trainer.plan import steps
+
+  texts = {}
+  for chunk in (0, 40):
+    overrides = [f"model.loss_chunk={chunk}", "model.vocab_size=264", "train.grad_accum_steps=1"]
+    cfg = make_cfg(tmp_path / str(chunk), *overrides)
+    apply_fn, params = models.build(cfg.model, 0)
+    step = steps.train_step(cfg, apply_fn, parallel.make_mesh(1, 1, jax.devices()[:1]), 10, 1)
+    g, s = cfg.train.global_batch_size, cfg.train.seq_len
+    batch = {n: np.zeros((g, s), np.int32) for n in ("inputs", "targets", "loss_mask")}
+    texts[chunk] = jax.jit(step).lower(step.init(params, 0), batch).as_text()
+  whole = f"{g}x{s}x264xf32"
+  assert whole in texts[0] and whole not in texts[40]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,8 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   if pairs and preference_plan.reference_kind(cfg) == "precompute":  # as the run reads them
     batch |= _reference_columns(cfg, apply_fn, params, batch)
   if loss_fn is None:
-    build = (lambda f: preference_plan.loss_fn(cfg, f)) if pairs else next_token_loss
+    sft = functools.partial(next_token_loss, chunk=model_cfg.loss_chunk)  # as train runs it
+    build = (lambda f: preference_plan.loss_fn(cfg, f)) if pairs else sft
     rows = router_loss.preference_rows if pairs else router_loss.sft_rows
     loss_fn = build(apply_fn)
     if getattr(model_cfg, "num_experts", 0):  # an MoE model's router losses too

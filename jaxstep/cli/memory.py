@@ -89,12 +89,7 @@ def loss_line(cfg, rows: int) -> str:
   whole = f"[{tokens:,} × {m.vocab_size:,}] fp32 = {_size(tokens * m.vocab_size * 4)}"
   held = loss_tokens(cfg, sequences * rows)
   if held == tokens:
-    why = (
-      "the RL losses compute them whole"
-      if cfg.rl.rewards
-      else f"model.loss_chunk={m.loss_chunk}: whole"
-    )
-    return f"loss logits per micro-step: {whole} ({why})"
+    return f"loss logits per micro-step: {whole} (model.loss_chunk={m.loss_chunk}: whole)"
   now = f"[{held:,} × {m.vocab_size:,}] = {_size(held * m.vocab_size * 4)}"
   return (
     f"loss logits per micro-step: {whole} whole; model.loss_chunk={m.loss_chunk} computes "

@@ -1,17 +1,20 @@
 """Cross-entropy from the final hidden states and the output head, chunk by chunk over the
 tokens, so that the step never holds a ``[tokens × vocab]`` array.
 
-The full-logits loss computes ``logits = h·W`` (``h`` ``[T, d]``, ``W`` ``[d, V]``), keeps
-them (and their softmax) for the backward pass, and differentiates: two or three ``[T, V]``
-fp32 arrays alive at once, the step's largest buffers on any real vocabulary (SmolLM2's
-49,152 ids at 8 × 2,048 tokens: 3.2 GB each). Here the tokens are cut into chunks of ``C``
-and a ``lax.scan`` walks them: each chunk's logits, its NLL sum and argmax hits, and, when
-the loss is differentiated, its gradients at once (Liger's fused linear cross-entropy):
+The full-logits loss computes ``logits = h·W`` (``h`` ``[B, S, d]``, ``W`` ``[d, V]``),
+keeps them (and their softmax) for the backward pass, and differentiates: two or three
+``[B, S, V]`` fp32 arrays alive at once, the step's largest buffers on any real vocabulary
+(SmolLM2's 49,152 ids at 8 × 2,048 tokens: 3.2 GB each). Here the positions are cut into
+chunks of ``P``, every row of the batch in each (a chunk holds ``C = B·P`` tokens, and a
+batch split over devices stays split), and a ``lax.scan`` walks them: each chunk's
+logits, its NLL sum and argmax hits, and, when the loss is differentiated, its gradients
+at once (Liger's fused linear cross-entropy):
 ``g = (softmax − onehot)·mask``, ``dh_c = g·Wᵀ`` and ``dW += h_cᵀ·g``; then the chunk's
 logits are dropped. The backward pass only scales ``dh`` and ``dW`` by the loss's cotangent
 (a scalar), so nothing is computed twice: the same three products of the head's size as the
-whole logits' forward and backward. Peak: ``[C, V]`` for ``[T, V]``, plus ``dW`` (the
-head's size) and ``dh`` (``h``'s) held from the forward to the backward pass.
+whole logits' forward and backward. Peak: ``[B, P, V]`` for ``[B, S, V]``, plus ``dW``
+(the head's size) and ``dh`` (``h``'s), kept in fp32 from the forward to the backward pass
+(the loss scale of fp16 training multiplies them there, so they must not underflow first).
 
 The sums are the full-logits loss's to float rounding (the same products, summed in
 another order): ``Σ mask·NLL`` in fp32 from logits upcast after the head's product, and
@@ -27,7 +30,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxstep.errors import ConfigError
 
@@ -57,36 +59,63 @@ def chunk_size(setting, tokens: int, vocab: int) -> int:
   return 0 if setting >= tokens else int(setting)
 
 
-def chunked_nll(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array, chunk: int):
-  """``(Σ mask·NLL, Σ mask·[argmax == target])`` of ``logits = h·W`` without them whole.
+def _rows(x: jax.Array, tail: int) -> jax.Array:
+  """``x`` ``[..., S, *tail]`` as ``[B, S, *tail]`` (the leading axes as rows; none: 1)."""
+  lead = x.shape[: x.ndim - 1 - tail]
+  return x.reshape(int(np.prod(lead, dtype=int)), *x.shape[len(lead) :])
 
-  ``h`` ``[..., d]`` (the final hidden states, after the last norm), ``w`` ``[d, V]``,
-  ``targets`` and ``mask`` shaped like ``h`` without its last axis; ``chunk`` tokens per
-  chunk (the last one padded with masked rows). The hits carry no gradient."""
-  d = h.shape[-1]
-  h, targets = h.reshape(-1, d), targets.reshape(-1)
-  mask = mask.reshape(-1).astype(jnp.float32)
-  pad = -h.shape[0] % chunk
+
+def _split(x: jax.Array, positions: int) -> jax.Array:
+  """``[B, S, …]`` → ``[n, B, P, …]``: chunks of ``P`` positions (the last padded with
+  zeros), every row in each."""
+  pad = -x.shape[1] % positions
   if pad:
-    h = jnp.concatenate([h, jnp.zeros((pad, d), h.dtype)])
-    targets = jnp.concatenate([targets, jnp.zeros((pad,), targets.dtype)])
-    mask = jnp.concatenate([mask, jnp.zeros((pad,), mask.dtype)])
-  nll, hits = _nll(h, w, targets, mask, chunk)
-  return nll, jax.lax.stop_gradient(hits)
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  b, n = x.shape[0], x.shape[1] // positions
+  return jnp.moveaxis(x.reshape(b, n, positions, *x.shape[2:]), 1, 0)
 
 
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-  return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+def _join(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``_split``'s inverse: ``[n, B, P, …]`` → ``like``'s shape (``[..., S]``) plus ``…``."""
+  b, tail = x.shape[1], x.shape[3:]
+  whole = jnp.moveaxis(x, 0, 1).reshape(b, -1, *tail)[:, : like.shape[-1]]
+  return whole.reshape(*like.shape, *tail)
+
+
+def _chunks(h, chunk: int, *per_token):
+  """``h`` and the per-token arrays ``per_token`` (shaped like ``h`` without its last axis)
+  split into chunks of ``chunk`` tokens: ``max(1, chunk // B)`` positions of all ``B`` rows."""
+  rows = _rows(h, 1)
+  positions = max(1, chunk // rows.shape[0])
+  return _split(rows, positions), *(_split(_rows(x, 0), positions) for x in per_token)
+
+
+def _logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.matmul(h_c, w).astype(jnp.float32)
+
+
+def _picked(logits: jax.Array, t_c: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
 
 
 def _sums(h_c, w, t_c, m_c):
   """One chunk's logits (fp32), its ``Σ m·NLL`` and ``Σ m·hits``."""
   from jaxstep.core.losses import argmax_hits  # losses imports this module
 
-  logits = jnp.matmul(h_c, w).astype(jnp.float32)
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, t_c)
+  logits = _logits(h_c, w)
+  nll = jax.nn.logsumexp(logits, axis=-1) - _picked(logits, t_c)
   hits = argmax_hits(logits, t_c).astype(jnp.float32)
   return logits, jnp.sum(nll * m_c), jnp.sum(hits * m_c)
+
+
+def chunked_nll(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array, chunk: int):
+  """``(Σ mask·NLL, Σ mask·[argmax == target])`` of ``logits = h·W`` without them whole.
+
+  ``h`` ``[..., S, d]`` (the final hidden states, after the last norm), ``w`` ``[d, V]``,
+  ``targets`` and ``mask`` shaped like ``h`` without its last axis; ``chunk`` tokens per
+  chunk (padded positions are masked). The hits carry no gradient."""
+  nll, hits = _nll(h, w, targets, mask.astype(jnp.float32), chunk)
+  return nll, jax.lax.stop_gradient(hits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -98,8 +127,13 @@ def _nll(h, w, targets, mask, chunk: int):
     return (acc[0] + nll, acc[1] + hits), None
 
   zero = jnp.zeros((), jnp.float32)
-  xs = (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk))
-  return jax.lax.scan(one, (zero, zero), xs)[0]
+  return jax.lax.scan(one, (zero, zero), _chunks(h, chunk, targets, mask))[0]
+
+
+def _grad_dtype(h: jax.Array):
+  """What a chunk's logit gradient is multiplied in: the compute dtype, fp32 under fp16
+  (its small softmax terms would underflow before the loss scale reaches them)."""
+  return jnp.float32 if h.dtype == jnp.float16 else h.dtype
 
 
 def _nll_fwd(h, w, targets, mask, chunk: int):
@@ -110,38 +144,39 @@ def _nll_fwd(h, w, targets, mask, chunk: int):
   ``exp`` over the logits serves the NLL and the softmax."""
   from jaxstep.core.losses import argmax_hits  # losses imports this module
 
-  w_t = w.T  # [V, d], laid out once: each chunk's g·Wᵀ is then a plain product
+  w_t, dtype = w.T, _grad_dtype(h)  # [V, d], laid out once: g·Wᵀ is a plain product
 
   def one(carry, xs):
     nll_sum, hits_sum, dw = carry
     h_c, t_c, m_c = xs
-    logits = jnp.matmul(h_c, w).astype(jnp.float32)
+    logits = _logits(h_c, w)
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     e = jnp.exp(logits - top)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    rows = jnp.arange(t_c.shape[0])
-    nll = (jnp.log(total) + top)[:, 0] - logits[rows, t_c]
+    nll = (jnp.log(total) + top)[..., 0] - _picked(logits, t_c)
     hits = argmax_hits(logits, t_c).astype(jnp.float32)
-    g = (e / total).at[rows, t_c].add(-1.0) * m_c[:, None]
-    g = g.astype(h.dtype)
-    dw = dw + jnp.matmul(h_c.T, g, preferred_element_type=jnp.float32)
-    sums = (nll_sum + jnp.sum(nll * m_c), hits_sum + jnp.sum(hits * m_c), dw)
-    return sums, jnp.matmul(g, w_t).astype(h.dtype)
+    target = jnp.arange(logits.shape[-1]) == t_c[..., None]
+    g = (jnp.where(target, e / total - 1.0, e / total) * m_c[..., None]).astype(dtype)
+    h2, g2 = h_c.reshape(-1, h_c.shape[-1]).astype(dtype), g.reshape(-1, g.shape[-1])
+    dw = dw + jnp.matmul(h2.T, g2, preferred_element_type=jnp.float32)
+    dh = jnp.matmul(g, w_t.astype(dtype), preferred_element_type=jnp.float32)
+    return (nll_sum + jnp.sum(nll * m_c), hits_sum + jnp.sum(hits * m_c), dw), dh
 
   zero = jnp.zeros((), jnp.float32)
   init = (zero, zero, jnp.zeros(w.shape, jnp.float32))
-  xs = (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk))
-  (nll, hits, dw), dh = jax.lax.scan(one, init, xs)
-  return (nll, hits), (dh.reshape(h.shape), dw.astype(w.dtype), targets, mask)
+  (nll, hits, dw), dh = jax.lax.scan(one, init, _chunks(h, chunk, targets, mask))
+  dtypes = (jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))  # what the gradients become
+  return (nll, hits), (_join(dh, h[..., 0]), dw, targets, mask, dtypes)
 
 
 def _nll_bwd(chunk: int, residuals, cotangents):
-  """The forward's gradients times the NLL sum's cotangent (a scalar; the hits have none)."""
+  """The forward's gradients times the NLL sum's cotangent (a scalar; the hits have none),
+  cast to the inputs' dtypes only then."""
   del chunk
-  dh, dw, targets, mask = residuals
+  dh, dw, targets, mask, (h_like, w_like) = residuals
   g = cotangents[0]
   no_grad = np.zeros(targets.shape, jax.dtypes.float0)  # integer ids
-  return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), no_grad, jnp.zeros_like(mask)
+  return (g * dh).astype(h_like.dtype), (g * dw).astype(w_like.dtype), no_grad, jnp.zeros_like(mask)
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)
@@ -153,21 +188,8 @@ def chunked_logps(h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) ->
   loss, whose gradient scales each row's tokens by that row's cotangent). The forward pass
   keeps each token's log-sum-exp; the backward pass computes each chunk's logits again and
   ``g = (onehot − softmax)·c`` from the tokens' cotangents ``c``: one product of the head's
-  size more than the whole logits, for a ``[C, V]`` peak."""
-  d = h.shape[-1]
-  flat_h, flat_t = h.reshape(-1, d), targets.reshape(-1)
-  pad = -flat_h.shape[0] % chunk
-  if pad:
-    flat_h = jnp.concatenate([flat_h, jnp.zeros((pad, d), flat_h.dtype)])
-    flat_t = jnp.concatenate([flat_t, jnp.zeros((pad,), flat_t.dtype)])
-  out = _logps(flat_h, w, flat_t, chunk)
-  return out[: targets.size].reshape(targets.shape)
-
-
-def _lse_and_target(h_c, w, t_c):
-  logits = jnp.matmul(h_c, w).astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  return logits, lse, logits[jnp.arange(t_c.shape[0]), t_c]
+  size more than the whole logits, for a ``[B, P, V]`` peak."""
+  return _logps(h, w, targets, chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -177,29 +199,32 @@ def _logps(h, w, targets, chunk: int):
 
 def _logps_fwd(h, w, targets, chunk: int):
   def one(_, xs):
-    _, lse, picked = _lse_and_target(xs[0], w, xs[1])
-    return None, (picked - lse, lse)
+    logits = _logits(xs[0], w)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return None, (_picked(logits, xs[1]) - lse, lse)
 
-  _, (logp, lse) = jax.lax.scan(one, None, (_chunks(h, chunk), _chunks(targets, chunk)))
-  return logp.reshape(-1), (h, w, targets, lse)
+  _, (logp, lse) = jax.lax.scan(one, None, _chunks(h, chunk, targets))
+  return _join(logp, targets), (h, w, targets, lse)
 
 
 def _logps_bwd(chunk: int, residuals, cotangent):
   h, w, targets, lse = residuals
-  w_t = w.T
+  w_t, dtype = w.T, _grad_dtype(h)
 
   def one(dw, xs):
     h_c, t_c, lse_c, c_c = xs
-    logits = jnp.matmul(h_c, w).astype(jnp.float32)
-    g = -jnp.exp(logits - lse_c[:, None])
-    g = g.at[jnp.arange(t_c.shape[0]), t_c].add(1.0) * c_c[:, None]
-    g = g.astype(h.dtype)
-    dw = dw + jnp.matmul(h_c.T, g, preferred_element_type=jnp.float32)
-    return dw, jnp.matmul(g, w_t).astype(h.dtype)
+    logits = _logits(h_c, w)
+    p = jnp.exp(logits - lse_c[..., None])
+    target = jnp.arange(logits.shape[-1]) == t_c[..., None]
+    g = (jnp.where(target, 1.0 - p, -p) * c_c[..., None]).astype(dtype)
+    h2, g2 = h_c.reshape(-1, h_c.shape[-1]).astype(dtype), g.reshape(-1, g.shape[-1])
+    dw = dw + jnp.matmul(h2.T, g2, preferred_element_type=jnp.float32)
+    return dw, jnp.matmul(g, w_t.astype(dtype), preferred_element_type=jnp.float32)
 
-  xs = (_chunks(h, chunk), _chunks(targets, chunk), lse, _chunks(cotangent, chunk))
-  dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), xs)
-  return dh.reshape(h.shape), dw.astype(w.dtype), np.zeros(targets.shape, jax.dtypes.float0)
+  h_s, t_s, c_s = _chunks(h, chunk, targets, cotangent)
+  dw, dh = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), (h_s, t_s, lse, c_s))
+  dh = _join(dh, h[..., 0]).astype(h.dtype)
+  return dh, dw.astype(w.dtype), np.zeros(targets.shape, jax.dtypes.float0)
 
 
 _logps.defvjp(_logps_fwd, _logps_bwd)
@@ -211,17 +236,26 @@ def chunked_scores(h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int):
   reads (``lmeval/scoring.py``); argmax's ties go to the first index, as ``jnp.argmax``."""
   from jaxstep.core.losses import argmax_hits  # losses imports this module
 
-  d = h.shape[-1]
-  flat_h, flat_t = h.reshape(-1, d), targets.reshape(-1)
-  pad = -flat_h.shape[0] % chunk
-  if pad:
-    flat_h = jnp.concatenate([flat_h, jnp.zeros((pad, d), flat_h.dtype)])
-    flat_t = jnp.concatenate([flat_t, jnp.zeros((pad,), flat_t.dtype)])
-
   def one(_, xs):
-    logits, lse, picked = _lse_and_target(xs[0], w, xs[1])
-    return None, (picked - lse, argmax_hits(logits, xs[1]))
+    logits = _logits(xs[0], w)
+    logp = _picked(logits, xs[1]) - jax.nn.logsumexp(logits, axis=-1)
+    return None, (logp, argmax_hits(logits, xs[1]))
 
-  _, (logp, hits) = jax.lax.scan(one, None, (_chunks(flat_h, chunk), _chunks(flat_t, chunk)))
-  n = targets.size
-  return logp.reshape(-1)[:n].reshape(targets.shape), hits.reshape(-1)[:n].reshape(targets.shape)
+  _, (logp, hits) = jax.lax.scan(one, None, _chunks(h, chunk, targets))
+  return _join(logp, targets), _join(hits, targets)
+
+
+def chunked_map(fn, h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int):
+  """``fn(logits [B, P, V], targets [B, P]) -> tuple of [B, P] arrays`` over the positions
+  a chunk at a time, the results shaped like ``targets``: for per-token terms with more
+  arithmetic than a log-softmax (RL's sampler transforms: temperature, top-k / top-p,
+  allowed ids, the entropy). The chunk body is under ``jax.checkpoint``: the backward pass
+  computes each chunk's logits and ``fn`` again, one chunk at a time, and autodiff
+  differentiates ``fn`` as it does on the whole logits."""
+
+  @jax.checkpoint
+  def one(_, xs):
+    return None, fn(_logits(xs[0], w), xs[1])
+
+  _, out = jax.lax.scan(one, None, _chunks(h, chunk, targets))
+  return tuple(_join(x, targets) for x in out)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core import chunked_loss
 from jaxstep.core.sampling import sampling_logits
 from jaxstep.errors import BatchError, ConfigError
 
@@ -110,6 +111,20 @@ def token_logps(logits, targets, temperature=1.0, *, top_k=0, top_p=1.0, allowed
   p = jnp.exp(logp)
   entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
   return picked, entropy
+
+
+def _token_terms(model: Callable, params, batch, chunk, dist: dict, **call):
+  """``token_logps`` of ``batch``'s targets under ``model(params, inputs, **call)``: from
+  its logits, or from its hidden states in chunks (``chunk``, a model that
+  ``emits_hidden``)."""
+  inputs, targets = batch["inputs"], batch["targets"]
+  if chunk != 0 and getattr(model, "emits_hidden", False):
+    size = chunked_loss.chunk_size(chunk, inputs.size, model.vocab_size)
+    if size:
+      h, w = model(params, inputs, as_hidden=True, **call)
+      terms = lambda logits, t: token_logps(logits, t, **dist)  # noqa: E731
+      return chunked_loss.chunked_map(terms, h, w, targets, size)
+  return token_logps(model(params, inputs, **call), targets, **dist)
 
 
 def units_fn(loss_norm: str, max_new_tokens: int | None = None) -> Callable:
@@ -188,6 +203,7 @@ def grpo_loss(
   max_new_tokens: int | None = None,
   reference: Callable | None = None,
   gap_tolerance: float | None = None,
+  chunk: int | str = 0,
 ) -> Callable:
   """A step ``loss_fn(params, micro_batch, rng) -> (loss_sum, aux)`` for GRPO-family
   objectives; use it with ``make_train_step(..., units_fn=units_fn(loss_norm, …))``.
@@ -213,6 +229,9 @@ def grpo_loss(
       ``|log π − log π_old|`` exceeds it: on a rollout's first pass, where π is the policy
       that sampled, any such token means the training pass sees another distribution than
       the sampler did (a sum, so exact over micro-batches and devices, unlike a max).
+    chunk: ``model.loss_chunk``: the policy's and reference's per-token log-probs and
+      entropy from the hidden states of a model that ``emits_hidden``, a chunk of tokens
+      at a time (``chunked_loss.chunked_map``); 0: from the whole logits.
   """
   _check_norm(loss_norm, max_new_tokens)
   if not (0.0 <= epsilon_low < 1.0 and epsilon_high >= 0.0):
@@ -226,19 +245,17 @@ def grpo_loss(
 
   def loss_fn(params, batch, rng):
     ref_from_batch = check_rl_batch(batch, beta, reference is not None)
-    logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
     mask = batch["completion_mask"].astype(jnp.float32)
-    logps, entropy = token_logps(logits, batch["targets"], **dist)
+    logps, entropy = _token_terms(apply_fn, params, batch, chunk, dist, rng=rng, train=True)
     logps = jnp.where(mask > 0, logps, 0.0)  # prompt and padding targets may lie outside
     ref = None
     if beta:
       if ref_from_batch:
         ref = batch["ref_logps"].astype(jnp.float32)
       else:
-        ref_logits = jax.lax.stop_gradient(
-          reference(jax.lax.stop_gradient(params), batch["inputs"])
-        )
-        ref = jnp.where(mask > 0, token_logps(ref_logits, batch["targets"], **dist)[0], 0.0)
+        frozen = jax.lax.stop_gradient(params)
+        ref = jax.lax.stop_gradient(_token_terms(reference, frozen, batch, chunk, dist)[0])
+        ref = jnp.where(mask > 0, ref, 0.0)
     old = batch["old_logps"].astype(jnp.float32)
     adv = batch["advantages"].astype(jnp.float32)
     loss, kl, low, high = per_token_terms(logps, old, adv, ref, **options)

@@ -264,7 +264,7 @@ def merged(params, scale: float):
   get ``W_e + scale·A_e·B_e`` per expert (``gate_up``'s columns split between ``gate_proj``
   and ``up_proj``) and lose their ``gate_up`` and ``down`` adapters."""
   if isinstance(params, dict):
-    if "down_proj" in params and not isinstance(params["down_proj"], dict):
+    if _EXPERT_ADAPTERS & params.keys() and not isinstance(params.get("down_proj"), dict):
       return _merged_experts(params, scale)
     out = {k: merged(v, scale) for k, v in params.items() if k != "lora"}
     if "lora" in params and "kernel" in params:
@@ -280,10 +280,13 @@ def _plus_delta(w, factors: dict, scale: float):
   return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
 
+_EXPERT_ADAPTERS = {"gate_up", "down"}  # ExpertAdapter's names beside the stacked experts
+
+
 def _merged_experts(experts: dict, scale: float) -> dict:
   """A stacked-experts node (``gate_proj``, ``up_proj``, ``down_proj`` ``[…, E, in, out]``)
   with its ``gate_up`` and ``down`` adapters folded in."""
-  out = {k: v for k, v in experts.items() if k not in ("gate_up", "down")}
+  out = {k: merged(v, scale) for k, v in experts.items() if k not in _EXPERT_ADAPTERS}
   if "gate_up" in experts:
     f = experts["gate_proj"].shape[-1]
     both = jnp.concatenate([experts["gate_proj"], experts["up_proj"]], axis=-1)

@@ -32,8 +32,10 @@ expert parameter ``mlp.experts.gate_up_proj`` ``[E, 2f, d]`` (or ``down_proj`` `
 stored as ``lora_A.weight`` ``[E·r, in]`` (expert ``e``'s ``Aᵀ`` in rows ``e·r … e·r+r−1``)
 and ``lora_B.weight`` ``[out, r·E]`` (column ``j·E + e`` holding row ``j`` of expert ``e``'s
 ``B``), PEFT's ``ParamWrapper`` layout. PEFT nests one wrapper per targeted parameter of a
-module, the first listed innermost, so with both adapted ``gate_up_proj``'s tensors are
-named ``…mlp.experts.base_layer.lora_A.weight`` and ``down_proj``'s ``…mlp.experts.lora_A.weight``.
+module; with both adapted ``gate_up_proj``'s is the inner one, its tensors named
+``…mlp.experts.base_layer.lora_A.weight``, and ``down_proj``'s ``…mlp.experts.lora_A.weight``
+(read from PEFT 0.21 on transformers 5, whose experts are these fused parameters: on
+transformers 4's per-expert ``Linear`` modules the names match nothing).
 
 Params may be per block or stacked (``model.scan_layers``: one leaf per adapter with a
 leading layer axis, sliced one layer at a time). The folder is written whole or not at all,
@@ -116,10 +118,11 @@ def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = 
     "rank_pattern": {},
     "revision": None,
     "target_modules": target_modules(cfg),
-    "target_parameters": [f"mlp.{p}" for p in routed(cfg)] or None,
     "task_type": "CAUSAL_LM",
     "use_dora": False,
     "use_rslora": False,
+    # routed experts only: a PEFT older than target_parameters may refuse the key
+    **({"target_parameters": [f"mlp.{p}" for p in routed(cfg)]} if routed(cfg) else {}),
   }
 
 

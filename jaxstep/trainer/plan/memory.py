@@ -171,11 +171,8 @@ def attention_probs_bytes(model, rows: int, seq_len: int) -> int:
 
 def loss_tokens(cfg, rows: int) -> int:
   """How many tokens' logits a micro-step of ``rows`` sequences per device holds at once: a
-  chunk of ``model.loss_chunk`` for a supervised or preference loss
-  (``core/chunked_loss.py``), else all of them (the RL losses compute the whole logits)."""
+  chunk of ``model.loss_chunk`` (``core/chunked_loss.py``), or all of them."""
   tokens = rows * cfg.train.seq_len
-  if cfg.rl.rewards:
-    return tokens
   return chunked_loss.chunk_size(cfg.model.loss_chunk, tokens, cfg.model.vocab_size) or tokens
 
 

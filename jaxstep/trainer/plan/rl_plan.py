@@ -74,7 +74,7 @@ def grpo_options(r: rl.RLConfig, allowed) -> dict:
 def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed) -> Callable:
   """The step's ``loss_fn`` for ``cfg.rl`` (``rl.grpo_loss``), 4-argument with a live
   reference (the copy rides in the state's ``model_state``)."""
-  options = grpo_options(cfg.rl, allowed)
+  options = {**grpo_options(cfg.rl, allowed), "chunk": cfg.model.loss_chunk}
   build = lambda reference: rl.grpo_loss(apply_fn, reference=reference, **options)  # noqa: E731
   return loss_with_reference(reference_kind(cfg), apply_fn, build)
 
