@@ -134,3 +134,25 @@ def test_expert_targets_are_checked_with_one_line():
   every = LlamaConfig(**TINY, lora=lora.LoraConfig(rank=2))  # no targets: not the experts
   assert not any(every.lora.adapts(name) for name in lora.ROUTED)
   assert every.lora.adapts("gate_proj")
+
+
+def test_a_dense_models_adapter_has_no_routed_tensors_or_target_parameters():
+  from jaxstep.models import peft_export
+
+  for cfg in (
+    models.GPTConfig(vocab_size=40, max_seq_len=16, d_model=16, n_layers=1, n_heads=2),
+    LlamaConfig(**{**TINY, "num_experts": 0}),
+  ):
+    cfg = dataclasses.replace(cfg, lora=lora.LoraConfig(rank=2))
+    _, params = models.build(cfg, 0)
+    names = [t.name for t in peft_export.adapter_tensors(cfg, params)]
+    assert names and not any("experts" in n for n in names)
+    assert "target_parameters" not in peft_export.adapter_config(cfg)
+  routed = LlamaConfig(**TINY, lora=ROUTED)
+  _, params = models.build(routed, 0)
+  names = [t.name for t in peft_export.adapter_tensors(routed, params)]
+  assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in names
+  assert peft_export.adapter_config(routed)["target_parameters"] == [
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+  ]

@@ -158,6 +158,8 @@ def _routed_tensors(cfg, params: dict, stacked: bool, stored: set[str]) -> list[
   """The routed experts' adapter tensors in PEFT's ``ParamWrapper`` layout (module
   docstring), checked against the experts' shapes and ``cfg``'s rank."""
   names, out = routed(cfg), []
+  if not names:
+    return out
   e, r, d, f = cfg.num_experts, cfg.lora.rank, cfg.d_model, cfg.expert_size
   fans = {"experts.gate_up_proj": ("gate_up", d, 2 * f), "experts.down_proj": ("down", f, d)}
   for i in (i for i, sparse in enumerate(cfg.moe_layers) if sparse):
