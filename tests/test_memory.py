@@ -86,8 +86,12 @@ def test_ledger_prediction_is_within_10_percent_of_the_compiled_step(name, overr
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-124m", "gpt-350m", "gpt-1.3b"])
 def test_ledger_prediction_holds_for_the_real_size_configs(name):
-  """Compiled on abstract inputs (nothing allocated) at the K an 80 GiB budget picks."""
-  assert _predicted_over_compiled(name, "train.grad_accum_steps=16") == pytest.approx(1.0, abs=0.10)
+  """Compiled on abstract inputs (nothing allocated) at the K an 80 GiB budget picks: the
+  prediction's fit (the whole logits) within 10 %, and, with the loss in chunks (the
+  default ``auto`` chunks these), an upper bound: it still counts the whole logits."""
+  whole = _predicted_over_compiled(name, "train.grad_accum_steps=16", "model.loss_chunk=0")
+  assert whole == pytest.approx(1.0, abs=0.10)
+  assert _predicted_over_compiled(name, "train.grad_accum_steps=16") >= 0.95
 
 
 @pytest.mark.slow

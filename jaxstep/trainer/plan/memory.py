@@ -171,21 +171,20 @@ def attention_probs_bytes(model, rows: int, seq_len: int) -> int:
 
 def loss_tokens(cfg, rows: int) -> int:
   """How many tokens' logits a micro-step of ``rows`` sequences per device holds at once: a
-  chunk of ``model.loss_chunk`` (``core/chunked_loss.py``), or all of them."""
+  chunk of ``model.loss_chunk`` (``core/chunked_loss.py``), or all of them (``jaxstep
+  memory``'s loss line)."""
   tokens = rows * cfg.train.seq_len
   return chunked_loss.chunk_size(cfg.model.loss_chunk, tokens, cfg.model.vocab_size) or tokens
 
 
-def activation_bytes(
-  model, rows: int, seq_len: int, num_params: int, precision: str, logit_tokens: int = 0
-) -> int:
+def activation_bytes(model, rows: int, seq_len: int, num_params: int, precision: str) -> int:
   """Estimated temporaries per device of a step whose micro-batches hold ``rows`` samples
   per device: what the backward pass keeps (activations, attention probabilities), the
-  logits (of ``logit_tokens`` tokens at once; 0: all), and the gradient buffers (the
-  accumulator, the low-precision compute copy); ``COEFFICIENTS`` has the fit."""
+  logits, and the gradient buffers (the accumulator, the low-precision compute copy);
+  ``COEFFICIENTS`` has the fit."""
   a = rows * seq_len * model.d_model * 4
   probs = attention_probs_bytes(model, rows, seq_len)
-  logits = (logit_tokens or rows * seq_len) * model.vocab_size * 4
+  logits = rows * seq_len * model.vocab_size * 4
   grad = 4 * num_params
   sizes = (
     model.n_layers * a,
@@ -229,8 +228,9 @@ def predicted_bytes(
     "state": sum(b for n, b in layout.items() if "during" not in n) + copy,
     "batch": 3 * sequences * t.global_batch_size // devices * t.seq_len * 4,
     "gathered": sum(b for n, b in layout.items() if "gathered" in n),
-    "activations": activation_bytes(
-      cfg.model, rows, t.seq_len, grads, t.precision, loss_tokens(cfg, rows)
-    ),
+    # the whole logits, chunked or not: the fit was made on them, and where the loss is
+    # not the step's peak (the blocks' backward is, at gpt-1.3b's K 16) chunking lowers the
+    # compiled peak by little; `jaxstep memory` prints the logits both ways beside it
+    "activations": activation_bytes(cfg.model, rows, t.seq_len, grads, t.precision),
   }
   return {**out, "peak": sum(out.values())}
