@@ -82,11 +82,10 @@ def ce_step(spec: dict):
   from jaxstep.parallel.cpu_devices import configure_cpu_defaults
 
   configure_cpu_defaults(spec["rows"], 1, cpu_devices=1)  # the CLI's flags, one device
-  import time
-
   import jax
   import numpy as np
 
+  from benchmarks.step_bench import mean_seconds
   from jaxstep import make_train_step, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import OptimConfig, make_optimizer
@@ -107,15 +106,7 @@ def ce_step(spec: dict):
 
   once()
   once()
-  repeats = spec.get("repeats", 2)
-
-  def timed():
-    t = time.perf_counter()
-    for _ in range(repeats):
-      once()
-    return {"seconds": (time.perf_counter() - t) / repeats}
-
-  return {"devices": jax.device_count()}, timed
+  return {"devices": jax.device_count()}, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 CONTENDERS = {"ce_memory": ce_memory, "ce_step": ce_step}

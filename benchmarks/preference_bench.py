@@ -29,11 +29,11 @@ Speed rounds are interleaved (``harness.measure``), every contender in its own p
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
 from benchmarks.hf_bench import QUICK_TRAIN_MODEL, TRAIN_MODEL
+from benchmarks.step_bench import mean_seconds
 
 PAIR_MODEL = {**TRAIN_MODEL, "max_seq_len": 128}
 QUICK_PAIR_MODEL = {**QUICK_TRAIN_MODEL, "max_seq_len": 32}
@@ -81,13 +81,6 @@ def pair_batch(g: int, seq: int, vocab: int, ref_logps: bool = False) -> dict:
   return batch
 
 
-def _timed(fn, repeats: int) -> dict:
-  t = time.perf_counter()
-  for _ in range(repeats):
-    fn()
-  return {"seconds": (time.perf_counter() - t) / repeats}
-
-
 # ---------------------------------------------------------------------------- contenders
 
 
@@ -129,7 +122,7 @@ def dpo_jaxstep(spec):
   once()
   info = {"devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
   info["reference"] = sorted(state.model_state or {})
-  return info, lambda: _timed(once, spec.get("repeats", 2))
+  return info, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def dpo_trl(spec):
@@ -201,7 +194,7 @@ def dpo_trl(spec):
   once()
   info = {"threads": torch.get_num_threads(), "attention": config._attn_implementation}
   info["optimizer"] = type(trainer.optimizer).__name__
-  return info, lambda: _timed(once, spec.get("repeats", 2))
+  return info, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def core_step(spec):
@@ -241,7 +234,7 @@ def core_step(spec):
 
   once()
   once()
-  return {"devices": jax.device_count()}, lambda: _timed(once, spec.get("repeats", 2))
+  return {"devices": jax.device_count()}, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 CONTENDERS = {"dpo_jaxstep": dpo_jaxstep, "dpo_trl": dpo_trl, "core_step": core_step}

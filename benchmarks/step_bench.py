@@ -23,7 +23,8 @@ def make_batch(g: int, s: int, vocab: int, seed: int = 0) -> dict:
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
 
 
-def _timed(fn, repeats: int) -> dict:
+def mean_seconds(fn, repeats: int) -> dict:
+  """``{"seconds": …}``: the mean wall time of ``repeats`` calls of ``fn``."""
   t = time.perf_counter()
   for _ in range(repeats):
     fn()
@@ -78,7 +79,7 @@ def jaxstep_contender(spec):
   once()
   return (
     {"devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
-    lambda: _timed(once, spec.get("repeats", 2)),
+    lambda: mean_seconds(once, spec.get("repeats", 2)),
   )
 
 
@@ -114,7 +115,7 @@ def floor_contender(spec):
 
   once()
   once()
-  return {}, lambda: _timed(once, spec.get("repeats", 2))
+  return {}, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def multisteps_contender(spec):
@@ -144,7 +145,7 @@ def multisteps_contender(spec):
 
   once()
   once()
-  return {}, lambda: _timed(once, spec.get("repeats", 2))
+  return {}, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def _unrolled_step(loss_fn, opt, k):
@@ -177,7 +178,7 @@ def unrolled_contender(spec):
   once()
   compile_s = time.perf_counter() - t
   once()
-  return {"first_call_s": compile_s}, lambda: _timed(once, spec.get("repeats", 2))
+  return {"first_call_s": compile_s}, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def matmul_contender(spec):
