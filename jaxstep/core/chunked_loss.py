@@ -48,6 +48,16 @@ def check_setting(value, key: str = "model.loss_chunk") -> None:
     )
 
 
+def like(wrapper, model):
+  """``wrapper`` (a function calling ``model``, an ``apply_fn``) marked as ``model`` is for
+  the chunked path (``emits_hidden``, ``vocab_size``), so wrapping a model does not turn
+  chunking off; returns ``wrapper``."""
+  for name in ("emits_hidden", "vocab_size"):
+    if hasattr(model, name):
+      setattr(wrapper, name, getattr(model, name))
+  return wrapper
+
+
 def chunk_size(setting, tokens: int, vocab: int) -> int:
   """Tokens per chunk for ``tokens`` positions over ``vocab`` ids (0: the whole logits).
   ``auto``: whole below ``AUTO_ABOVE`` logits (EasyDeL's 2^28), else chunks of

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxstep.core import losses
+from jaxstep.core import chunked_loss, losses
 from jaxstep.core.accumulate import GLOBAL_SUMS
 from jaxstep.core.layout import sum_over_batch
 from jaxstep.core.losses import document_fields
@@ -73,10 +73,7 @@ def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Cal
     pending["sums"], pending["totals"] = sums, local
     return logits
 
-  for name in ("emits_hidden", "vocab_size"):  # a chunked loss asks for the hidden states
-    if hasattr(apply_fn, name):
-      setattr(routed_apply, name, getattr(apply_fn, name))
-  inner = build(routed_apply)
+  inner = build(chunked_loss.like(routed_apply, apply_fn))
 
   def loss_fn(params, batch, rng, *model_state):
     _, mask, _ = rows(batch)

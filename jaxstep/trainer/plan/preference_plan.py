@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxstep import parallel
-from jaxstep.core import preference
+from jaxstep.core import chunked_loss, preference
 from jaxstep.data.pair_dataset import PairDataset, PairSplit, load_pair_eval_set
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import check_eval_sets
@@ -61,12 +61,10 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, *, train: bool = True) -
   if not train:
     model = apply_fn
 
-    def apply_fn(params, inputs, *, rng=None, train=False, **kw):
+    def evaluated(params, inputs, *, rng=None, train=False, **kw):
       return model(params, inputs, train=False, **kw)
 
-    for name in ("emits_hidden", "vocab_size"):  # chunked log-probs (model.loss_chunk)
-      if hasattr(model, name):
-        setattr(apply_fn, name, getattr(model, name))
+    apply_fn = chunked_loss.like(evaluated, model)
   options = {"simpo": {"gamma": p.gamma, "cpo_alpha": p.cpo_alpha}}
   options["orpo"] = {"orpo_lambda": p.orpo_lambda}
   options["dpo"] = options["ipo"] = {"rpo_alpha": p.rpo_alpha}

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxstep.core import chunked_loss
 from jaxstep.models import lora
 
 REFERENCE = "reference"  # the live reference's key in the state's model_state
@@ -41,10 +42,7 @@ def _like(apply_fn: Callable, reference: Callable) -> Callable:
   def run(params, inputs, **kw):
     return reference(params, inputs, train=False, **kw)
 
-  for name in ("emits_hidden", "vocab_size"):
-    if hasattr(apply_fn, name):
-      setattr(run, name, getattr(apply_fn, name))
-  return run
+  return chunked_loss.like(run, apply_fn)
 
 
 def frozen_copy(params, dtype: str = "fp32") -> dict:

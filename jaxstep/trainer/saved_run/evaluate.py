@@ -22,7 +22,7 @@ import pathlib
 import jax
 
 from jaxstep import data, models
-from jaxstep.core import device_memory
+from jaxstep.core import chunked_loss, device_memory
 from jaxstep.data.readers import BUNDLED_PATHS, FORMATS
 from jaxstep.data.strided import StridedWindows
 from jaxstep.data.tokenizer import same_tokenizer
@@ -195,7 +195,7 @@ def evaluate(
   def apply_fn(params, inputs, *, train=False, rng=None, **fields):
     return decode_apply(params, inputs, **fields)
 
-  apply_fn.emits_hidden, apply_fn.vocab_size = True, saved.cfg.model.vocab_size
+  apply_fn = chunked_loss.like(apply_fn, decode_apply)
   m = saved.cfg.model
   step = jax.jit(
     make_eval_step(apply_fn, saved.tokenizer.token_bytes(), m.vocab_size, m.loss_chunk)
