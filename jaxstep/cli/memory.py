@@ -41,9 +41,8 @@ def report(cfg) -> str:
       f"{gib(textbook_state_bytes(p, zero_stage=stage, data_parallel=dp))}"
     )
   lines += ["  + activations (not divided by D)", "", "jaxstep layout:"]
-  frozen_bytes = 2 if cfg.optim.frozen_dtype == "bf16" else 4
   layout = jaxstep_layout(
-    p, precision=cfg.train.precision, fsdp=split, trainable=t, frozen_bytes=frozen_bytes
+    p, precision=cfg.train.precision, fsdp=split, trainable=t, frozen_bytes=c["frozen_bytes"]
   )
   name = cfg.optim.name
   if name != "adamw":  # its moments as the state holds them, not Adam's 8 bytes a parameter
@@ -52,7 +51,9 @@ def report(cfg) -> str:
   for row, b in layout.items():
     lines.append(f"  {row:<48} {gib(b)}")
   persistent = sum(b for n, b in layout.items() if "during" not in n)
-  predicted = predicted_bytes(c["cfg"], p, k, c["data"], split, trainable=t)
+  predicted = predicted_bytes(
+    c["cfg"], p, k, c["data"], split, trainable=t, frozen_bytes=c["frozen_bytes"]
+  )
   lines += [
     f"  {'persistent state (params + moments)':<48} {gib(persistent)}",
     f"  {'temporaries: activations, gradients (estimate)':<48} {gib(predicted['activations'])}",

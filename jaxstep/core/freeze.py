@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxstep.core.trees import path_name
+from jaxstep.core.trees import param_count, path_name
 from jaxstep.errors import ConfigError
 
 Trainable = Callable[[str, object], bool]
@@ -65,21 +65,22 @@ def combine(train, frozen):
   )
 
 
-def cast_frozen(params, trainable: Trainable | None, dtype):
+def cast_frozen(params, trainable: Trainable | None, dtype, keep=lambda node: False):
   """``params`` with the frozen floating leaves cast to ``dtype`` (the trainable ones, the
-  fp32 masters, unchanged); abstract leaves stay abstract."""
+  fp32 masters, unchanged); abstract leaves stay abstract. A node ``keep`` is true of (a
+  quantized weight, whose scales keep their dtype) stays as it is."""
   if trainable is None:
     return params
   train, frozen = partition(params, trainable)
 
   def cast(x):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    if keep(x) or not jnp.issubdtype(x.dtype, jnp.floating):
       return x
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None))
     return x.astype(dtype)
 
-  return combine(train, jax.tree.map(cast, frozen))
+  return combine(train, jax.tree.map(cast, frozen, is_leaf=keep))
 
 
 def check_patterns(params, patterns: Sequence[str]) -> None:
@@ -96,5 +97,4 @@ def check_patterns(params, patterns: Sequence[str]) -> None:
 def count(params, trainable: Trainable | None) -> tuple[int, int]:
   """``(trainable, frozen)`` parameter elements."""
   train, frozen = partition(params, trainable)
-  size = lambda tree: sum(int(x.size) for x in jax.tree.leaves(tree))  # noqa: E731
-  return size(train), size(frozen)
+  return param_count(train), param_count(frozen)

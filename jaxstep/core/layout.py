@@ -134,7 +134,10 @@ def name_axes(pattern: str, names: tuple[str | None, ...]) -> None:
 
 
 def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
-  """The logical name of each dimension of the leaf at ``path`` (None: unnamed)."""
+  """The logical name of each dimension of the leaf at ``path`` (None: unnamed). A
+  quantized weight's ``codes`` and ``scale`` (``models/quant.py``: ``[..., in/2 or in,
+  out]`` and ``[..., in/block, out]``) are named as the weight."""
+  path = re.sub(r"\.(codes|scale)$", "", path)
   adapter = re.search(r"\['lora'\]\['lora_([ab])'\]$", path)
   base = path[: adapter.start()] + "['kernel']" if adapter else path
   names = next((n for pattern, n in AXIS_NAMES if re.search(pattern + "$", base)), ())

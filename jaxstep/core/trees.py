@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import jax
 
 
 def key_name(key) -> str:
@@ -11,6 +14,18 @@ def key_name(key) -> str:
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
+
+
+def _stored_weight(x) -> bool:
+  """A quantized weight (``models/quant.py``): one parameter tensor stored in parts."""
+  return getattr(x, "codes", None) is not None
+
+
+def param_count(tree) -> int:
+  """Parameter elements in ``tree``, a quantized weight counted as the weight it stands for
+  (not its codes and scales)."""
+  leaves = jax.tree.leaves(tree, is_leaf=_stored_weight)
+  return sum(int(math.prod(x.shape)) for x in leaves)
 
 
 def path_name(path: Sequence) -> str:

@@ -141,5 +141,7 @@ def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
 
 
 def num_params(params) -> int:
-  """Total number of parameter elements."""
-  return sum(x.size for x in jax.tree.leaves(params))
+  """Total number of parameter elements (a quantized weight counts as the weight)."""
+  from jaxstep.core.trees import param_count
+
+  return param_count(params)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.core import layout
+from jaxstep.models import quant
 
 REMAT_POLICIES = {
   "none": None,  # keep every activation the backward pass needs
@@ -44,8 +45,18 @@ def layer(stacked: nnx.Module, i: int) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
+def dequantized(block: nnx.Module) -> nnx.Module:
+  """``block`` with a quantized base's weights dequantized (``quant.py``); else itself."""
+  graphdef, state = nnx.split(block)
+  if not quant.has_quantized(state):
+    return block
+  return nnx.merge(graphdef, quant.materialized(state))
+
+
 def _apply(graphdef, state, x, key, inputs, train):
-  return nnx.merge(graphdef, state)(x, rng=key, train=train, **inputs)
+  # a quantized base (QLoRA): this block's weights dequantized here, inside the block's
+  # (rematerialized) body, so one layer at a time is ever in full precision
+  return nnx.merge(graphdef, quant.materialized(state))(x, rng=key, train=train, **inputs)
 
 
 def walk(
@@ -83,12 +94,14 @@ def walk(
   collected = []
   for i, block in enumerate(blocks):
     key = None if keys is None else keys[i]
-    if remat == "none":
+    if remat == "none" and not quant.has_quantized(nnx.state(block)):
       out = block(x, rng=key, train=train, **inputs)
     else:
       graphdef, state = nnx.split(block)
       apply = functools.partial(_apply, graphdef, train=train)
-      out = jax.checkpoint(apply, policy=policy)(state, x, key, inputs)
+      if remat != "none":
+        apply = jax.checkpoint(apply, policy=policy)
+      out = apply(state, x, key, inputs)
     if sums:
       out, per_layer = out
       collected.append(per_layer)

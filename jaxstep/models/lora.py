@@ -38,6 +38,7 @@ ADAPTER = r"/lora/lora_[ab]$"  # the names of adapter leaves (core.freeze patter
 # an MoE layer's routed experts, adapted only when named in model.lora.targets (as PEFT's
 # target_parameters name them): one adapter per expert on the fused gate|up and on down
 ROUTED = ("experts.gate_up_proj", "experts.down_proj")
+QTYPES = ("none", "int8", "nf4")  # model.lora.base_quant: the frozen base's storage (quant.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,23 @@ class LoraConfig:
   alpha: float = 16.0  # scale α: the adapter's output is multiplied by α / r
   dropout: float = 0.0  # dropout on the adapter's input x (training only), as PEFT's
   targets: tuple[str, ...] = ()  # projection names to adapt (empty: every projection)
+  base_quant: str = "none"  # none | int8 | nf4: the frozen base stored quantized (QLoRA)
+  quant_block: int = 64  # input rows per quantization scale (bitsandbytes' blocksize)
 
   def __post_init__(self):
+    if self.base_quant not in QTYPES:
+      raise ConfigError(
+        f"model.lora.base_quant must be one of {', '.join(QTYPES)}, got {self.base_quant!r}"
+      )
+    if self.base_quant != "none" and self.rank == 0:
+      raise ConfigError(
+        f"model.lora.base_quant {self.base_quant} quantizes a frozen base for adapters to "
+        f"train on: set model.lora.rank > 0 (or model.lora.base_quant=none)"
+      )
+    if self.quant_block < 2 or self.quant_block % 2:
+      raise ConfigError(
+        f"model.lora.quant_block must be an even number >= 2, got {self.quant_block}"
+      )
     if self.rank < 0:
       raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {self.rank}")
     if not 0.0 <= self.dropout < 1.0:
@@ -262,15 +278,18 @@ def merged(params, scale: float):
   """``params`` with every adapter folded in: each module holding ``lora`` gets ``kernel +
   scale·A·B`` (over a leading layer axis too) and loses its ``lora`` entry; stacked experts
   get ``W_e + scale·A_e·B_e`` per expert (``gate_up``'s columns split between ``gate_proj``
-  and ``up_proj``) and lose their ``gate_up`` and ``down`` adapters."""
+  and ``up_proj``) and lose their ``gate_up`` and ``down`` adapters. A quantized base
+  (``quant.py``) is dequantized first, so the result holds plain arrays only."""
+  from jaxstep.models import quant
+
   if isinstance(params, dict):
     if _EXPERT_ADAPTERS & params.keys() and not isinstance(params.get("down_proj"), dict):
       return _merged_experts(params, scale)
     out = {k: merged(v, scale) for k, v in params.items() if k != "lora"}
     if "lora" in params and "kernel" in params:
-      out["kernel"] = _plus_delta(params["kernel"], params["lora"], scale)
+      out["kernel"] = _plus_delta(out["kernel"], params["lora"], scale)
     return out
-  return params
+  return quant.dequantize(params) if quant.is_quantized(params) else params
 
 
 def _plus_delta(w, factors: dict, scale: float):
@@ -288,12 +307,12 @@ def _merged_experts(experts: dict, scale: float) -> dict:
   with its ``gate_up`` and ``down`` adapters folded in."""
   out = {k: merged(v, scale) for k, v in experts.items() if k not in _EXPERT_ADAPTERS}
   if "gate_up" in experts:
-    f = experts["gate_proj"].shape[-1]
-    both = jnp.concatenate([experts["gate_proj"], experts["up_proj"]], axis=-1)
+    f = out["gate_proj"].shape[-1]
+    both = jnp.concatenate([out["gate_proj"], out["up_proj"]], axis=-1)
     both = _plus_delta(both, experts["gate_up"]["lora"], scale)
     out["gate_proj"], out["up_proj"] = both[..., :f], both[..., f:]
   if "down" in experts:
-    out["down_proj"] = _plus_delta(experts["down_proj"], experts["down"]["lora"], scale)
+    out["down_proj"] = _plus_delta(out["down_proj"], experts["down"]["lora"], scale)
   return out
 
 

@@ -89,8 +89,10 @@ class DecoderStack(nnx.Module):
     sliced out, ``layers.layer``): to walk them one at a time, as ``decode`` and
     ``hf_parity`` do."""
     if self.cfg.scan_layers:
-      return [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
-    return list(self.blocks)
+      blocks = [layers.layer(self.blocks, i) for i in range(self.cfg.n_layers)]
+    else:
+      blocks = list(self.blocks)
+    return [layers.dequantized(b) for b in blocks]
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> tuple:
     """An empty key/value cache for ``batch`` rows of ``length`` positions: per block the

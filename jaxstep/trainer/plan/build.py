@@ -89,7 +89,7 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   )
   base_fingerprint = ""  # of model.init_from's weights, hashed as they are read
   if cfg.model.init_from:
-    params, base_fingerprint = init_from.read_base(cfg.model, mesh, t.seed)
+    params, base_fingerprint = init_from.read_base(cfg.model, mesh, t.seed, steps.base_leaf(cfg))
   freeze.check_patterns(params, cfg.optim.trainable)
   if cfg.optim.groups:
     _log_groups(cfg, params)

@@ -103,21 +103,28 @@ def _refuse_contradictions(model, resolved, where: str) -> None:
       )
 
 
-def read_base(model_cfg, mesh: Mesh, seed: int = 0) -> tuple[dict, str]:
+def read_base(model_cfg, mesh: Mesh, seed: int = 0, convert=None) -> tuple[dict, str]:
   """``(params, fingerprint)``: the folder's weights as fp32 params in ``model_cfg``'s
   layout, each tensor on its ``core.layout`` sharding as it is read (stacked layers: read,
   stacked, then placed), fresh adapters with ``model.lora``, and the weights' full
-  fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read."""
+  fingerprint (``hf_weights.FingerprintDigest``), hashed from the same read. ``convert``:
+  ``(path, array) -> leaf`` on each tensor as it is read (``steps.base_leaf``: a frozen
+  weight cast, or quantized, before the next one is read)."""
   from jaxstep.models.pretrained import load_pretrained
 
+  convert = convert or (lambda path, array: array)
+
   def place(path, array):  # a tensor mesh's split too: no device ever holds the whole tensor
-    return jax.device_put(array, layout.leaf_sharding(path, array.shape, mesh))
+    leaf = convert(path, array)
+    return jax.device_put(
+      leaf, jax.tree.map(lambda x: layout.leaf_sharding(path, x.shape, mesh), leaf)
+    )
 
   scanned = model_cfg.scan_layers
   options = {k: getattr(model_cfg, k) for k in ("dropout", "attention", "remat")}  # no lora
   loaded = load_pretrained(
     model_cfg.init_from,
-    place=None if scanned else place,
+    place=convert if scanned else place,
     scan_layers=scanned,
     max_seq_len=model_cfg.max_seq_len,
     **options,

@@ -44,11 +44,11 @@ def jaxstep_layout(
   precision: str = "fp32",
   fsdp: int = 1,
   trainable: int | None = None,
-  frozen_bytes: int = 4,
+  frozen_bytes: float = 4,
 ) -> dict[str, int]:
   """jaxstep's bytes per device by role (persistent state, then update-time buffers);
   ``trainable``: how many of the parameters train (None: all), ``frozen_bytes`` per frozen
-  parameter (4 fp32, 2 bf16)."""
+  parameter (4 fp32, 2 bf16; a quantized base's average, ``frozen_bytes_per_param``)."""
   p = num_params
   if trainable is None or trainable == p:
     rows = {
@@ -62,15 +62,16 @@ def jaxstep_layout(
       rows[f"{precision} compute copy (2P, during the update)"] = 2 * p
     return rows
   t, f, b = trainable, p - trainable, frozen_bytes
-  kind = "bf16" if b == 2 else "fp32"
+  kind = {2: "bf16", 4: "fp32"}.get(b, "quantized")
+  b_text = f"{b:g}" if kind != "quantized" else f"{b:.2f}"
   rows = {
     "trainable params fp32 (4T/F)": math.ceil(4 * t / fsdp),
-    f"frozen params {kind} ({b}(P−T)/F)": math.ceil(b * f / fsdp),
+    f"frozen params {kind} ({b_text}(P−T)/F)": math.ceil(b * f / fsdp),
     "Adam moments fp32 (8T/F)": math.ceil(8 * t / fsdp),
     "grad accumulator fp32 (4T, during the update)": 4 * t,
   }
   if fsdp > 1:
-    rows[f"gathered params (4T + {b}(P−T), during the update)"] = 4 * t + b * f
+    rows[f"gathered params (4T + {b_text}(P−T), during the update)"] = math.ceil(4 * t + b * f)
   if PRECISIONS[precision] is not None:
     cast = t + (f if b == 4 else 0)
     rows[f"{precision} compute copy (2 × fp32 params, during the update)"] = 2 * cast
@@ -97,6 +98,7 @@ def compiled_memory(cfg) -> dict:
   return {
     "num_params": models.num_params(state.params),
     "trainable_params": None if trainable is None else freeze.count(state.params, trainable)[0],
+    "frozen_bytes": frozen_bytes_per_param(cfg, state.params, trainable),
     "state_bytes": sum(_shard_bytes(x) for x in jax.tree.leaves(state)),
     "optimizer_state_bytes": sum(_shard_bytes(x) for x in jax.tree.leaves(state.opt_state)),
     "argument_bytes": mem.argument_size_in_bytes,
@@ -116,6 +118,24 @@ def compiled_memory(cfg) -> dict:
     "expert": dict(mesh.shape).get("expert", 1),
     "expert_params": _expert_params(state.params),
   }
+
+
+def frozen_bytes_per_param(cfg, params, trainable) -> float:
+  """Bytes per frozen parameter as ``params`` store them: 4 (fp32) or 2
+  (``optim.frozen_dtype: bf16``), and with ``model.lora.base_quant`` the average over the
+  quantized weights' codes and scales and the leaves left unquantized."""
+  plain = 2 if cfg.optim.frozen_dtype == "bf16" else 4
+  if cfg.model.lora.base_quant == "none" or trainable is None:
+    return plain
+  import jax
+
+  from jaxstep.core import freeze
+  from jaxstep.core.trees import param_count
+
+  frozen = freeze.partition(params, trainable)[1]
+  count = param_count(frozen)
+  stored = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(frozen))
+  return stored / count if count else plain
 
 
 def _expert_params(params) -> int:
@@ -199,13 +219,21 @@ def activation_bytes(model, rows: int, seq_len: int, num_params: int, precision:
 
 
 def predicted_bytes(
-  cfg, num_params: int, k: int, data: int, fsdp: int, trainable: int | None = None
+  cfg,
+  num_params: int,
+  k: int,
+  data: int,
+  fsdp: int,
+  trainable: int | None = None,
+  frozen_bytes: float | None = None,
 ) -> dict[str, int]:
   """The ledger's prediction per device for ``cfg`` with K = ``k`` on a data × fsdp mesh:
   persistent state, the batch, fsdp-gathered params, the estimated temporaries
-  (``activation_bytes``); ``"peak"`` sums them."""
+  (``activation_bytes``); ``"peak"`` sums them. ``frozen_bytes``: per frozen parameter
+  (``frozen_bytes_per_param``; None: 4, or 2 with ``optim.frozen_dtype: bf16``)."""
   t, devices = cfg.train, data * fsdp
-  frozen_bytes = 2 if cfg.optim.frozen_dtype == "bf16" else 4
+  if frozen_bytes is None:
+    frozen_bytes = 2 if cfg.optim.frozen_dtype == "bf16" else 4
   layout = jaxstep_layout(
     num_params, precision=t.precision, fsdp=fsdp, trainable=trainable, frozen_bytes=frozen_bytes
   )

@@ -17,7 +17,7 @@ from jaxstep.core.loss_scale import DynamicLossScale
 from jaxstep.core.losses import next_token_loss, token_nll
 from jaxstep.core.optim import make_optimizer
 from jaxstep.core.step import make_train_step
-from jaxstep.models import lora
+from jaxstep.models import lora, quant
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import TrainConfig
 from jaxstep.trainer.plan import preference_plan, rl_plan
@@ -105,10 +105,40 @@ def trainable(cfg: config_lib.Config) -> freeze.Trainable | None:
 
 
 def frozen_cast(cfg: config_lib.Config, params):
-  """``params`` with the frozen leaves in ``optim.frozen_dtype``."""
-  if cfg.optim.frozen_dtype == "fp32":
-    return params
-  return freeze.cast_frozen(params, trainable(cfg), jnp.bfloat16)
+  """``params`` with the frozen leaves in ``optim.frozen_dtype``, and the frozen block
+  weights quantized with ``model.lora.base_quant`` (``models/quant.py``; weights already
+  quantized, as ``init_from`` reads them, stay as they are)."""
+  train = trainable(cfg)
+  if cfg.optim.frozen_dtype != "fp32":
+    params = freeze.cast_frozen(params, train, jnp.bfloat16, keep=quant.is_quantized)
+  return quant_base(cfg, params, train)
+
+
+def base_leaf(cfg: config_lib.Config):
+  """``(path, array) -> leaf`` for a tensor of ``model.init_from`` as it is read
+  (``init_from.read_base``): a frozen one in ``optim.frozen_dtype``, and quantized when
+  ``model.lora.base_quant`` quantizes it, so the whole base never sits in full precision."""
+  train, spec = trainable(cfg), cfg.model.lora
+
+  def convert(path, array):
+    name = "/".join(map(str, path))
+    if train is None or train(name, None):
+      return array
+    if cfg.optim.frozen_dtype != "fp32" and jnp.issubdtype(array.dtype, jnp.floating):
+      array = array.astype(jnp.bfloat16)
+    if spec.base_quant != "none" and quant.quantizable(name):
+      return quant.quantize(array, spec.base_quant, spec.quant_block, name)
+    return array
+
+  return convert
+
+
+def quant_base(cfg: config_lib.Config, params, train: freeze.Trainable | None):
+  """``params`` with the frozen ``quant.quantizable`` leaves quantized as ``model.lora``
+  says (``base_quant`` none: unchanged)."""
+  spec = cfg.model.lora
+  frozen = lambda name: train is not None and not train(name, None)  # noqa: E731
+  return quant.quantized(params, spec.base_quant, spec.quant_block, frozen)
 
 
 def stored(cfg: config_lib.Config) -> freeze.Trainable | None:

@@ -243,7 +243,7 @@ def with_base(cfg, params, kept, run: dict | None, mesh: Mesh | None = None):
 
   folder = cfg.model.init_from
   mesh = mesh or parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
-  base, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed)
+  base, fingerprint = init_from.read_base(cfg.model, mesh, cfg.train.seed, steps.base_leaf(cfg))
   recorded = ((run or {}).get("base") or {}).get("fingerprint")
   if recorded and not hf_weights.matches(recorded, folder, fingerprint)[0]:
     raise CheckpointError(
