@@ -30,6 +30,7 @@ from benchmarks.lora_bench import suite_lora
 from benchmarks.moe_bench import suite_moe
 from benchmarks.optim_bench import suite_optim
 from benchmarks.preference_suite import suite_preference
+from benchmarks.qlora_bench import suite_qlora
 from benchmarks.rl_bench import suite_rl
 from benchmarks.startup_bench import suite_startup
 from benchmarks.step_suites import suite_compile, suite_depth, suite_step
@@ -55,6 +56,7 @@ SUITES = {
   "startup": suite_startup,
   "moe": suite_moe,
   "chunked_loss": suite_chunked_loss,
+  "qlora": suite_qlora,
 }
 
 
@@ -103,6 +105,7 @@ QUICK_ORDER = (
   "startup",
   "moe",
   "chunked_loss",
+  "qlora",
 )
 
 

@@ -27,6 +27,7 @@ MODULES = (
   "eval_bench",
   "memory_bench",
   "chunked_loss_bench",
+  "qlora_bench",
   "loop_bench",
 )
 

@@ -88,11 +88,15 @@ def test_an_nf4_base_is_under_three_tenths_of_its_bf16_bytes():
   assert ratio == pytest.approx((0.5 + 4 / 64) / 2) and ratio <= 0.3
 
 
-def llama(scan: bool, remat: str = "none", **lora_kw):
-  spec = lora.LoraConfig(rank=4, targets=("q_proj", "down_proj"), **lora_kw)
+MOE = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 32}
+
+
+def llama(scan: bool, remat: str = "none", moe=False, **lora_kw):
+  targets = ("q_proj", "experts.down_proj") if moe else ("q_proj", "down_proj")
+  spec = lora.LoraConfig(rank=4, targets=targets, **lora_kw)
   return models.LlamaConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48,
-    max_seq_len=16, scan_layers=scan, remat=remat, lora=spec,
+    max_seq_len=16, scan_layers=scan, remat=remat, lora=spec, **(MOE if moe else {}),
   )  # fmt: skip
 
 
@@ -111,32 +115,38 @@ def _trained_adapters(params, seed=3):
   return jax.tree_util.tree_map_with_path(bump, params)
 
 
-@pytest.mark.parametrize("scan,remat", [(True, "block"), (False, "none")])
-@pytest.mark.parametrize("qtype", ["nf4", "int8"])
-def test_a_quantized_base_computes_what_its_dequantized_weights_compute(scan, remat, qtype):
+@pytest.mark.parametrize(
+  "qtype,scan,remat,moe",
+  [("nf4", True, "block", False), ("int8", False, "none", False), ("nf4", True, "none", True)],
+)
+def test_a_quantized_base_computes_what_its_dequantized_weights_compute(qtype, scan, remat, moe):
   """The logits equal, bitwise, those of the same model holding the dequantized weights as
   plain arrays (the base is dequantized and nothing else changes), and the adapters'
   gradients within fp32 rounding (XLA fuses the backward passes differently)."""
-  apply_fn, params = models.build(llama(scan, remat), 0)
+  apply_fn, params = models.build(llama(scan, remat, moe), 0)
   params = _trained_adapters(params)
   q = _quantized(params, qtype)
   kernels = [x for x in jax.tree.leaves(q, is_leaf=quant.is_quantized) if quant.is_quantized(x)]
-  assert len(kernels) == 7 * (1 if scan else 2)  # q k v o gate up down, per layer
+  # q k v o and gate up down per layer (an MoE layer's: the stacked experts; its router stays)
+  assert len(kernels) == 7 * (1 if scan else 2)
+  assert not moe or not quant.is_quantized(q["blocks"]["mlp"]["router"]["kernel"])
   plain = quant.materialized(q)
   inputs = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)))
-  assert np.array_equal(apply_fn(q, inputs), apply_fn(plain, inputs))
+  logits = jax.jit(apply_fn)
+  assert np.array_equal(logits(q, inputs), logits(plain, inputs))
 
   trains = freeze.by_patterns([lora.ADAPTER])
 
   def loss(adapters, base):
     return jnp.mean(apply_fn(freeze.combine(adapters, base), inputs) ** 2)
 
-  grads = [jax.grad(loss)(*freeze.partition(p, trains)) for p in (q, plain)]
+  grads = [jax.jit(jax.grad(loss))(*freeze.partition(p, trains)) for p in (q, plain)]
   flat = [jax.tree_util.tree_flatten_with_path(g)[0] for g in grads]
   adapters = [{path_name(k): v for k, v in leaves} for leaves in flat]
   assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) == 4 * (1 if scan else 2)
+  assert all(np.any(g != 0) for g in adapters[0].values())
   assert_close(adapters[0], adapters[1], terms=2 * 12 * 48)  # positions × the widest matmul
-  assert not np.array_equal(apply_fn(params, inputs), apply_fn(q, inputs))  # it did quantize
+  assert not np.array_equal(logits(params, inputs), logits(q, inputs))  # it did quantize
 
 
 def test_cached_decoding_dequantizes_the_blocks_too():
@@ -210,3 +220,28 @@ def test_a_qlora_run_learns_stores_its_codes_and_the_ledger_counts_them(tmp_path
   params = jax.tree_util.tree_flatten_with_path(arrays["params"])[0]
   stored = sum(x.nbytes for p, x in params if "/lora/" not in path_name(p))
   assert per_param == pytest.approx(stored / frozen, abs=0.005) and per_param < 4
+
+
+def test_dpo_on_a_quantized_base_starts_at_ln2_and_learns(tmp_path):
+  """The reference is the same quantized base with the adapters off (one copy): the first
+  loss is ln 2 exactly, and the adapters learn from there."""
+  import math
+
+  from test_preference_run import DPO, cfg_for
+
+  trainer.train(cfg_for(tmp_path, *DPO, *QLORA[1:]))
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert lines[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+  assert lines[-1]["loss"] < math.log(2)
+
+
+def test_grpo_on_a_quantized_base_samples_what_it_trains_on(tmp_path):
+  """The sampler decodes with the quantized base as the trainer computes with it: the first
+  pass's log-probs agree, and the KL to the adapters-off reference starts at 0."""
+  from test_rl_run import cfg_for
+
+  trainer.train(cfg_for(tmp_path, *QLORA, "rl.beta=0.1", "train.eval_every=0"))
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert [r["step"] for r in lines] == [1, 2, 3]
+  assert all(r["logp_gap"] < 1e-5 for r in lines)
+  assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-7) and lines[-1]["kl"] > 0

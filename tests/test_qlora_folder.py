@@ -80,3 +80,46 @@ def test_a_qlora_run_killed_with_sigkill_resumes_bitwise(folder, tmp_path):  # n
   assert names and all("/lora/" in n for n in names)  # the base is the folder's, not stored
   pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+
+
+def test_evaluate_scores_a_qlora_run_as_its_merged_export(folder, tmp_path, capsys):  # noqa: F811
+  """``jaxstep evaluate`` on the run (quantized base + adapters) and on its merged export
+  (plain weights) score the same text alike."""
+  path, _ = folder
+  cfg = run_cfg(tmp_path, path, *QLORA, "train.max_steps=4", "optim.lr=1e-2")
+  trainer.train(cfg)
+  assert run_command("export", [str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+  text = tmp_path / "text.txt"
+  text.write_text("the 3 and 4: 7. the 10 and 20: 30. the 1 and 1: 2.")
+  scores = []
+  for source in ("run", "out"):
+    capsys.readouterr()
+    args = [str(tmp_path / source), "--data", str(text), "--seq-len", "32"]
+    assert run_command("evaluate", args) == 0
+    line = capsys.readouterr().out
+    scores.append(float(line.split(" loss ")[1].split()[0]))
+  assert scores[0] == pytest.approx(scores[1], rel=1e-5)
+
+
+def test_a_qlora_run_on_a_tensor_and_fsdp_mesh_equals_one_device(tmp_path):
+  """4 CPU devices (tensor 2 × fsdp 2): the codes and scales split as their weight does,
+  and the updates equal one device's."""
+  import subprocess
+  import sys
+
+  from conftest import long_run_env
+
+  base = ["--config", "tiny", "train.max_steps=4", "train.log_every=1", "train.eval_every=0"]
+  base += ["model.lora.rank=4", "model.lora.base_quant=nf4", "model.lora.quant_block=32"]
+  runs = {}
+  for name, mesh in (
+    ("one", ["mesh.cpu_devices=1"]),
+    ("four", ["mesh.cpu_devices=4", "mesh.tensor=2", "mesh.fsdp=2"]),
+  ):
+    cmd = [sys.executable, "-m", "jaxstep.train", *base, *mesh, f"run_dir={tmp_path / name}"]
+    done = subprocess.run(cmd, env=long_run_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs[name] = read_lines(tmp_path / name / "metrics.jsonl")
+  for a, b in zip(runs["one"], runs["four"], strict=True):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
