@@ -5,7 +5,8 @@ SmolLM2-135M-shaped SFT step (vocabulary 49,152, 30 blocks of width 576, tied he
 ``scan_layers`` and ``remat: block``, what a run from a model folder uses) on 8 sequences
 of 2,048 tokens in one micro-step, ``loss_chunk: auto`` ÷ ``0``
 (``ce_chunked_temp_over_full``); the same for a LoRA DPO step on 4 pairs of those
-sequences, the reference the adapters off (``dpo_chunked_temp_over_full``).
+sequences, the reference the adapters off (``dpo_chunked_temp_over_full``); and for a LoRA
+GRPO step on 8 completions with a KL to that reference (``grpo_chunked_temp_over_full``).
 
 Time (``ce_step``, interleaved workers): a step whose time the head dominates (width 256,
 2 blocks, vocabulary 49,152, 4 × 512 tokens, one CPU device), chunked ÷ whole, median of
@@ -37,14 +38,14 @@ def _step(model: dict, chunk, rows: int, loss: str = "sft"):
   import jax.numpy as jnp
 
   from jaxstep import make_train_step, models
-  from jaxstep.core import freeze
+  from jaxstep.core import freeze, rl
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import OptimConfig, make_optimizer
   from jaxstep.core.preference import PAIR_FIELDS, pair_units, preference_loss
   from jaxstep.models import lora
   from jaxstep.trainer.plan.reference_model import loss_with_reference
 
-  adapters = lora.LoraConfig(rank=16) if loss == "dpo" else lora.LoraConfig()
+  adapters = lora.LoraConfig(rank=16) if loss != "sft" else lora.LoraConfig()
   cfg = models.LlamaConfig(**model, loss_chunk=chunk, lora=adapters)
   apply_fn, params = models.build(cfg, 0, abstract=True)
   opt = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 1000)
@@ -52,7 +53,7 @@ def _step(model: dict, chunk, rows: int, loss: str = "sft"):
   if loss == "sft":
     step = make_train_step(next_token_loss(apply_fn, chunk), opt, grad_accum_steps=1)
     names = ("inputs", "targets", "loss_mask")
-  else:
+  elif loss == "dpo":
     build = lambda ref: preference_loss(apply_fn, loss="dpo", reference=ref, chunk=chunk)  # noqa: E731
     loss_fn = loss_with_reference("adapters", apply_fn, build)
     trainable = freeze.by_patterns([lora.ADAPTER])
@@ -60,10 +61,21 @@ def _step(model: dict, chunk, rows: int, loss: str = "sft"):
       loss_fn, opt, grad_accum_steps=1, units_fn=pair_units, trainable=trainable
     )
     shape, names = (rows // 2, cfg.max_seq_len), (*PAIR_FIELDS, "pair_mask")
+  else:  # GRPO with a KL to the reference (the adapters off), policy and reference chunked
+    build = lambda ref: rl.grpo_loss(apply_fn, beta=0.04, reference=ref, chunk=chunk)  # noqa: E731
+    loss_fn = loss_with_reference("adapters", apply_fn, build)
+    trainable = freeze.by_patterns([lora.ADAPTER])
+    step = make_train_step(
+      loss_fn, opt, grad_accum_steps=1, units_fn=rl.units_fn("tokens"), trainable=trainable
+    )
+    names = ("inputs", "targets", "completion_mask")
   state = jax.eval_shape(step.init, params, jax.random.PRNGKey(0))
   batch = {n: jax.ShapeDtypeStruct(shape, jnp.int32) for n in names}
   if loss == "dpo":
     batch["pair_mask"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32)
+  if loss == "grpo":
+    batch["old_logps"] = jax.ShapeDtypeStruct(shape, jnp.float32)
+    batch["advantages"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32)
   return jax.jit(step, donate_argnums=0), state, batch
 
 
@@ -120,13 +132,14 @@ def suite_chunked_loss(quick: bool) -> dict:
   mem_rows = 2 if quick else 8
   chunks = [0, 128] if quick else [0, "auto"]
   compiled = {}
-  for loss in ("sft", "dpo"):
+  for loss in ("sft", "dpo", "grpo"):
     spec = {"kind": "ce_memory", "model": mem_model, "rows": mem_rows, "chunks": chunks}
     w = Worker({**spec, "loss": loss})
     compiled[loss] = w.info["compiled"]
     w.close()
   whole, chunked = (compiled["sft"][str(c)]["temp_bytes"] for c in chunks)
   dpo_whole, dpo_chunked = (compiled["dpo"][str(c)]["temp_bytes"] for c in chunks)
+  grpo_whole, grpo_chunked = (compiled["grpo"][str(c)]["temp_bytes"] for c in chunks)
   model = QUICK_HEAD_HEAVY if quick else HEAD_HEAVY
   rows, step_chunk = (2, 64) if quick else (4, 512)
   base = {"kind": "ce_step", "model": model, "rows": rows}
@@ -153,6 +166,14 @@ def suite_chunked_loss(quick: bool) -> dict:
       "≤ 0.4",
     ),
     (
+      f"compiled temporaries of a LoRA GRPO step of that model (rank 16 on every projection, "
+      f"{mem_rows} completions of {mem_model['max_seq_len']:,} tokens, a KL to the reference "
+      f"the adapters off), model.loss_chunk={chunks[1]} ÷ 0 ({grpo_chunked / gib:.2f} GiB vs "
+      f"{grpo_whole / gib:.2f} GiB)",
+      f"{grpo_chunked / grpo_whole:.3f}",
+      "≤ 0.4",
+    ),
+    (
       f"train step seconds, chunks of {step_chunk} tokens ÷ the whole logits (width "
       f"{model['d_model']}, {model['n_layers']} blocks, vocabulary {model['vocab_size']:,}, "
       f"{rows} × {model['max_seq_len']} tokens, one CPU device)",
@@ -170,6 +191,7 @@ def suite_chunked_loss(quick: bool) -> dict:
     "summary": {
       "ce_chunked_temp_over_full": chunked / whole,
       "dpo_chunked_temp_over_full": dpo_chunked / dpo_whole,
+      "grpo_chunked_temp_over_full": grpo_chunked / grpo_whole,
       "ce_chunked_step_time_over_full": time_ratio["median"],
     },
   }

@@ -301,3 +301,29 @@ def test_the_preference_loss_takes_a_batch(three):
   # the summed log-probs cover exactly the completion tokens: chosen of pair 2 is "hhh" + EOS
   _, counts = chosen_logps(table, batch)
   assert counts.tolist() == [2, 2, 4, 0]
+
+
+def test_a_global_batch_of_pairs_is_cut_to_the_bucket_that_holds_its_pairs(tmp_path):
+  """``preference.length_buckets``: a global batch is cut to the shortest of ``seq_len·i/B``
+  that holds every target its pairs mark; every masked target stays, only padding goes, and
+  a process reading some rows of the batch cuts them to the whole batch's length."""
+  from jaxstep import data
+  from jaxstep.data.pair_dataset import PairSplit
+
+  rows = [pair("q", "a" * n, "b" * (n + 1)) for n in (1, 2, 3, 30)]  # the last one is long
+  pairs = pp.load_pairs(write(tmp_path, rows), BYTES, seq_len=64, max_prompt_len=4)
+  whole = PairSplit(pairs, np.arange(4), buckets=1)
+  cut = PairSplit(pairs, np.arange(4), buckets=4)
+  for at, want in (([0, 1, 2], 16), ([0, 3], 48), ([3], 48), ([], 16)):
+    index = np.asarray(at, np.int64)
+    batch = data.dataset._cut(cut, index, cut.rows(index, 3, 0))
+    full = whole.rows(index, 3, 0)
+    assert batch["chosen_mask"].shape == (3, want)
+    for name in pp.FIELDS:
+      np.testing.assert_array_equal(batch[name], full[name][:, :want])
+      if name.endswith("_mask"):  # nothing a loss reads is cut
+        assert batch[name].sum() == full[name].sum()
+    assert pp.used_length(pairs, index) <= want
+  one = data.global_batch(cut, 0, 0, 0, 4, 0)
+  two = data.global_batch(cut, 0, 0, 0, 4, 0, rows=np.array([0, 1]))
+  assert one["chosen_mask"].shape[1] == two["chosen_mask"].shape[1] == 48

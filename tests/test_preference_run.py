@@ -399,3 +399,23 @@ def test_a_full_fine_tuning_dpo_run_killed_with_sigkill_resumes_bitwise(tmp_path
   straight, killed = straight_and_killed(tmp_path, [*args, "mesh.cpu_devices=1"], kill_at=2)
   step, a = bitwise_same_checkpoints(straight, killed)
   assert step == 6 and jax.tree.leaves(a["model_state"])
+
+
+def test_batches_cut_to_their_pairs_train_as_batches_padded_to_seq_len(tmp_path):
+  """``preference.length_buckets`` 4 (the default) against 1 at ``train.seq_len`` 64, where
+  the sums' pairs (about 14 tokens) fill the first bucket: the same updates, in fp32's
+  rounding of sums over fewer zeros."""
+  from jaxstep import data
+  from jaxstep.trainer.plan.numbers import make_plan
+
+  runs = {}
+  for b in (1, 4):
+    longer = ["train.seq_len=64", "model.max_seq_len=64", "train.max_steps=2"]
+    cfg = cfg_for(tmp_path, *DPO, *longer, f"preference.length_buckets={b}", name=f"b{b}")
+    train = make_plan(cfg, read_data=True).dataset.train
+    assert data.global_batch(train, 0, 0, 0, 8, 0)["chosen_inputs"].shape == (8, 64 // b)
+    config_run.train(cfg)
+    runs[b] = logged(tmp_path / f"b{b}")
+  for a, b in zip(runs[1], runs[4], strict=True):
+    for key in ("loss", "grad_norm", "logps/chosen", "rewards/margins"):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-5, err_msg=key)

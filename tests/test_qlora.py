@@ -222,6 +222,7 @@ def test_a_qlora_run_learns_stores_its_codes_and_the_ledger_counts_them(tmp_path
   assert per_param == pytest.approx(stored / frozen, abs=0.005) and per_param < 4
 
 
+@pytest.mark.slow
 def test_dpo_on_a_quantized_base_starts_at_ln2_and_learns(tmp_path):
   """The reference is the same quantized base with the adapters off (one copy): the first
   loss is ln 2 exactly, and the adapters learn from there."""
@@ -235,6 +236,7 @@ def test_dpo_on_a_quantized_base_starts_at_ln2_and_learns(tmp_path):
   assert lines[-1]["loss"] < math.log(2)
 
 
+@pytest.mark.slow
 def test_grpo_on_a_quantized_base_samples_what_it_trains_on(tmp_path):
   """The sampler decodes with the quantized base as the trainer computes with it: the first
   pass's log-probs agree, and the KL to the adapters-off reference starts at 0."""
@@ -245,3 +247,74 @@ def test_grpo_on_a_quantized_base_samples_what_it_trains_on(tmp_path):
   assert [r["step"] for r in lines] == [1, 2, 3]
   assert all(r["logp_gap"] < 1e-5 for r in lines)
   assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-7) and lines[-1]["kl"] > 0
+
+
+def test_a_pattern_judges_a_quantized_weight_whole_by_its_own_name():
+  """``optim.trainable=[scale$]`` trains the norms' scales, never a quantized weight's
+  ``kernel/scale``: a quantized weight trains or not as one leaf, by the kernel's name."""
+  _, params = models.build(llama(True), 0)
+  q = _quantized(params)
+  train, frozen = freeze.partition(q, freeze.by_patterns([lora.ADAPTER, "scale$"]))
+  names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(train)[0]]
+  assert "norm/scale" in names and "blocks/input_layernorm/scale" in names
+  assert not [n for n in names if "kernel" in n]
+  assert (
+    freeze.count(q, freeze.by_patterns([lora.ADAPTER]))[1]
+    == freeze.count(params, freeze.by_patterns([lora.ADAPTER]))[1]
+  )  # the frozen count is the weights', not their codes'
+
+
+def test_a_folder_read_a_block_at_a_time_quantizes_by_the_stacked_names():
+  """Read from a folder, a stacked model's tensors come one block at a time
+  (``blocks/0/o_proj/kernel``); ``optim.trainable`` names the stack (``blocks/o_proj/…``),
+  and a weight it trains is kept as it is, in fp32, not quantized or cast."""
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.plan import steps
+
+  cfg = config_lib.load(
+    None,
+    [*QLORA, "model.scan_layers=true", "optim.frozen_dtype=bf16",
+     "optim.trainable=[blocks/o_proj/kernel]"],
+  )  # fmt: skip
+  convert = steps.base_leaf(cfg)
+  w = np.ones((32, 32), np.float32)
+  kept = convert(("blocks", 0, "o_proj", "kernel"), w)
+  assert isinstance(kept, np.ndarray) and kept.dtype == np.float32
+  assert quant.is_quantized(convert(("blocks", 0, "q_proj", "kernel"), w))
+  assert convert(("norm", "scale"), np.ones(32, np.float32)).dtype == jnp.bfloat16
+
+
+def test_a_checkpoint_from_before_these_settings_resumes_as_the_same_model():
+  """A run written before ``model.lora`` had ``base_quant`` and ``quant_block`` records a
+  ``lora`` section without them: that is the unquantized model, not a change."""
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.store import resume
+
+  model = config_lib.to_dict(config_lib.load(None, ["model.lora.rank=4"]).model)
+  older = {**model, "lora": {k: v for k, v in model["lora"].items() if "quant" not in k}}
+
+  class Current:
+    pass
+
+  current = Current()
+  current.model = model
+  assert resume._model_changes({"model": older}, current) == {}
+  changed = {**model, "lora": {**model["lora"], "base_quant": "nf4"}}
+  current.model = changed
+  assert set(resume._model_changes({"model": older}, current)) == {"lora"}
+
+
+def test_the_ledger_counts_a_quantized_moes_experts_as_their_weights():
+  from jaxstep.trainer.plan import memory
+
+  _, params = models.build(llama(True, moe=True), 0)
+  assert memory._expert_params(_quantized(params)) == memory._expert_params(params) > 0
+
+
+@pytest.mark.slow
+def test_check_passes_on_a_quantized_base(capsys):
+  """``jaxstep check`` compares K micro-batches with one on the base the run would store:
+  the adapters differentiated, the quantized codes closed over."""
+  args = ["--config", "tiny", "model.lora.rank=4", "model.lora.base_quant=nf4"]
+  assert run_command("check", args) == 0
+  assert "PASS: accumulation is exact" in capsys.readouterr().out

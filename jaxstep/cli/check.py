@@ -58,6 +58,8 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   cfg, dataset, t = plan.cfg, plan.dataset, plan.cfg.train
   model_cfg = dataclasses.replace(cfg.model, dropout=0.0)
   apply_fn, params = models.build(model_cfg, jax.random.PRNGKey(t.seed))
+  if cfg.model.lora.base_quant != "none":
+    apply_fn, params = _on_quantized_base(cfg, apply_fn, params)
   optimizer = _frozen_left_alone(make_optimizer(cfg.optim, plan.schedule_steps), cfg, params)
   if cfg.rl.rewards:  # an RL run: its first rollout, sampled from the starting weights
     return _check_rl(cfg, dataset, apply_fn, params, optimizer)
@@ -173,3 +175,19 @@ def main(argv=None) -> int:
     return report(e)
   print(result)
   return 0 if result.passed else 1
+
+
+def _on_quantized_base(cfg, apply_fn, params):
+  """``(apply_fn, params)`` of a run on a quantized base (``model.lora.base_quant``): the
+  trainable part as the params the check differentiates, the base quantized as the run
+  stores it and closed over (its integer codes have no gradient)."""
+  from jaxstep.core import chunked_loss, freeze
+  from jaxstep.trainer.plan import steps
+
+  trainable = steps.trainable(cfg)
+  train, base = freeze.partition(steps.quant_base(cfg, params, trainable), trainable)
+
+  def on_base(p, inputs, **kwargs):
+    return apply_fn(freeze.combine(p, base), inputs, **kwargs)
+
+  return chunked_loss.like(on_base, apply_fn), train

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxstep.core.trees import param_count, path_name
+from jaxstep.core.trees import is_stored_weight, param_count, path_name
 from jaxstep.errors import ConfigError
 
 Trainable = Callable[[str, object], bool]
@@ -45,7 +45,12 @@ def mask(params, trainable: Trainable | None):
   """A tree of bools shaped like ``params``: True where the leaf trains."""
   if trainable is None:
     return jax.tree.map(lambda _: True, params)
-  return jax.tree_util.tree_map_with_path(lambda p, x: bool(trainable(path_name(p), x)), params)
+
+  def one(path, x):  # a quantized weight is judged whole, by its own name
+    train = bool(trainable(path_name(path), x))
+    return jax.tree.map(lambda _: train, x) if is_stored_weight(x) else train
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_stored_weight)
 
 
 def partition(params, trainable: Trainable | None):

@@ -107,6 +107,9 @@ class PreferenceConfig:
   reference: str = "auto"  # auto | adapters (LoRA base) | live (frozen copy) | precompute | none
   reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
   reference_file: str = ""  # precompute: where the log-probs live ("" = RUN/reference_logps.npz)
+  # a global batch of pairs is cut to the shortest of seq_len·i/B (i = 1…B) holding its
+  # pairs: B compiled shapes at most; 1: every batch at train.seq_len
+  length_buckets: int = 4
 
   def __post_init__(self):
     if self.loss and self.loss not in LOSSES:
@@ -138,6 +141,11 @@ class PreferenceConfig:
       )
     if self.max_prompt_len < 0:
       raise ConfigError(f"preference.max_prompt_len must be >= 0, got {self.max_prompt_len}")
+    if self.length_buckets < 1:
+      raise ConfigError(
+        f"preference.length_buckets must be >= 1 (1: every batch at train.seq_len), got "
+        f"{self.length_buckets}"
+      )
     if self.reference_dtype not in REFERENCE_DTYPES:
       raise ConfigError(
         f"preference.reference_dtype must be one of {', '.join(REFERENCE_DTYPES)}, got "

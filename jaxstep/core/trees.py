@@ -16,7 +16,7 @@ def key_name(key) -> str:
   return str(key)
 
 
-def _stored_weight(x) -> bool:
+def is_stored_weight(x) -> bool:
   """A quantized weight (``models/quant.py``): one parameter tensor stored in parts."""
   return getattr(x, "codes", None) is not None
 
@@ -24,7 +24,7 @@ def _stored_weight(x) -> bool:
 def param_count(tree) -> int:
   """Parameter elements in ``tree``, a quantized weight counted as the weight it stands for
   (not its codes and scales)."""
-  leaves = jax.tree.leaves(tree, is_leaf=_stored_weight)
+  leaves = jax.tree.leaves(tree, is_leaf=is_stored_weight)
   return sum(int(math.prod(x.shape)) for x in leaves)
 
 

@@ -86,9 +86,24 @@ def global_batch(
   positions = np.arange(min(start, n), min(start + global_batch_size, n))
   index = shuffled_index(seed, epoch, n, positions) if len(positions) else positions
   if rows is None:
-    return split.rows(index, global_batch_size, pad_id)
-  present = rows[rows < len(index)]  # rows sorted; those past the epoch's end are padding
-  return split.rows(index[present], len(rows), pad_id)
+    batch = split.rows(index, global_batch_size, pad_id)
+  else:
+    present = rows[rows < len(index)]  # rows sorted; those past the epoch's end are padding
+    batch = split.rows(index[present], len(rows), pad_id)
+  return _cut(split, index, batch)
+
+
+def _cut(split, index: np.ndarray, batch: dict) -> dict:
+  """``batch`` cut to the length its split gives the whole global batch ``index`` (pairs:
+  ``PairSplit.length_for``; every process computes it from the same global batch, so every
+  process's rows have one shape); other splits' batches as they are."""
+  length_for = getattr(split, "length_for", None)
+  if length_for is None:
+    return batch
+  length = length_for(index)
+  if length is None:
+    return batch
+  return {k: v[:, :length] if np.ndim(v) == 2 else v for k, v in batch.items()}
 
 
 def eval_batches(split, global_batch_size: int, pad_id: int, limit: int = 0):
@@ -96,4 +111,4 @@ def eval_batches(split, global_batch_size: int, pad_id: int, limit: int = 0):
   n = steps_per_epoch(len(split), global_batch_size)
   for b in range(min(n, limit) if limit else n):
     index = np.arange(b * global_batch_size, min((b + 1) * global_batch_size, len(split)))
-    yield split.rows(index, global_batch_size, pad_id)
+    yield _cut(split, index, split.rows(index, global_batch_size, pad_id))

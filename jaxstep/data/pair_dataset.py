@@ -30,9 +30,24 @@ class PairSplit:
 
   pairs: PairSet
   index: np.ndarray
+  buckets: int = 1  # preference.length_buckets: the lengths a batch is cut to (1: seq_len)
 
   def __len__(self) -> int:
     return len(self.index)
+
+  def length_for(self, index: np.ndarray) -> int | None:
+    """The length the global batch of pairs ``index`` (indices into this split) is cut to:
+    the shortest of ``⌈seq_len / buckets⌉ · i`` (at most ``seq_len``) that holds every
+    position one of its pairs reads (``preference_pairs.used_length``); None with one
+    bucket. Past it every row is padding no loss term reads, and causal attention never
+    lets it change a term before it, so cutting it changes no value: a batch of short
+    pairs costs what its pairs need, as a batch padded to its longest pair does, while the
+    step compiles at most ``buckets`` shapes."""
+    if self.buckets <= 1:
+      return None
+    used = preference_pairs.used_length(self.pairs, self.index[np.asarray(index, np.int64)])
+    step = -(-self.pairs.seq_len // self.buckets)
+    return min(self.pairs.seq_len, max(1, -(-used // step)) * step)
 
   def rows(self, index: np.ndarray, n: int, pad_id: int) -> dict[str, np.ndarray]:
     """Pairs ``index`` of this split as ``n`` batch rows, the rest padding (``pair_mask``
@@ -66,7 +81,7 @@ class PairDataset:
     """This dataset with the reference's ``(chosen, rejected)`` log-probs of every pair
     (float32[N, 2], file order), which its batches then carry as ``ref_*_logps``."""
     pairs = dataclasses.replace(self.pairs, ref_logps=np.asarray(ref_logps, np.float32))
-    split = lambda s: s and PairSplit(pairs, s.index)  # noqa: E731
+    split = lambda s: s and PairSplit(pairs, s.index, s.buckets)  # noqa: E731
     return dataclasses.replace(self, train=split(self.train), eval=split(self.eval))
 
   def tokenizer_files(self) -> list[pathlib.Path]:
@@ -81,10 +96,12 @@ def load_pair_dataset(
   seq_len: int,
   max_prompt_len: int | None,
   eval_fraction: float,
+  length_buckets: int = 1,
 ) -> PairDataset:
   """The pairs of ``path`` (a JSONL file, folder or glob) encoded with ``tokenizer``, cut
   to the lengths (``preference_pairs.pair_set``), ``eval_fraction`` of them held out by a
-  fixed hash of the pair's place (the held-out pairs do not move with ``train.seed``).
+  fixed hash of the pair's place (the held-out pairs do not move with ``train.seed``);
+  ``length_buckets``: ``PairSplit.length_for``'s.
 
   Raises:
     DataError: the file's rows (one line naming the row), or no pair kept.
@@ -108,8 +125,8 @@ def load_pair_dataset(
   settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
   digest = row_files.fingerprint(path, tokenizer, {**settings, "eval_fraction": eval_fraction})
   return PairDataset(
-    train=PairSplit(pairs, np.flatnonzero(~held)),
-    eval=PairSplit(pairs, np.flatnonzero(held)) if held.any() else None,
+    train=PairSplit(pairs, np.flatnonzero(~held), length_buckets),
+    eval=PairSplit(pairs, np.flatnonzero(held), length_buckets) if held.any() else None,
     counts=c,
     fingerprint=digest,
     pad_id=tok.PAD,
@@ -145,4 +162,4 @@ def load_pair_eval_set(
     c.dropped,
     c.identical,
   )
-  return PairSplit(pairs, np.arange(len(pairs)))
+  return PairSplit(pairs, np.arange(len(pairs)), dataset.train.buckets)

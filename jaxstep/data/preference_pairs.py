@@ -351,6 +351,19 @@ def _stack(kept: list, seq_len: int, pad: int) -> dict[str, np.ndarray]:
   return arrays
 
 
+def used_length(pairs: PairSet, indices) -> int:
+  """How many leading positions the pairs at ``indices`` use: one past the last target
+  either completion's loss mask marks (0 for no pair). Nothing after it enters a loss."""
+  indices = np.asarray(indices, np.int64).reshape(-1)
+  if not len(indices):
+    return 0
+  marked = np.zeros(pairs.seq_len, bool)
+  for side in SIDES:
+    marked |= pairs.arrays[f"{side}_mask"][indices].any(axis=0) > 0
+  hits = np.flatnonzero(marked)
+  return int(hits[-1]) + 1 if len(hits) else 0
+
+
 def pair_batch(pairs: PairSet, indices, batch_size: int) -> dict[str, np.ndarray]:
   """A global batch: the pairs at ``indices`` (at most ``batch_size``) as ``FIELDS`` of
   ``int32[batch_size, seq_len]`` and ``pair_mask`` ``int32[batch_size]``, the rows past

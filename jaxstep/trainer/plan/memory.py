@@ -140,14 +140,16 @@ def frozen_bytes_per_param(cfg, params, trainable) -> float:
 
 def _expert_params(params) -> int:
   """How many parameters the routed experts of an MoE model hold (0 for a dense one)."""
-  leaves = jax_leaves_with_path(params)
+  from jaxstep.core.trees import is_stored_weight
+
+  leaves = jax_leaves_with_path(params, is_leaf=is_stored_weight)  # quantized: the weight's
   return sum(math.prod(x.shape) for path, x in leaves if "['experts']" in path)
 
 
-def jax_leaves_with_path(tree) -> list[tuple[str, object]]:
+def jax_leaves_with_path(tree, is_leaf=None) -> list[tuple[str, object]]:
   import jax
 
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
 

@@ -247,6 +247,18 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
     )
 
 
+def _warn_quantized_without_remat(model) -> None:
+  """One line when a quantized base trains without remat: the backward pass then keeps
+  every block's dequantized weights, the whole base in full precision."""
+  if model.lora.base_quant != "none" and model.remat == "none":
+    log.warning(
+      "model.lora.base_quant=%s with model.remat=none: the backward pass keeps every "
+      "block's dequantized weights (the whole base in full precision); set "
+      "model.remat=block to dequantize each block's again instead",
+      model.lora.base_quant,
+    )
+
+
 def _warn_all_warmup(warmup_steps: int, schedule_steps: int, shape: str) -> None:
   """One line when the warmup fills the whole schedule: the lr would only ever rise, and a
   later, longer run would drop from the peak straight to the decayed value."""
@@ -336,6 +348,7 @@ def load_data(cfg: config_lib.Config):
       seq_len=t.seq_len,
       max_prompt_len=p.prompt_len(t.seq_len),
       eval_fraction=cfg.data.eval_fraction,
+      length_buckets=p.length_buckets,
     )
   return data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
 
@@ -363,6 +376,7 @@ def make_plan(
   total = total_update_steps(t, spe)
   schedule_steps = t.schedule_steps or total
   _warn_all_warmup(cfg.optim.warmup_steps, schedule_steps, cfg.optim.schedule)
+  _warn_quantized_without_remat(cfg.model)
   _warn_settings_without_effect(cfg)
   table = []
   if t.grad_accum_steps == "auto":

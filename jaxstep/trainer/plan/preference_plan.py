@@ -151,4 +151,5 @@ def split_with_reference(split: PairSplit, run, weights) -> PairSplit:
   logps = reference_logps.batch_logps(
     run.reference_fn, weights, pairs, g, run.batch_sharding, batches
   )
-  return PairSplit(dataclasses.replace(pairs, ref_logps=logps[: len(pairs)]), split.index)
+  pairs = dataclasses.replace(pairs, ref_logps=logps[: len(pairs)])
+  return PairSplit(pairs, split.index, split.buckets)

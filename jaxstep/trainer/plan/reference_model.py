@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep.core import chunked_loss
+from jaxstep.core.trees import is_stored_weight
 from jaxstep.models import lora
 
 REFERENCE = "reference"  # the live reference's key in the state's model_state
@@ -51,6 +52,8 @@ def frozen_copy(params, dtype: str = "fp32") -> dict:
   cast = jnp.bfloat16 if dtype == "bf16" else None
 
   def copy(x):
+    if is_stored_weight(x):  # a quantized weight: copied as it is stored
+      return jax.tree.map(jnp.copy, x)
     return x.astype(cast) if cast and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
 
-  return {REFERENCE: jax.tree.map(copy, params)}
+  return {REFERENCE: jax.tree.map(copy, params, is_leaf=is_stored_weight)}

@@ -5,6 +5,7 @@ jit that lays the state and batch out on the mesh, the abstract state and batch 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import jax
@@ -122,6 +123,8 @@ def base_leaf(cfg: config_lib.Config):
 
   def convert(path, array):
     name = "/".join(map(str, path))
+    if cfg.model.scan_layers:  # read a block at a time; trainable patterns see the stack
+      name = re.sub(r"(^|/)blocks/\d+/", r"\1blocks/", name)
     if train is None or train(name, None):
       return array
     if cfg.optim.frozen_dtype != "fp32" and jnp.issubdtype(array.dtype, jnp.floating):

@@ -42,10 +42,26 @@ KERNEL_MODEL_KEYS = ("attention", "remat", "scan_layers", "init_from", "loss_chu
 STATE_SHAPE_KEYS = {"recent_losses": ("train.spike_window", lambda shape: shape[0])}
 
 
+def _with_defaults(model: dict) -> dict:
+  """A checkpoint's model section with the keys it predates at their defaults (a key is
+  added with the default that computes what the model did before it), ``lora``'s too."""
+  from jaxstep import models
+  from jaxstep.trainer.config import loading as config_lib
+
+  cls = models.FAMILIES.get(model["family"])
+  if cls is None:
+    return model
+  defaults = config_lib.to_dict(cls())
+  out = {**defaults, **model}
+  if isinstance(out.get("lora"), dict):
+    out["lora"] = {**defaults["lora"], **out["lora"]}
+  return out
+
+
 def _model_changes(saved: dict, current: RunState) -> dict:
   """``{key: (old, new)}`` of the model keys that differ from the checkpoint's, kernel
   choices left out."""
-  before = {"family": "gpt", **saved["model"]}  # checkpoints older than model.family: GPTs
+  before = _with_defaults({"family": "gpt", **saved["model"]})  # older than family: GPTs
   return {
     k: (old, v)
     for k, v in current.model.items()
