@@ -401,6 +401,7 @@ def test_a_full_fine_tuning_dpo_run_killed_with_sigkill_resumes_bitwise(tmp_path
   assert step == 6 and jax.tree.leaves(a["model_state"])
 
 
+@pytest.mark.slow
 def test_batches_cut_to_their_pairs_train_as_batches_padded_to_seq_len(tmp_path):
   """``preference.length_buckets`` 4 (the default) against 1 at ``train.seq_len`` 64, where
   the sums' pairs (about 14 tokens) fill the first bucket: the same updates, in fp32's
