@@ -327,3 +327,20 @@ def test_a_global_batch_of_pairs_is_cut_to_the_bucket_that_holds_its_pairs(tmp_p
   one = data.global_batch(cut, 0, 0, 0, 4, 0)
   two = data.global_batch(cut, 0, 0, 0, 4, 0, rows=np.array([0, 1]))
   assert one["chosen_mask"].shape[1] == two["chosen_mask"].shape[1] == 48
+
+
+def test_the_cut_lengths_are_multiples_that_a_sequence_split_and_an_moe_capacity_allow():
+  """Each length a multiple of 8 (of the tensor size too under sequence parallelism), and
+  no cut at all for an MoE model whose experts' capacity counts the batch's positions."""
+  from jaxstep.trainer.config import loading as config_lib
+  from jaxstep.trainer.plan import numbers
+
+  base = ["preference.loss=dpo", "train.seq_len=96"]
+  assert numbers._cut_pairs(config_lib.load(None, base)) == {
+    "length_buckets": 4,
+    "length_multiple": 8,
+  }
+  split = ["mesh.tensor=3", "mesh.sequence_parallel=true", "model.n_heads=3", "model.d_model=48"]
+  assert numbers._cut_pairs(config_lib.load(None, [*base, *split]))["length_multiple"] == 24
+  moe = ["model.family=llama", "model.num_experts=4", "model.capacity_factor=1.0"]
+  assert numbers._cut_pairs(config_lib.load(None, [*base, *moe]))["length_buckets"] == 1

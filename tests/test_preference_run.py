@@ -417,6 +417,8 @@ def test_batches_cut_to_their_pairs_train_as_batches_padded_to_seq_len(tmp_path)
     assert data.global_batch(train, 0, 0, 0, 8, 0)["chosen_inputs"].shape == (8, 64 // b)
     config_run.train(cfg)
     runs[b] = logged(tmp_path / f"b{b}")
+    for r in runs[b]:  # the throughput counts the positions the cut batch holds
+      assert r["tokens_per_sec"] * r["step_time"] == pytest.approx(8 * 2 * 64 // b)
   for a, b in zip(runs[1], runs[4], strict=True):
     for key in ("loss", "grad_norm", "logps/chosen", "rewards/margins"):
       np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-5, err_msg=key)

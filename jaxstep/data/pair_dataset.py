@@ -31,13 +31,15 @@ class PairSplit:
   pairs: PairSet
   index: np.ndarray
   buckets: int = 1  # preference.length_buckets: the lengths a batch is cut to (1: seq_len)
+  multiple: int = 1  # each length a multiple of this (or seq_len)
 
   def __len__(self) -> int:
     return len(self.index)
 
   def length_for(self, index: np.ndarray) -> int | None:
     """The length the global batch of pairs ``index`` (indices into this split) is cut to:
-    the shortest of ``⌈seq_len / buckets⌉ · i`` (at most ``seq_len``) that holds every
+    the shortest of ``step · i`` (at most ``seq_len``; ``step``: ``⌈seq_len / buckets⌉``
+    rounded up to a multiple of ``multiple``) that holds every
     position one of its pairs reads (``preference_pairs.used_length``); None with one
     bucket. Past it every row is padding no loss term reads, and causal attention never
     lets it change a term before it, so cutting it changes no value: a batch of short
@@ -47,6 +49,7 @@ class PairSplit:
       return None
     used = preference_pairs.used_length(self.pairs, self.index[np.asarray(index, np.int64)])
     step = -(-self.pairs.seq_len // self.buckets)
+    step = -(-step // self.multiple) * self.multiple
     return min(self.pairs.seq_len, max(1, -(-used // step)) * step)
 
   def rows(self, index: np.ndarray, n: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -81,7 +84,7 @@ class PairDataset:
     """This dataset with the reference's ``(chosen, rejected)`` log-probs of every pair
     (float32[N, 2], file order), which its batches then carry as ``ref_*_logps``."""
     pairs = dataclasses.replace(self.pairs, ref_logps=np.asarray(ref_logps, np.float32))
-    split = lambda s: s and PairSplit(pairs, s.index, s.buckets)  # noqa: E731
+    split = lambda s: s and dataclasses.replace(s, pairs=pairs)  # noqa: E731
     return dataclasses.replace(self, train=split(self.train), eval=split(self.eval))
 
   def tokenizer_files(self) -> list[pathlib.Path]:
@@ -97,11 +100,12 @@ def load_pair_dataset(
   max_prompt_len: int | None,
   eval_fraction: float,
   length_buckets: int = 1,
+  length_multiple: int = 1,
 ) -> PairDataset:
   """The pairs of ``path`` (a JSONL file, folder or glob) encoded with ``tokenizer``, cut
   to the lengths (``preference_pairs.pair_set``), ``eval_fraction`` of them held out by a
   fixed hash of the pair's place (the held-out pairs do not move with ``train.seed``);
-  ``length_buckets``: ``PairSplit.length_for``'s.
+  ``length_buckets``, ``length_multiple``: ``PairSplit.length_for``'s.
 
   Raises:
     DataError: the file's rows (one line naming the row), or no pair kept.
@@ -125,8 +129,10 @@ def load_pair_dataset(
   settings = {"tokenizer": tok.describe(), "seq_len": seq_len, "max_prompt_len": max_prompt_len}
   digest = row_files.fingerprint(path, tokenizer, {**settings, "eval_fraction": eval_fraction})
   return PairDataset(
-    train=PairSplit(pairs, np.flatnonzero(~held), length_buckets),
-    eval=PairSplit(pairs, np.flatnonzero(held), length_buckets) if held.any() else None,
+    train=PairSplit(pairs, np.flatnonzero(~held), length_buckets, length_multiple),
+    eval=PairSplit(pairs, np.flatnonzero(held), length_buckets, length_multiple)
+    if held.any()
+    else None,
     counts=c,
     fingerprint=digest,
     pad_id=tok.PAD,
@@ -162,4 +168,4 @@ def load_pair_eval_set(
     c.dropped,
     c.identical,
   )
-  return PairSplit(pairs, np.arange(len(pairs)), dataset.train.buckets)
+  return dataclasses.replace(dataset.train, pairs=pairs, index=np.arange(len(pairs)))

@@ -317,7 +317,9 @@ def run_loop(
     throughput=assembly.Throughput(
       tokens_per_step=None
       if rl  # a rollout's tokens vary: N (the step's unit) per second
-      else t.global_batch_size * t.seq_len * (2 if run.cfg.preference.loss else 1),
+      else _pair_positions(t.global_batch_size)
+      if run.cfg.preference.loss  # pairs cut to their length: both sides' positions
+      else t.global_batch_size * t.seq_len,
       flops_per_token=run.flops_per_token,
       peak_flops=peak_flops_per_device(t.peak_tflops),
       host_fields=(lambda b: b[ROLLOUT_METRICS])  # noqa: E731 - the rollout's, from the host
@@ -367,3 +369,9 @@ def _evaluation(run: Run) -> assembly.Evaluation:
     samples = TextSamples(run.cfg.model, run.dataset.tokenizer, t) if t.sample_every else None
   first = next(iter(splits), None)
   return assembly.Evaluation(evaluate_all if splits else None, first, samples, *harness)
+
+
+def _pair_positions(global_batch_size: int):
+  """``batch -> positions`` of a preference update: G pairs × 2 sides × the batch's length
+  (``preference.length_buckets`` cuts it to its pairs), read from this process's rows."""
+  return lambda batch: global_batch_size * 2 * batch["chosen_inputs"].shape[1]

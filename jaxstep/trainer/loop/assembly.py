@@ -44,7 +44,7 @@ class Throughput:
   ``peak_flops``: one device's peak; ``host_fields``: extra per-update host columns (a
   mixture's tokens per source)."""
 
-  tokens_per_step: int | None = None
+  tokens_per_step: Any = None  # positions per update, or batch -> positions
   flops_per_token: float = 0.0
   peak_flops: float = 1.0
   host_fields: Any = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 
 from jax.sharding import Mesh
@@ -247,6 +248,25 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
     )
 
 
+def _cut_pairs(cfg) -> dict:
+  """``load_pair_dataset``'s batch-length settings: ``preference.length_buckets``, each
+  length a multiple of 8 (and of the tensor size under sequence parallelism, which splits
+  the positions); one bucket for an MoE model with an expert capacity, whose capacity
+  counts the positions a batch holds, so a shorter batch would drop other tokens."""
+  buckets = cfg.preference.length_buckets
+  if getattr(cfg.model, "capacity_factor", 0) and buckets > 1:
+    log.info(
+      "preference.length_buckets %d → 1: model.capacity_factor %g sizes each expert by the "
+      "batch's positions, so every batch keeps train.seq_len",
+      buckets,
+      cfg.model.capacity_factor,
+    )
+    buckets = 1
+  m = cfg.mesh
+  multiple = math.lcm(8, m.tensor if m.sequence_parallel and m.tensor > 1 else 1)
+  return {"length_buckets": buckets, "length_multiple": multiple}
+
+
 def _warn_quantized_without_remat(model) -> None:
   """One line when a quantized base trains without remat: the backward pass then keeps
   every block's dequantized weights, the whole base in full precision."""
@@ -348,7 +368,7 @@ def load_data(cfg: config_lib.Config):
       seq_len=t.seq_len,
       max_prompt_len=p.prompt_len(t.seq_len),
       eval_fraction=cfg.data.eval_fraction,
-      length_buckets=p.length_buckets,
+      **_cut_pairs(cfg),
     )
   return data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
 

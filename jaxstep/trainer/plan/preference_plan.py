@@ -152,4 +152,4 @@ def split_with_reference(split: PairSplit, run, weights) -> PairSplit:
     run.reference_fn, weights, pairs, g, run.batch_sharding, batches
   )
   pairs = dataclasses.replace(pairs, ref_logps=logps[: len(pairs)])
-  return PairSplit(pairs, split.index, split.buckets)
+  return dataclasses.replace(split, pairs=pairs)

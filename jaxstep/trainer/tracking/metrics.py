@@ -194,8 +194,9 @@ class LateMetrics:
     sink: where records go (``MetricsSink`` or ``NullSink``).
     log_every: write every this many update steps (and at ``total_steps``).
     total_steps: the run's last update step.
-    tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``; None:
-      each update's normalization units (its ``tokens`` metric) instead.
+    tokens_per_step: input positions per update (G × S), for ``tokens_per_sec``, or
+      ``batch -> positions`` (a batch whose length varies); None: each update's
+      normalization units (its ``tokens`` metric) instead.
     flops_per_token: model FLOPs per token, for ``mfu``.
     peak_flops: per-device peak FLOP/s, for ``mfu``.
     spikes_total: loss-spike skips before ``start``: a resumed run continues the count of
@@ -210,7 +211,7 @@ class LateMetrics:
     *,
     log_every: int,
     total_steps: int,
-    tokens_per_step: int | None,
+    tokens_per_step,
     flops_per_token: float,
     peak_flops: float,
     spikes_total: int = 0,
@@ -248,7 +249,11 @@ class LateMetrics:
     self.spikes_total += is_spike_skip({**values, "skipped": not values["updated"]})
     now = time.perf_counter()
     step_time, self.clock = now - self.clock, now
-    per_step = self.tokens_per_step if self.tokens_per_step is not None else values["tokens"]
+    per_step = self.tokens_per_step
+    if per_step is None:
+      per_step = values["tokens"]
+    elif callable(per_step):  # preference batches cut to their pairs: from the batch's length
+      per_step = per_step(batch)
     tokens_per_sec = per_step / step_time
     record = {
       "step": step,
@@ -298,7 +303,7 @@ def open_records(
   start_step: int,
   total_steps: int,
   writer: bool,
-  tokens_per_step: int | None,
+  tokens_per_step,
   flops_per_token: float,
   peak_flops: float,
   host_fields=None,
