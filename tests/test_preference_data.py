@@ -333,14 +333,14 @@ def test_the_cut_lengths_are_multiples_that_a_sequence_split_and_an_moe_capacity
   """Each length a multiple of 8 (of the tensor size too under sequence parallelism), and
   no cut at all for an MoE model whose experts' capacity counts the batch's positions."""
   from jaxstep.trainer.config import loading as config_lib
-  from jaxstep.trainer.plan import numbers
+  from jaxstep.trainer.plan.preference_plan import cut_settings
 
   base = ["preference.loss=dpo", "train.seq_len=96"]
-  assert numbers._cut_pairs(config_lib.load(None, base)) == {
+  assert cut_settings(config_lib.load(None, base)) == {
     "length_buckets": 4,
     "length_multiple": 8,
   }
   split = ["mesh.tensor=3", "mesh.sequence_parallel=true", "model.n_heads=3", "model.d_model=48"]
-  assert numbers._cut_pairs(config_lib.load(None, [*base, *split]))["length_multiple"] == 24
+  assert cut_settings(config_lib.load(None, [*base, *split]))["length_multiple"] == 24
   moe = ["model.family=llama", "model.num_experts=4", "model.capacity_factor=1.0"]
-  assert numbers._cut_pairs(config_lib.load(None, [*base, *moe]))["length_buckets"] == 1
+  assert cut_settings(config_lib.load(None, [*base, *moe]))["length_buckets"] == 1

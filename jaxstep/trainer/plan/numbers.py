@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 
 from jax.sharding import Mesh
@@ -35,7 +34,7 @@ from jaxstep.models import GPTConfig, LlamaConfig, gpt, hf_weights, llama, lora
 from jaxstep.parallel.cpu_devices import fresh_compiles_for_expert_meshes
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import CONFIG_NAMES_OF_G_AND_K, TrainConfig
-from jaxstep.trainer.plan import auto_accum, init_from, steps, tensor_split
+from jaxstep.trainer.plan import auto_accum, init_from, preference_plan, steps, tensor_split
 
 log = logging.getLogger("jaxstep")
 
@@ -248,25 +247,6 @@ def refuse_what_cannot_fit(cfg: config_lib.Config, mesh: Mesh, memory_bytes: int
     )
 
 
-def _cut_pairs(cfg) -> dict:
-  """``load_pair_dataset``'s batch-length settings: ``preference.length_buckets``, each
-  length a multiple of 8 (and of the tensor size under sequence parallelism, which splits
-  the positions); one bucket for an MoE model with an expert capacity, whose capacity
-  counts the positions a batch holds, so a shorter batch would drop other tokens."""
-  buckets = cfg.preference.length_buckets
-  if getattr(cfg.model, "capacity_factor", 0) and buckets > 1:
-    log.info(
-      "preference.length_buckets %d → 1: model.capacity_factor %g sizes each expert by the "
-      "batch's positions, so every batch keeps train.seq_len",
-      buckets,
-      cfg.model.capacity_factor,
-    )
-    buckets = 1
-  m = cfg.mesh
-  multiple = math.lcm(8, m.tensor if m.sequence_parallel and m.tensor > 1 else 1)
-  return {"length_buckets": buckets, "length_multiple": multiple}
-
-
 def _warn_quantized_without_remat(model) -> None:
   """One line when a quantized base trains without remat: the backward pass then keeps
   every block's dequantized weights, the whole base in full precision."""
@@ -368,7 +348,7 @@ def load_data(cfg: config_lib.Config):
       seq_len=t.seq_len,
       max_prompt_len=p.prompt_len(t.seq_len),
       eval_fraction=cfg.data.eval_fraction,
-      **_cut_pairs(cfg),
+      **preference_plan.cut_settings(cfg),
     )
   return data.load_dataset(cfg.data, t.seq_len, progress=t.progress and sys.stderr.isatty())
 

@@ -16,6 +16,8 @@ one big batch's update and metrics.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable
 
 import jax
@@ -32,6 +34,8 @@ from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_referenc
 
 # the metrics a step reports as sums over pairs and a record shows as means over them
 MEAN_METRICS = (*preference.METRICS, *preference.ORPO_METRICS)
+
+log = logging.getLogger("jaxstep")
 
 
 def reference_kind(cfg: config_lib.Config) -> str:
@@ -153,3 +157,22 @@ def split_with_reference(split: PairSplit, run, weights) -> PairSplit:
   )
   pairs = dataclasses.replace(pairs, ref_logps=logps[: len(pairs)])
   return dataclasses.replace(split, pairs=pairs)
+
+
+def cut_settings(cfg: config_lib.Config) -> dict:
+  """``load_pair_dataset``'s batch-length settings: ``preference.length_buckets``, each
+  length a multiple of 8 (and of the tensor size under sequence parallelism, which splits
+  the positions); one bucket for an MoE model with an expert capacity, whose capacity
+  counts the positions a batch holds, so a shorter batch would drop other tokens."""
+  buckets = cfg.preference.length_buckets
+  if getattr(cfg.model, "capacity_factor", 0) and buckets > 1:
+    log.info(
+      "preference.length_buckets %d → 1: model.capacity_factor %g sizes each expert by the "
+      "batch's positions, so every batch keeps train.seq_len",
+      buckets,
+      cfg.model.capacity_factor,
+    )
+    buckets = 1
+  m = cfg.mesh
+  multiple = math.lcm(8, m.tensor if m.sequence_parallel and m.tensor > 1 else 1)
+  return {"length_buckets": buckets, "length_multiple": multiple}
