@@ -94,10 +94,8 @@ def ce_step(spec: dict):
   from jaxstep.parallel.cpu_devices import configure_cpu_defaults
 
   configure_cpu_defaults(spec["rows"], 1, cpu_devices=1)  # the CLI's flags, one device
-  import jax
-  import numpy as np
 
-  from benchmarks.step_bench import mean_seconds
+  from benchmarks.step_bench import full_batch, timed_step
   from jaxstep import make_train_step, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import OptimConfig, make_optimizer
@@ -106,19 +104,8 @@ def ce_step(spec: dict):
   apply_fn, params = models.build(cfg, 0)
   opt = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 1000)
   step = make_train_step(next_token_loss(apply_fn, spec["chunk"]), opt, grad_accum_steps=1)
-  jitted, holder = jax.jit(step, donate_argnums=0), {"state": step.init(params, 0)}
-  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (spec["rows"], cfg.max_seq_len + 1))
-  ids = ids.astype(np.int32)
-  batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones_like(ids[:, 1:])}
-  batch = jax.device_put(batch)
-
-  def once():
-    holder["state"], metrics = jitted(holder["state"], batch)
-    jax.block_until_ready(metrics)
-
-  once()
-  once()
-  return {"devices": jax.device_count()}, lambda: mean_seconds(once, spec.get("repeats", 2))
+  batch = full_batch(spec["rows"], cfg.max_seq_len, cfg.vocab_size)
+  return timed_step(step, step.init(params, 0), batch, spec.get("repeats", 2))
 
 
 CONTENDERS = {"ce_memory": ce_memory, "ce_step": ce_step}

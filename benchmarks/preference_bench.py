@@ -208,7 +208,7 @@ def core_step(spec):
   import jax
 
   from benchmarks.hf_bench import jax_llama_config
-  from benchmarks.step_bench import make_batch
+  from benchmarks.step_bench import make_batch, timed_step
   from jaxstep import make_train_step, models
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import OptimConfig, make_optimizer
@@ -224,17 +224,8 @@ def core_step(spec):
     batch = pair_batch(g, seq, m["vocab_size"], ref_logps=True)
     loss_fn = preference_loss(apply_fn, loss="dpo", beta=BETA)  # no reference: the batch's
     step = make_train_step(loss_fn, opt, grad_accum_steps=k, units_fn=pair_units)
-  holder = {"state": step.init(params, jax.random.PRNGKey(0))}
-  jitted = jax.jit(step, donate_argnums=0)
-  batch = jax.device_put(batch)
-
-  def once():
-    holder["state"], metrics = jitted(holder["state"], batch)
-    jax.block_until_ready(metrics)
-
-  once()
-  once()
-  return {"devices": jax.device_count()}, lambda: mean_seconds(once, spec.get("repeats", 2))
+  state = step.init(params, jax.random.PRNGKey(0))
+  return timed_step(step, state, batch, spec.get("repeats", 2))
 
 
 CONTENDERS = {"dpo_jaxstep": dpo_jaxstep, "dpo_trl": dpo_trl, "core_step": core_step}

@@ -59,11 +59,9 @@ def qlora_step(spec: dict):
   from jaxstep.parallel.cpu_devices import configure_cpu_defaults
 
   configure_cpu_defaults(spec["rows"], 1, cpu_devices=1)  # the CLI's flags, one device
-  import jax
   import jax.numpy as jnp
-  import numpy as np
 
-  from benchmarks.step_bench import mean_seconds
+  from benchmarks.step_bench import full_batch, timed_step
   from jaxstep import make_train_step, models
   from jaxstep.core import freeze
   from jaxstep.core.losses import next_token_loss
@@ -78,19 +76,8 @@ def qlora_step(spec: dict):
     params = quant.quantized(params, "nf4", 64, lambda name: "/lora/" not in name)
   opt = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 1000)
   step = make_train_step(next_token_loss(apply_fn, 0), opt, grad_accum_steps=1, trainable=trainable)
-  jitted, holder = jax.jit(step, donate_argnums=0), {"state": step.init(params, 0)}
-  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (spec["rows"], cfg.max_seq_len + 1))
-  ids = ids.astype(np.int32)
-  batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones_like(ids[:, 1:])}
-  batch = jax.device_put(batch)
-
-  def once():
-    holder["state"], metrics = jitted(holder["state"], batch)
-    jax.block_until_ready(metrics)
-
-  once()
-  once()
-  return {"devices": jax.device_count()}, lambda: mean_seconds(once, spec.get("repeats", 2))
+  batch = full_batch(spec["rows"], cfg.max_seq_len, cfg.vocab_size)
+  return timed_step(step, step.init(params, 0), batch, spec.get("repeats", 2))
 
 
 CONTENDERS = {"qlora_step": qlora_step}

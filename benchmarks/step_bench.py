@@ -31,6 +31,30 @@ def mean_seconds(fn, repeats: int) -> dict:
   return {"seconds": (time.perf_counter() - t) / repeats}
 
 
+def full_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+  """``rows`` sequences of ``seq_len`` random ids over the whole vocabulary, every target
+  in the loss."""
+  ids = np.random.default_rng(seed).integers(0, vocab, (rows, seq_len + 1)).astype(np.int32)
+  return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones_like(ids[:, 1:])}
+
+
+def timed_step(step, state, batch: dict, repeats: int = 2):
+  """A worker's ``(info, run_once)`` for a ``make_train_step`` step: jitted with the state
+  donated, run twice (compile and warm-up), then ``run_once`` times ``repeats`` updates
+  (``mean_seconds``)."""
+  import jax
+
+  jitted, holder, batch = jax.jit(step, donate_argnums=0), {"state": state}, jax.device_put(batch)
+
+  def once():
+    holder["state"], metrics = jitted(holder["state"], batch)
+    jax.block_until_ready(metrics)
+
+  once()
+  once()
+  return {"devices": jax.device_count()}, lambda: mean_seconds(once, repeats)
+
+
 def _jax_parts(spec):
   import jax
 

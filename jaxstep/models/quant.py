@@ -145,18 +145,24 @@ def has_quantized(tree) -> bool:
   return any(is_quantized(x) for x in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
+def quantized_leaf(name: str, x, qtype: str, block: int):
+  """The params leaf ``name`` as a frozen base stores it: ``quantize``d when ``qtype`` is
+  set and the leaf is ``quantizable`` (abstract leaves give abstract ``Quantized`` nodes);
+  else, or already quantized, ``x`` as it is."""
+  if qtype == "none" or is_quantized(x) or not quantizable(name):
+    return x
+  return quantize(x, qtype, block, name)
+
+
 def quantized(params, qtype: str, block: int, frozen=lambda name: True):
-  """``params`` with every ``quantizable`` leaf that is ``frozen(name)`` stored as
-  ``quantize`` gives (abstract leaves give abstract ``Quantized`` nodes); ``qtype`` ``"none"``
-  returns ``params`` unchanged."""
+  """``params`` with every leaf that is ``frozen(name)`` as ``quantized_leaf`` stores it;
+  ``qtype`` ``"none"`` returns ``params`` unchanged."""
   if qtype == "none":
     return params
 
   def one(path, x):
     name = path_name(path)
-    if is_quantized(x) or not (quantizable(name) and frozen(name)):
-      return x
-    return quantize(x, qtype, block, name)
+    return quantized_leaf(name, x, qtype, block) if frozen(name) else x
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 

@@ -127,15 +127,13 @@ def frozen_bytes_per_param(cfg, params, trainable) -> float:
   plain = 2 if cfg.optim.frozen_dtype == "bf16" else 4
   if cfg.model.lora.base_quant == "none" or trainable is None:
     return plain
-  import jax
-
   from jaxstep.core import freeze
   from jaxstep.core.trees import param_count
+  from jaxstep.models import quant
 
   frozen = freeze.partition(params, trainable)[1]
   count = param_count(frozen)
-  stored = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(frozen))
-  return stored / count if count else plain
+  return quant.nbytes(frozen) / count if count else plain
 
 
 def _expert_params(params) -> int:

@@ -129,9 +129,7 @@ def base_leaf(cfg: config_lib.Config):
       return array
     if cfg.optim.frozen_dtype != "fp32" and jnp.issubdtype(array.dtype, jnp.floating):
       array = array.astype(jnp.bfloat16)
-    if spec.base_quant != "none" and quant.quantizable(name):
-      return quant.quantize(array, spec.base_quant, spec.quant_block, name)
-    return array
+    return quant.quantized_leaf(name, array, spec.base_quant, spec.quant_block)
 
   return convert
 
