@@ -3,7 +3,15 @@
 import json
 import os
 import pathlib
+import sys
 import tempfile
+
+# Byte-compiled modules are kept (in the git-ignored __pycache__ folders) even where the
+# environment says not to (container images set PYTHONDONTWRITEBYTECODE): otherwise every
+# pytest-xdist worker rewrites the asserts of every test module again, and every one of the
+# suite's subprocesses compiles jaxstep's sources again, each time it starts.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Raw data is prepared into a cache on first use: one per test session, never the user's.
@@ -105,6 +113,20 @@ def lm_batch(rng: np.random.Generator, g: int, s: int, vocab: int, mask=None):
     "targets": jnp.asarray(tokens[:, 1:]),
     "loss_mask": jnp.asarray(mask, jnp.int32),
   }
+
+
+class LazyModule:
+  """A reference library imported at its first use, not at collection: peft's import takes
+  seconds, and every pytest-xdist worker collects every test module. Where it is missing, the
+  test that uses it is skipped, as ``pytest.importorskip`` at module level would."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr):
+    if attr.startswith("_"):  # pytest looks for fixture markers on every module attribute
+      raise AttributeError(attr)
+    return getattr(pytest.importorskip(self._name), attr)
 
 
 @pytest.fixture

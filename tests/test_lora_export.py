@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_cfg
+from conftest import LazyModule, make_cfg
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_init_from import run_cfg
 from test_pretrained import FOLDER_TERMS, folder  # noqa: F401 - fixture
@@ -21,7 +21,7 @@ from jaxstep.models import hf_export, lora, peft_export
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+peft = LazyModule("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 IDS = np.random.default_rng(0).integers(0, 256, size=(2, 12))

@@ -8,6 +8,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from conftest import LazyModule
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_hf_moe import CASES, SHAPE
 from test_init_from import run_cfg
@@ -22,7 +23,7 @@ from jaxstep.models import hf_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+peft = LazyModule("peft")
 
 TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 

@@ -187,31 +187,47 @@ def accumulate(
     frozen=frozen,
     global_sums=sums,
   )
-  first = jax.tree.map(lambda x: x[0], micro_batches)
-  _, (_, _, aux_shape, _) = jax.eval_shape(grad_fn, first, step_rng, model_state)
-  zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
 
   def body(carry, k):
-    grads_acc, loss_acc, extra_acc, aux_acc, ms = carry
+    grads_acc, loss_acc, extra_acc, ms = carry
     mb = micro(k)
     grads, (loss_sum, extra, aux, ms) = grad_fn(mb, jax.random.fold_in(step_rng, k), ms)
     return (
       optax.tree.add(grads_acc, grads),
       loss_acc + loss_sum / units,
       extra_acc + extra / extra_terms,
-      jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux),
       ms,
-    ), None
+    ), _as_fp32(aux)
 
   init = (
     optax.tree.zeros_like(params, jnp.float32),
     jnp.zeros((), jnp.float32),
     jnp.zeros((), jnp.float32),
-    zero_aux,
     model_state,
   )
-  out, _ = jax.lax.scan(body, init, jnp.arange(k_steps), unroll=unroll)
-  return out
+  (grads, loss, extra, model_state), auxes = jax.lax.scan(
+    body, init, jnp.arange(k_steps), unroll=unroll
+  )
+  return grads, loss, extra, summed_over_steps(auxes), model_state
+
+
+def _as_fp32(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def summed_over_steps(stacked):
+  """Σ_k over the leading axis of every leaf ``[K, ...]``, added in step order,
+  ``((0 + a_0) + a_1) + …``, as a scan carry would add them.
+
+  The micro-steps' aux values and global sums leave their scan stacked and are summed
+  afterwards, instead of in a carry: a carry needs their shapes before the scan, which
+  means tracing the loss (forward and backward) a second time, and tracing is most of what
+  compiling a step costs. They are metrics and counts, so K copies of them are small."""
+  if not jax.tree.leaves(stacked):
+    return stacked
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), stacked)
+  total, _ = jax.lax.scan(lambda acc, a: (optax.tree.add(acc, a), None), zeros, stacked)
+  return total
 
 
 def _global_sums(sums_fn, params, frozen, micro, k_steps, step_rng, compute_dtype):
@@ -222,17 +238,12 @@ def _global_sums(sums_fn, params, frozen, micro, k_steps, step_rng, compute_dtyp
   full = combine(cast_floating(params, compute_dtype), cast_floating(frozen, compute_dtype))
   full = jax.lax.stop_gradient(full)
 
-  def one(k):
+  def one(_, k):
     mb = cast_floating(micro(k), compute_dtype)
-    return sums_fn(full, mb, jax.random.fold_in(step_rng, k))
+    return None, _as_fp32(sums_fn(full, mb, jax.random.fold_in(step_rng, k)))
 
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(one, 0))
-
-  def body(acc, k):
-    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, one(k)), None
-
-  sums, _ = jax.lax.scan(body, zeros, jnp.arange(k_steps))
-  return sum_over_batch(sums)
+  _, stacked = jax.lax.scan(one, None, jnp.arange(k_steps))
+  return sum_over_batch(summed_over_steps(stacked))
 
 
 def sharded_accumulate(
