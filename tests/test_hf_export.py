@@ -495,7 +495,12 @@ def test_a_mismatched_architecture_or_params_tree_is_refused(tmp_path):
   params["extra"] = np.zeros(3)
   with pytest.raises(ConfigError, match=r"1 leaves the config has no tensor for: \['extra'\]"):
     hf_export.save_pretrained(tmp_path / "out", cfg, params, architecture="Qwen2ForCausalLM")
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+  save_tiny(tmp_path / "olmo2", "olmo2")  # q/k norms as Qwen3 has, but placed and sized apart
+  _, olmo2, olmo2_params = imported(tmp_path / "olmo2")
+  for other, why in (("Qwen3ForCausalLM", "block_norms=pre"), ("OlmoeForCausalLM", "experts")):
+    with pytest.raises(ConfigError, match=f"{other} .*{why}"):
+      hf_export.save_pretrained(tmp_path / "out", olmo2, olmo2_params, architecture=other)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["olmo2", "src"]
 
 
 KILLED_EXPORT = """

@@ -50,7 +50,9 @@ def one_error(capsys) -> str:
   return err[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize(
+  "family", ["qwen3", "llama", "gpt2", pytest.param("olmo2", marks=pytest.mark.slow)]
+)
 def test_an_unmodified_folder_passes_every_stage(tiny, tmp_path, family):
   from jaxstep.models.hf_parity import parity_report
 

@@ -39,7 +39,7 @@ def torch_grads(model, tokens: np.ndarray, mask: np.ndarray) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
 def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)
@@ -68,8 +68,9 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
   assert_far({k: v * 1.25 for k, v in moved.items()}, expected, terms=terms)
 
 
-def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path):
-  model = save_tiny(tmp_path, "qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path, family):
+  model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)
   tokenizer = types.SimpleNamespace(vocab_size=V, PAD=0, BOS=0, EOS=1)
   prompts = [np.array([5, 17, 3, 40, 2]), np.array([9, 60]), np.array([33, 7, 21])]

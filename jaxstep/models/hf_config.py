@@ -9,6 +9,8 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
   sequence (``check_sliding_window``): then it changes nothing.
 - ``Qwen2ForCausalLM``: biases on the q/k/v projections.
 - ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
+- ``Olmo2ForCausalLM``: RMSNorm on the attention's and the MLP's outputs instead of their
+  inputs, and on the whole q and k projections.
 - ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``OlmoeForCausalLM``,
   ``Qwen2MoeForCausalLM``: mixtures of experts (``hf_moe.py`` says what each adds).
 - ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).
@@ -31,12 +33,19 @@ from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 
 CONFIG = "config.json"
-# architecture -> (q/k/v bias whatever the config says, per-head q/k RMSNorm)
+# architecture -> the LlamaConfig fields it fixes, whatever its config.json says
+LLAMA = {"attention_bias": False, "qk_norm": False, "qk_norm_scope": "head", "block_norms": "pre"}
 ARCHITECTURES = {
-  "LlamaForCausalLM": (False, False),
-  "MistralForCausalLM": (False, False),
-  "Qwen2ForCausalLM": (True, False),
-  "Qwen3ForCausalLM": (False, True),
+  "LlamaForCausalLM": LLAMA,
+  "MistralForCausalLM": LLAMA,
+  "Qwen2ForCausalLM": {**LLAMA, "attention_bias": True},
+  "Qwen3ForCausalLM": {**LLAMA, "qk_norm": True},
+  "Olmo2ForCausalLM": {
+    **LLAMA,
+    "qk_norm": True,
+    "qk_norm_scope": "projection",
+    "block_norms": "post",
+  },
 }
 ROPE_TYPES = ("default", "llama3")
 # GPT-2: the bundled GPT (hf_gpt2.py); the mixtures of experts: hf_moe.py
@@ -124,11 +133,10 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
     family = hf_moe.config_fields(hf, name, where)
     default_theta = hf_moe.ARCHITECTURES[name].default_theta
   else:
-    forced_bias, qk_norm = ARCHITECTURES[name]
-    for key in ("mlp_bias", "attention_bias") if not forced_bias else ("mlp_bias",):
+    family, default_theta = ARCHITECTURES[name], 10000.0
+    for key in ("mlp_bias", "attention_bias") if not family["attention_bias"] else ("mlp_bias",):
       if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
         raise ConfigError(f"{where}: {key}=true is not supported for {name}")
-    family, default_theta = {"attention_bias": forced_bias, "qk_norm": qk_norm}, 10000.0
   d_model = integer(hf, "hidden_size", where)
   n_heads = integer(hf, "num_attention_heads", where)
   theta, scaling = rope_settings(hf, where, default_theta)

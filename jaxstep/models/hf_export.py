@@ -49,6 +49,7 @@ MODEL_TYPES = {
   "MistralForCausalLM": "mistral",
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
+  "Olmo2ForCausalLM": "olmo2",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")
@@ -164,8 +165,8 @@ def _valid_ids(hf: Mapping, vocab_size: int) -> dict:
 
 def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
   """``ConfigError`` unless ``architecture`` is supported and has exactly ``cfg``'s q/k/v
-  biases and q/k norms (otherwise transformers would build other tensors than those written);
-  the bundled GPT is ``GPT2LMHeadModel``."""
+  biases, q/k norms and norm placement (otherwise transformers would build other tensors
+  than those written, or compute others); the bundled GPT is ``GPT2LMHeadModel``."""
   if isinstance(cfg, GPTConfig) or architecture == hf_gpt2.ARCHITECTURE:
     if not (isinstance(cfg, GPTConfig) and architecture == hf_gpt2.ARCHITECTURE):
       raise ConfigError(f"the bundled GPT exports as {hf_gpt2.ARCHITECTURE} and only as it")
@@ -178,13 +179,14 @@ def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
   if architecture in hf_moe.ARCHITECTURES or hf_moe.needs_moe_architecture(cfg):
     hf_moe.check_export(cfg, architecture)
     return
-  bias, qk_norm = ARCHITECTURES[architecture]
-  if (cfg.attention_bias, cfg.qk_norm) != (bias, qk_norm):
-    raise ConfigError(
-      f"{architecture} has attention_bias={bias}, qk_norm={qk_norm}; the model has "
-      f"attention_bias={cfg.attention_bias}, qk_norm={cfg.qk_norm}: pick the architecture "
-      f"it was built as"
-    )
+  fixed = ARCHITECTURES[architecture]  # the scope of q/k norms a model has not: any
+  ours = {
+    k: getattr(cfg, k) if cfg.qk_norm or k != "qk_norm_scope" else v for k, v in fixed.items()
+  }
+  if ours != fixed:
+    spelled = [", ".join(f"{k}={v}" for k, v in d.items()) for d in (fixed, ours)]
+    raise ConfigError(f"{architecture} has {spelled[0]}; the model has {spelled[1]}: pick the "
+                      "architecture it was built as")  # fmt: skip
 
 
 def export_config(

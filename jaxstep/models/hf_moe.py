@@ -224,8 +224,10 @@ def architecture_for(cfg) -> str:
 
 def needs_moe_architecture(cfg) -> bool:
   """Whether only one of these architectures holds ``cfg``'s model: it has experts, or q/k
-  norms over the whole projection (OLMoE's)."""
-  return bool(cfg.num_experts) or (cfg.qk_norm and cfg.qk_norm_scope == "projection")
+  norms over the whole projection in pre-norm blocks (OLMoE's; OLMo 2's blocks norm their
+  outputs)."""
+  whole_qk = cfg.qk_norm and cfg.qk_norm_scope == "projection"
+  return bool(cfg.num_experts) or (whole_qk and cfg.block_norms == "pre")
 
 
 def check_export(cfg, architecture: str) -> None:
@@ -248,6 +250,7 @@ def check_export(cfg, architecture: str) -> None:
       f"q/k norms {cfg.qk_norm_scope if cfg.qk_norm else 'none'} (it has {fam.qk_norm or 'none'})",
     ),
     (cfg.attention_bias and not fam.bias_key, "q/k/v biases (it has none)"),
+    (cfg.block_norms != "pre", f"block_norms={cfg.block_norms} (it norms each branch's input)"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

@@ -79,7 +79,9 @@ def hf_names(
   yield ("embed_tokens", "embedding"), "model.embed_tokens.weight", False
   for i in range(cfg.n_layers):
     hf, ours = f"model.layers.{i}.", ("blocks", i)
-    yield (*ours, "input_layernorm", "scale"), f"{hf}input_layernorm.weight", False
+    post_norms = cfg.block_norms == "post"  # OLMo 2: on the attention's and MLP's outputs
+    if not post_norms:
+      yield (*ours, "input_layernorm", "scale"), f"{hf}input_layernorm.weight", False
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
       yield (*ours, p, "kernel"), f"{hf}self_attn.{p}.weight", True
       if cfg.attention_bias and p != "o_proj":
@@ -87,8 +89,8 @@ def hf_names(
     if cfg.qk_norm:
       for p in ("q_norm", "k_norm"):
         yield (*ours, p, "scale"), f"{hf}self_attn.{p}.weight", False
-    post = "post_attention_layernorm"
-    yield (*ours, post, "scale"), f"{hf}{post}.weight", False
+    for norm in ("post_attention_layernorm", "post_feedforward_layernorm")[: 1 + post_norms]:
+      yield (*ours, norm, "scale"), f"{hf}{norm}.weight", False
     if cfg.moe_layers[i]:
       yield from hf_moe.mlp_names(cfg, i, names, architecture)
       continue

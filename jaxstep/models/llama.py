@@ -1,6 +1,7 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2) in Flax NNX.
 
-Pre-RMSNorm blocks; separate q/k/v projections with grouped-query attention (``n_kv_heads``
+Pre-RMSNorm blocks (or, for OLMo 2, RMSNorm on the attention's and the MLP's outputs
+instead); separate q/k/v projections with grouped-query attention (``n_kv_heads``
 key/value heads shared by groups of query heads); rotary position embeddings, optionally
 with Llama 3.1's frequency scaling (``llama_parts.py``); optional q/k/v biases (Qwen2) and
 per-head RMSNorm of q and k before the rotation (Qwen3); a SwiGLU MLP
@@ -44,6 +45,7 @@ from jaxstep.models.stack import DecoderStack
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LBL_SCOPES = ("global", "micro_batch")
 QK_NORM_SCOPES = ("head", "projection")
+BLOCK_NORMS = ("pre", "post")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,7 @@ class LlamaConfig:
   attention_bias: bool = False  # q/k/v biases (Qwen2); o_proj never has one
   qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
   qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
+  block_norms: str = "pre"  # pre: norm each branch's input | post: its output (OLMo 2)
   dropout: float = 0.0  # on the embeddings, attention output and MLP output
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
@@ -117,11 +120,11 @@ class LlamaConfig:
     for name in ("rms_norm_eps", "rope_theta"):
       if getattr(self, name) <= 0:
         raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
-    if self.qk_norm_scope not in QK_NORM_SCOPES:
-      raise ConfigError(
-        f"model.qk_norm_scope must be one of {', '.join(QK_NORM_SCOPES)}, "
-        f"got {self.qk_norm_scope!r}"
-      )
+    for name, allowed in (("qk_norm_scope", QK_NORM_SCOPES), ("block_norms", BLOCK_NORMS)):
+      if getattr(self, name) not in allowed:
+        raise ConfigError(
+          f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+        )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
     _check_kernels(self)
@@ -239,14 +242,20 @@ def _check_kernels(cfg: LlamaConfig) -> None:
 
 
 class LlamaBlock(nnx.Module):
-  """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)); with ``block_norms``
+  ``post`` (OLMo 2): x + norm(attn(x)), then x + norm(mlp(x)).
+
+  The norms keep transformers' names, whose meaning depends on the placement:
+  ``post_attention_layernorm`` normalizes the MLP's input in a pre-norm block and the
+  attention's output in a post-norm one."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
     linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
     self.cfg = cfg
-    self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+    self.post_norms = cfg.block_norms == "post"
+    self.input_layernorm = None if self.post_norms else RMSNorm(d, cfg.rms_norm_eps)
     self.q_proj = linear("q_proj", d, h * dh, use_bias=cfg.attention_bias)
     self.k_proj = linear("k_proj", d, kv * dh, use_bias=cfg.attention_bias)
     self.v_proj = linear("v_proj", d, kv * dh, use_bias=cfg.attention_bias)
@@ -255,6 +264,7 @@ class LlamaBlock(nnx.Module):
     self.q_norm = RMSNorm(h * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
     self.k_norm = RMSNorm(kv * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
     self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+    self.post_feedforward_layernorm = RMSNorm(d, cfg.rms_norm_eps) if self.post_norms else None
     if sparse:
       self.mlp = moe.MoeMLP(cfg, linear, rngs=rngs)
     else:
@@ -303,14 +313,27 @@ class LlamaBlock(nnx.Module):
     step's (rotated) keys and values are written into ``cache = (kt [B, KV, Dh, T],
     v [B, KV, T, Dh])``, laid out as the GPT's (``gpt.Block.decode``)."""
     b, s, _ = x.shape
-    q, k, v = self.qkv(self.input_layernorm(x), positions)
+    q, k, v = self.qkv(self._attention_input(x), positions)
     heads = jnp.arange(self.cfg.resolved_kv_heads)[None, :, None]
     rows, at = jnp.arange(b)[:, None, None], positions[:, None]
     kt, vc = cache  # the index arrays select [B, KV, S] slots; each takes a [Dh] vector
     kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
     vc = vc.at[rows, heads, at].set(v.transpose(0, 2, 1, 3).astype(vc.dtype))
-    x = x + self.o_proj(grouped_attention_over_cache(q, kt, vc, positions).reshape(b, s, -1))
-    return x + self.feed_forward(self.post_attention_layernorm(x))[0], (kt, vc)
+    attn = self.o_proj(grouped_attention_over_cache(q, kt, vc, positions).reshape(b, s, -1))
+    x = x + self._attention_output(attn)
+    return x + self._mlp_output(self.feed_forward(self._mlp_input(x))[0]), (kt, vc)
+
+  def _attention_input(self, x):
+    return x if self.post_norms else self.input_layernorm(x)
+
+  def _attention_output(self, out):
+    return self.post_attention_layernorm(out) if self.post_norms else out
+
+  def _mlp_input(self, x):
+    return x if self.post_norms else self.post_attention_layernorm(x)
+
+  def _mlp_output(self, out):
+    return self.post_feedforward_layernorm(out) if self.post_norms else out
 
   def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None, route_weights=None):
     """``segment_ids``, ``positions`` ``[B, S]``: document masking
@@ -319,13 +342,11 @@ class LlamaBlock(nnx.Module):
     keys = jax.random.split(rng, 2) if rng is not None else (None, None)
     with lora.dropout_keys(lora.block_key(rng, train)):
       # sequence parallelism (layout): whole positions into each tensor-parallel layer
-      h = layout.gather_sequence(self.input_layernorm(x))
-      attn = self.attention(h, segment_ids, positions)
+      h = layout.gather_sequence(self._attention_input(x))
+      attn = self._attention_output(self.attention(h, segment_ids, positions))
       x = x + self.dropout(attn, deterministic=not train, rngs=keys[0])
-      mlp, sums = self.feed_forward(
-        layout.gather_sequence(self.post_attention_layernorm(x)), route_weights
-      )
-    x = x + self.dropout(mlp, deterministic=not train, rngs=keys[1])
+      mlp, sums = self.feed_forward(layout.gather_sequence(self._mlp_input(x)), route_weights)
+    x = x + self.dropout(self._mlp_output(mlp), deterministic=not train, rngs=keys[1])
     return x if sums is None else (x, sums)
 
 

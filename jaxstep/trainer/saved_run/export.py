@@ -54,6 +54,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_gpt2.ARCHITECTURE
   if hf_moe.needs_moe_architecture(model_cfg):
     return hf_moe.architecture_for(model_cfg)
+  if model_cfg.block_norms == "post":
+    return "Olmo2ForCausalLM"
   if model_cfg.qk_norm:
     return "Qwen3ForCausalLM"
   return "Qwen2ForCausalLM" if model_cfg.attention_bias else "LlamaForCausalLM"

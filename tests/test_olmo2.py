@@ -1,0 +1,124 @@
+"""An OLMo 2 folder trained with LoRA: K micro-batches give one batch's updates, and the PEFT
+adapter and the merged export load onto transformers' ``Olmo2ForCausalLM`` with the run's
+logits. (Its logits, gradients, greedy tokens and parity report against transformers:
+``test_hf_import``, ``test_hf_training``, ``test_hf_parity``, family ``olmo2``.)"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import LazyModule, read_lines
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits
+from test_init_from import run_cfg
+from test_lora_export import export, logits, ours
+from test_pretrained import CHATML_TEMPLATE
+from tolerance import assert_close, assert_far
+
+import jaxstep
+from jaxstep import models, trainer
+from jaxstep.models import hf_config, hf_export, hf_weights, layers
+from jaxstep.models.llama import LlamaConfig
+from jaxstep.trainer.saved_run.export import architecture_of
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = LazyModule("peft")
+
+TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
+
+
+@pytest.fixture
+def olmo2_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
+  """A tiny random OLMo 2 (every norm's weight random, not one) with a tokenizer."""
+  name, extra = FAMILIES["olmo2"]
+  cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  path = tmp_path / "olmo2"
+  model.eval().save_pretrained(path)
+  shutil.copy(tokenizer_files["plain"], path / "tokenizer.json")
+  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+  (path / "tokenizer_config.json").write_text(json.dumps(specials))
+  (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+  return path
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_an_olmo2_folder_is_k_invariant_and_exports_what_it_trained(
+  tmp_path, olmo2_folder
+):
+  runs = {}
+  for k in (1, 4):
+    cfg = run_cfg(
+      tmp_path,
+      olmo2_folder,
+      "model.lora.rank=4",
+      "train.max_steps=3",
+      "train.log_every=1",
+      "optim.lr=1e-2",
+      f"train.grad_accum_steps={k}",
+      f"run_dir={tmp_path / f'k{k}'}",
+    )
+    trainer.train(cfg)
+    runs[k] = read_lines(tmp_path / f"k{k}" / "metrics.jsonl")
+  assert len(runs[1]) == 3
+  for a, b in zip(runs[1], runs[4], strict=True):
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, err_msg=key)
+
+  run_dir = tmp_path / "k4"
+  assert jaxstep.load_run(run_dir).cfg.model.block_norms == "post"
+  assert export(run_dir, tmp_path / "adapter", "--adapter") == 0
+  assert export(run_dir, tmp_path / "merged") == 0
+  expected = ours(run_dir)
+  base = transformers.AutoModelForCausalLM.from_pretrained(olmo2_folder)
+  with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+  assert_close(logits(with_adapter), expected, terms=TERMS)
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+  assert type(merged).__name__ == "Olmo2ForCausalLM"
+  assert_close(logits(merged), expected, terms=TERMS)
+  plain = transformers.AutoModelForCausalLM.from_pretrained(olmo2_folder)
+  assert_far(logits(plain), expected, terms=TERMS)  # the adapters moved the logits
+
+
+def test_scanned_rematerialized_blocks_compute_the_folders_logits(tmp_path):
+  """Stacked blocks walked by ``lax.scan`` and recomputed in the backward pass hold the
+  post-norm block as the per-layer model does: transformers' logits, and the gradient of
+  the unstacked model."""
+  model = save_tiny(tmp_path, "olmo2")
+  ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
+  hf = hf_config.read_config(tmp_path)
+  grads = {}
+  for scan in (False, True):
+    cfg = hf_config.model_config(hf, attention="xla", scan_layers=scan, remat="block")
+    apply_fn, _ = models.build(cfg, 0, abstract=True)
+    params = layers.convert_layout(hf_weights.read_params(tmp_path, cfg), scan_layers=scan)
+    assert_close(np.asarray(jax.jit(apply_fn)(params, ids)), torch_logits(model, ids), terms=TERMS)
+    g = jax.grad(lambda p, f=apply_fn: jnp.sum(f(p, ids)[..., 3]))(params)["blocks"]
+    scale = g[1]["post_feedforward_layernorm"]["scale"] if not scan else None
+    grads[scan] = scale if not scan else g["post_feedforward_layernorm"]["scale"][1]
+  assert_close(grads[True], grads[False], terms=TERMS)
+
+
+def test_a_model_built_with_post_norms_exports_as_olmo2(tmp_path):
+  """No base folder: ``block_norms=post`` with q/k norms over the projections is OLMo 2,
+  and transformers computes the exported folder's logits."""
+  cfg = LlamaConfig(
+    vocab_size=40, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=24,
+    qk_norm=True, qk_norm_scope="projection", block_norms="post", attention="xla",
+  )  # fmt: skip
+  apply_fn, params = models.build(cfg, 0)
+  arch = architecture_of(cfg, None)
+  assert arch == "Olmo2ForCausalLM"
+  out = hf_export.save_pretrained(tmp_path / "m", cfg, params, architecture=arch)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+  assert type(model).__name__ == "Olmo2ForCausalLM"
+  ids = np.random.default_rng(1).integers(0, 40, size=(2, 9))
+  assert_close(np.asarray(apply_fn(params, ids)), torch_logits(model, ids), terms=24 * 2)
