@@ -43,6 +43,13 @@ FAMILIES = {
   # transformers' OLMo 2 defaults name ids outside a tiny vocabulary, and its embedding
   # never updates the pad id's row (torch's padding_idx): none, as Llama's defaults
   "olmo2": ("Olmo2Config", {"head_dim": 12, "pad_token_id": None, "eos_token_id": None}),
+  "granite": (
+    "GraniteConfig",
+    {
+      **dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.6),
+      **dict(logits_scaling=2.5, bos_token_id=None, eos_token_id=None),
+    },
+  ),
   "gpt2": ("GPT2Config", {"layer_norm_epsilon": 1e-5}),
   "gpt2-untied": ("GPT2Config", {"tie_word_embeddings": False}),
 }

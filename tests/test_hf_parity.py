@@ -51,7 +51,13 @@ def one_error(capsys) -> str:
 
 
 @pytest.mark.parametrize(
-  "family", ["qwen3", "llama", "gpt2", pytest.param("olmo2", marks=pytest.mark.slow)]
+  "family",
+  [
+    "qwen3",
+    "llama",
+    "gpt2",
+    *(pytest.param(f, marks=pytest.mark.slow) for f in ("olmo2", "granite")),
+  ],
 )
 def test_an_unmodified_folder_passes_every_stage(tiny, tmp_path, family):
   from jaxstep.models.hf_parity import parity_report

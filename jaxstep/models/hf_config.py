@@ -11,6 +11,8 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
 - ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
 - ``Olmo2ForCausalLM``: RMSNorm on the attention's and the MLP's outputs instead of their
   inputs, and on the whole q and k projections.
+- ``GraniteForCausalLM``: multipliers on the embeddings, the attention logits, the
+  residual branches and the logits (``hf_dense.py``).
 - ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``OlmoeForCausalLM``,
   ``Qwen2MoeForCausalLM``: mixtures of experts (``hf_moe.py`` says what each adds).
 - ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).
@@ -29,24 +31,11 @@ import pathlib
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_dense import ARCHITECTURES, read_fields
 from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 
 CONFIG = "config.json"
-# architecture -> the LlamaConfig fields it fixes, whatever its config.json says
-LLAMA = {"attention_bias": False, "qk_norm": False, "qk_norm_scope": "head", "block_norms": "pre"}
-ARCHITECTURES = {
-  "LlamaForCausalLM": LLAMA,
-  "MistralForCausalLM": LLAMA,
-  "Qwen2ForCausalLM": {**LLAMA, "attention_bias": True},
-  "Qwen3ForCausalLM": {**LLAMA, "qk_norm": True},
-  "Olmo2ForCausalLM": {
-    **LLAMA,
-    "qk_norm": True,
-    "qk_norm_scope": "projection",
-    "block_norms": "post",
-  },
-}
 ROPE_TYPES = ("default", "llama3")
 # GPT-2: the bundled GPT (hf_gpt2.py); the mixtures of experts: hf_moe.py
 SUPPORTED = (*ARCHITECTURES, *hf_moe.ARCHITECTURES, hf_gpt2.ARCHITECTURE)
@@ -133,7 +122,7 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
     family = hf_moe.config_fields(hf, name, where)
     default_theta = hf_moe.ARCHITECTURES[name].default_theta
   else:
-    family, default_theta = ARCHITECTURES[name], 10000.0
+    family, default_theta = read_fields(hf, name, where), 10000.0
     for key in ("mlp_bias", "attention_bias") if not family["attention_bias"] else ("mlp_bias",):
       if hf.get(key):  # Llama's attention_bias also biases o_proj, which this model has not
         raise ConfigError(f"{where}: {key}=true is not supported for {name}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, hf_gpt2, hf_moe, layers
+from jaxstep.models import export_folder, hf_dense, hf_gpt2, hf_moe, layers
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, rope_settings
 from jaxstep.models.hf_weights import expected_shapes, hf_names, leaf_of
@@ -50,6 +50,7 @@ MODEL_TYPES = {
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
   "Olmo2ForCausalLM": "olmo2",
+  "GraniteForCausalLM": "granite",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")
@@ -179,14 +180,7 @@ def check_architecture(cfg: LlamaConfig | GPTConfig, architecture: str) -> None:
   if architecture in hf_moe.ARCHITECTURES or hf_moe.needs_moe_architecture(cfg):
     hf_moe.check_export(cfg, architecture)
     return
-  fixed = ARCHITECTURES[architecture]  # the scope of q/k norms a model has not: any
-  ours = {
-    k: getattr(cfg, k) if cfg.qk_norm or k != "qk_norm_scope" else v for k, v in fixed.items()
-  }
-  if ours != fixed:
-    spelled = [", ".join(f"{k}={v}" for k, v in d.items()) for d in (fixed, ours)]
-    raise ConfigError(f"{architecture} has {spelled[0]}; the model has {spelled[1]}: pick the "
-                      "architecture it was built as")  # fmt: skip
+  hf_dense.check_export(cfg, architecture)
 
 
 def export_config(
@@ -268,6 +262,7 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
     hf["attention_bias"] = False
   if architecture in hf_moe.ARCHITECTURES:
     hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
+  hf.update(hf_dense.export_fields(cfg, architecture))
   _set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype

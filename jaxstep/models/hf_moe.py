@@ -37,6 +37,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from jaxstep.errors import ConfigError
+from jaxstep.models import hf_dense
 from jaxstep.models.hf_fields import integer, real
 
 EXPERT_KEYS = ("num_local_experts", "num_experts")
@@ -251,6 +252,7 @@ def check_export(cfg, architecture: str) -> None:
     ),
     (cfg.attention_bias and not fam.bias_key, "q/k/v biases (it has none)"),
     (cfg.block_norms != "pre", f"block_norms={cfg.block_norms} (it norms each branch's input)"),
+    (bool(hf_dense.scaled(cfg)), f"multipliers {hf_dense.scaled(cfg)} (it has none)"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

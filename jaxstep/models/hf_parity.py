@@ -187,6 +187,8 @@ def transformers_stages(folder, tokens) -> tuple[list[np.ndarray], str]:
     for h in handles:
       h.remove()
   stages = [caught[i] for i in range(len(modules))] + [logits.float().numpy()]
+  # Granite multiplies the embeddings in the model's forward, after embed_tokens
+  stages[0] = stages[0] * getattr(model.config, "embedding_multiplier", 1.0)
   return stages, transformers.__version__
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from flax import nnx
 
 from jaxstep.core import chunked_loss, layout
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, grouped, layers, lora, moe
+from jaxstep.models import backends, layers, lora, moe
 from jaxstep.models.gpt import platform_kernels
 from jaxstep.models.llama_parts import (
   RMSNorm,
@@ -43,8 +44,13 @@ from jaxstep.models.lora import LoraConfig
 from jaxstep.models.stack import DecoderStack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LBL_SCOPES = ("global", "micro_batch")
 QK_NORM_SCOPES = ("head", "projection")
+GRANITE_SCALES = {
+  "embedding_multiplier": 1.0,
+  "attention_multiplier": 0.0,
+  "residual_multiplier": 1.0,
+  "logits_scaling": 1.0,
+}
 BLOCK_NORMS = ("pre", "post")
 
 
@@ -68,6 +74,11 @@ class LlamaConfig:
   qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
   qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
   block_norms: str = "pre"  # pre: norm each branch's input | post: its output (OLMo 2)
+  # Granite's multipliers (GRANITE_SCALES: the values that change nothing)
+  embedding_multiplier: float = 1.0  # the token embeddings times this
+  attention_multiplier: float = 0.0  # the attention logits' scale; 0: 1/√head_dim
+  residual_multiplier: float = 1.0  # each attention and MLP output times this, then added
+  logits_scaling: float = 1.0  # the logits divided by this
   dropout: float = 0.0  # on the embeddings, attention output and MLP output
   attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
   remat: str = "none"  # none | block | dots: recompute activations in the backward pass
@@ -98,7 +109,7 @@ class LlamaConfig:
     routed = lora.ROUTED if self.num_experts or self.init_from else ()
     self.lora.check_targets(PROJECTIONS + routed)
     object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-    check_moe(self)
+    moe.check_config(self)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "intermediate_size"):
       if getattr(self, name) <= 0:
@@ -117,9 +128,12 @@ class LlamaConfig:
       )
     if self.resolved_head_dim % 2:
       raise ConfigError(f"model.head_dim must be even for RoPE, got {self.resolved_head_dim}")
-    for name in ("rms_norm_eps", "rope_theta"):
+    scales = [name for name, neutral in GRANITE_SCALES.items() if neutral]  # 0 means "none"
+    for name in ("rms_norm_eps", "rope_theta", *scales):
       if getattr(self, name) <= 0:
         raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+    if self.attention_multiplier < 0:
+      raise ConfigError(f"model.attention_multiplier must be >= 0, got {self.attention_multiplier}")
     for name, allowed in (("qk_norm_scope", QK_NORM_SCOPES), ("block_norms", BLOCK_NORMS)):
       if getattr(self, name) not in allowed:
         raise ConfigError(
@@ -192,42 +206,6 @@ class LlamaConfig:
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * width * seq_len
 
 
-def check_moe(cfg: LlamaConfig) -> None:
-  """ConfigError for mixture-of-experts settings that cannot build or train."""
-  for name in ("num_experts", "moe_intermediate_size", "shared_experts", "shared_expert_size"):
-    if getattr(cfg, name) < 0:
-      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
-  if not cfg.num_experts:
-    return
-  if not 1 <= cfg.experts_per_token <= cfg.num_experts:
-    raise ConfigError(
-      f"model.experts_per_token must be in [1, num_experts={cfg.num_experts}], "
-      f"got {cfg.experts_per_token}"
-    )
-  if cfg.moe_every < 1:
-    raise ConfigError(f"model.moe_every must be >= 1, got {cfg.moe_every}")
-  if bad := [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]:
-    raise ConfigError(f"model.dense_layers {bad} are not layers of 0 … {cfg.n_layers - 1}")
-  choices = {
-    "router_scores": moe.SCORES,
-    "moe_matmul": grouped.IMPLS,
-    "lbl_scope": LBL_SCOPES,
-  }
-  for name, allowed in choices.items():
-    if getattr(cfg, name) not in allowed:
-      raise ConfigError(
-        f"model.{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
-      )
-  for name in ("capacity_factor", "router_aux_loss", "router_z_loss"):
-    if not getattr(cfg, name) >= 0:
-      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
-  if cfg.scan_layers and len(set(cfg.moe_layers)) > 1:
-    raise ConfigError(
-      "model.scan_layers needs every block alike, and this model mixes dense and MoE "
-      "layers (moe_every, dense_layers): set model.scan_layers=false"
-    )
-
-
 def _check_kernels(cfg: LlamaConfig) -> None:
   """ConfigError for an unknown ``model.attention`` or ``model.remat`` (as the GPT's)."""
   if cfg.attention not in backends.ATTENTION_BACKENDS:
@@ -290,7 +268,10 @@ class LlamaBlock(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     freq = inv_freq(dh, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = rope_tables(positions, freq, q.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    q = apply_rope(q, cos, sin)
+    if cfg.attention_multiplier:  # every backend divides q·k by √dh: m·q·k in the end
+      q = q * jnp.asarray(cfg.attention_multiplier * math.sqrt(dh), q.dtype)
+    return q, apply_rope(k, cos, sin), v
 
   def attention(self, x: jax.Array, segment_ids=None, positions=None) -> jax.Array:
     """Self-attention of ``x [B, S, D]``, rotated at ``positions`` (``[B, S]``; None:
@@ -327,13 +308,17 @@ class LlamaBlock(nnx.Module):
     return x if self.post_norms else self.input_layernorm(x)
 
   def _attention_output(self, out):
-    return self.post_attention_layernorm(out) if self.post_norms else out
+    return self._residual(self.post_attention_layernorm(out) if self.post_norms else out)
 
   def _mlp_input(self, x):
     return x if self.post_norms else self.post_attention_layernorm(x)
 
   def _mlp_output(self, out):
-    return self.post_feedforward_layernorm(out) if self.post_norms else out
+    return self._residual(self.post_feedforward_layernorm(out) if self.post_norms else out)
+
+  def _residual(self, out):
+    m = self.cfg.residual_multiplier
+    return out if m == 1.0 else out * jnp.asarray(m, out.dtype)
 
   def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None, route_weights=None):
     """``segment_ids``, ``positions`` ``[B, S]``: document masking
@@ -371,17 +356,24 @@ class Llama(DecoderStack):
   def embed_inputs(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
     """What the first block reads: the token embeddings (``[B, S, d_model]``)."""
     del positions  # rotary: the blocks turn q and k by the positions
-    return self.embed_tokens(inputs)
+    x, m = self.embed_tokens(inputs), self.cfg.embedding_multiplier
+    return x if m == 1.0 else x * jnp.asarray(m, x.dtype)
 
   def _logits(self, x: jax.Array) -> jax.Array:
-    x = self.norm(x)
+    x = self._final_norm(x)
     return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+
+  def _final_norm(self, x: jax.Array) -> jax.Array:
+    """The final RMSNorm, divided by ``logits_scaling`` (Granite's logits ÷ s, applied to
+    the hidden state so the chunked loss's ``h·W`` divides too)."""
+    x, s = self.norm(x), self.cfg.logits_scaling
+    return x if s == 1.0 else x / jnp.asarray(s, x.dtype)
 
   def _hidden_and_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(norm(x), W)`` with ``norm(x)·W`` = ``_logits(x)`` (``W``: the tied embedding's
     transpose or the head's kernel)."""
     w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
-    return self.norm(x), w
+    return self._final_norm(x), w
 
   def _cache_heads(self) -> tuple[int, int]:
     """The cache holds ``n_kv_heads`` heads: grouped-query attention's saving carries over

@@ -35,10 +35,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.core import layout
+from jaxstep.errors import ConfigError
 from jaxstep.models import grouped, lora
 from jaxstep.models.gpt import platform_kernels
 
 SCORES = ("softmax", "sigmoid")
+LBL_SCOPES = ("global", "micro_batch")
 
 
 class Routing(NamedTuple):
@@ -265,3 +267,39 @@ def dense_sums(n_experts: int) -> dict:
   """A dense layer's routing sums in an MoE model: zeros shaped like ``routing_sums``'."""
   zeros = jnp.zeros((n_experts,), jnp.float32)
   return {"counts": zeros, "probs": zeros, "z": jnp.zeros(()), "dropped": jnp.zeros(())}
+
+
+def check_config(cfg) -> None:
+  """ConfigError for mixture-of-experts settings that cannot build or train."""
+  for name in ("num_experts", "moe_intermediate_size", "shared_experts", "shared_expert_size"):
+    if getattr(cfg, name) < 0:
+      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
+  if not cfg.num_experts:
+    return
+  if not 1 <= cfg.experts_per_token <= cfg.num_experts:
+    raise ConfigError(
+      f"model.experts_per_token must be in [1, num_experts={cfg.num_experts}], "
+      f"got {cfg.experts_per_token}"
+    )
+  if cfg.moe_every < 1:
+    raise ConfigError(f"model.moe_every must be >= 1, got {cfg.moe_every}")
+  if bad := [i for i in cfg.dense_layers if not 0 <= i < cfg.n_layers]:
+    raise ConfigError(f"model.dense_layers {bad} are not layers of 0 … {cfg.n_layers - 1}")
+  choices = {
+    "router_scores": SCORES,
+    "moe_matmul": grouped.IMPLS,
+    "lbl_scope": LBL_SCOPES,
+  }
+  for name, allowed in choices.items():
+    if getattr(cfg, name) not in allowed:
+      raise ConfigError(
+        f"model.{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+      )
+  for name in ("capacity_factor", "router_aux_loss", "router_z_loss"):
+    if not getattr(cfg, name) >= 0:
+      raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
+  if cfg.scan_layers and len(set(cfg.moe_layers)) > 1:
+    raise ConfigError(
+      "model.scan_layers needs every block alike, and this model mixes dense and MoE "
+      "layers (moe_every, dense_layers): set model.scan_layers=false"
+    )

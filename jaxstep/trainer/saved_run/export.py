@@ -37,6 +37,7 @@ from jaxstep.models import (
   LlamaConfig,
   export_folder,
   hf_config,
+  hf_dense,
   hf_export,
   hf_gpt2,
   hf_moe,
@@ -54,6 +55,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_gpt2.ARCHITECTURE
   if hf_moe.needs_moe_architecture(model_cfg):
     return hf_moe.architecture_for(model_cfg)
+  if hf_dense.scaled(model_cfg):
+    return hf_dense.GRANITE
   if model_cfg.block_norms == "post":
     return "Olmo2ForCausalLM"
   if model_cfg.qk_norm:

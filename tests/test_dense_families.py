@@ -1,7 +1,8 @@
-"""An OLMo 2 folder trained with LoRA: K micro-batches give one batch's updates, and the PEFT
-adapter and the merged export load onto transformers' ``Olmo2ForCausalLM`` with the run's
-logits. (Its logits, gradients, greedy tokens and parity report against transformers:
-``test_hf_import``, ``test_hf_training``, ``test_hf_parity``, family ``olmo2``.)"""
+"""OLMo 2 and Granite folders trained with LoRA: K micro-batches give one batch's updates,
+and the PEFT adapter and the merged export load onto transformers' model with the run's
+logits; models built here with their settings export as their architecture. (Their logits,
+gradients, greedy tokens and parity reports against transformers: ``test_hf_import``,
+``test_hf_training``, ``test_hf_parity``, families ``olmo2`` and ``granite``.)"""
 
 import json
 import shutil
@@ -18,8 +19,8 @@ from test_lora_export import export, logits, ours
 from test_pretrained import CHATML_TEMPLATE
 from tolerance import assert_close, assert_far
 
-import jaxstep
 from jaxstep import models, trainer
+from jaxstep.errors import ConfigError
 from jaxstep.models import hf_config, hf_export, hf_weights, layers
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.trainer.saved_run.export import architecture_of
@@ -31,17 +32,17 @@ peft = LazyModule("peft")
 TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 
 
-@pytest.fixture
-def olmo2_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
-  """A tiny random OLMo 2 (every norm's weight random, not one) with a tokenizer."""
-  name, extra = FAMILIES["olmo2"]
+@pytest.fixture(params=["olmo2", "granite"])
+def family_folder(request, tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
+  """A tiny random OLMo 2 or Granite (every weight random, norms too) with a tokenizer."""
+  name, extra = FAMILIES[request.param]
   cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
   with torch.no_grad():
     for p in model.parameters():
       p.copy_(torch.randn_like(p) * 0.2)
-  path = tmp_path / "olmo2"
+  path = tmp_path / request.param
   model.eval().save_pretrained(path)
   shutil.copy(tokenizer_files["plain"], path / "tokenizer.json")
   specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
@@ -51,14 +52,12 @@ def olmo2_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixtur
 
 
 @pytest.mark.slow
-def test_a_lora_run_on_an_olmo2_folder_is_k_invariant_and_exports_what_it_trained(
-  tmp_path, olmo2_folder
-):
+def test_a_lora_run_on_a_folder_is_k_invariant_and_exports_what_it_trained(tmp_path, family_folder):
   runs = {}
   for k in (1, 4):
     cfg = run_cfg(
       tmp_path,
-      olmo2_folder,
+      family_folder,
       "model.lora.rank=4",
       "train.max_steps=3",
       "train.log_every=1",
@@ -74,17 +73,17 @@ def test_a_lora_run_on_an_olmo2_folder_is_k_invariant_and_exports_what_it_traine
       np.testing.assert_allclose(b[key], a[key], rtol=2e-5, err_msg=key)
 
   run_dir = tmp_path / "k4"
-  assert jaxstep.load_run(run_dir).cfg.model.block_norms == "post"
+  architecture = hf_config.read_config(family_folder)["architectures"][0]
   assert export(run_dir, tmp_path / "adapter", "--adapter") == 0
   assert export(run_dir, tmp_path / "merged") == 0
   expected = ours(run_dir)
-  base = transformers.AutoModelForCausalLM.from_pretrained(olmo2_folder)
+  base = transformers.AutoModelForCausalLM.from_pretrained(family_folder)
   with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
   assert_close(logits(with_adapter), expected, terms=TERMS)
   merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-  assert type(merged).__name__ == "Olmo2ForCausalLM"
+  assert type(merged).__name__ == architecture
   assert_close(logits(merged), expected, terms=TERMS)
-  plain = transformers.AutoModelForCausalLM.from_pretrained(olmo2_folder)
+  plain = transformers.AutoModelForCausalLM.from_pretrained(family_folder)
   assert_far(logits(plain), expected, terms=TERMS)  # the adapters moved the logits
 
 
@@ -107,18 +106,29 @@ def test_scanned_rematerialized_blocks_compute_the_folders_logits(tmp_path):
   assert_close(grads[True], grads[False], terms=TERMS)
 
 
-def test_a_model_built_with_post_norms_exports_as_olmo2(tmp_path):
-  """No base folder: ``block_norms=post`` with q/k norms over the projections is OLMo 2,
-  and transformers computes the exported folder's logits."""
+BUILT = {
+  "Olmo2ForCausalLM": dict(qk_norm=True, qk_norm_scope="projection", block_norms="post"),
+  "GraniteForCausalLM": dict(
+    embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, tie_embeddings=True
+  ),
+}
+
+
+@pytest.mark.parametrize("architecture", list(BUILT))
+def test_a_model_built_with_a_familys_settings_exports_as_it(tmp_path, architecture):
+  """No base folder: the settings name the architecture, transformers computes the
+  exported folder's logits, and the architectures without them are refused by name."""
   cfg = LlamaConfig(
     vocab_size=40, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=24,
-    qk_norm=True, qk_norm_scope="projection", block_norms="post", attention="xla",
+    attention="xla", **BUILT[architecture],
   )  # fmt: skip
   apply_fn, params = models.build(cfg, 0)
-  arch = architecture_of(cfg, None)
-  assert arch == "Olmo2ForCausalLM"
-  out = hf_export.save_pretrained(tmp_path / "m", cfg, params, architecture=arch)
+  assert architecture_of(cfg, None) == architecture
+  out = hf_export.save_pretrained(tmp_path / "m", cfg, params, architecture=architecture)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-  assert type(model).__name__ == "Olmo2ForCausalLM"
+  assert type(model).__name__ == architecture
   ids = np.random.default_rng(1).integers(0, 40, size=(2, 9))
   assert_close(np.asarray(apply_fn(params, ids)), torch_logits(model, ids), terms=24 * 2)
+  for other, why in (("LlamaForCausalLM", "LlamaForCausalLM has"), ("OlmoeForCausalLM", "Olmoe")):
+    with pytest.raises(ConfigError, match=why):
+      hf_export.save_pretrained(tmp_path / "x", cfg, params, architecture=other)
