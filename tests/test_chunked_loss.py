@@ -80,6 +80,11 @@ MODELS = {
   "llama_moe": LlamaConfig(
     **TINY_LLAMA, num_experts=4, moe_intermediate_size=16, router_aux_loss=0.1
   ),
+  # Granite's logits divided by logits_scaling, OLMo 2's post-norms: the hidden states the
+  # chunked loss multiplies by the head must carry both
+  "llama_granite_post": LlamaConfig(
+    **TINY_LLAMA, logits_scaling=3.0, residual_multiplier=0.5, block_norms="post"
+  ),
 }
 
 

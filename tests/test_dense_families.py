@@ -1,8 +1,8 @@
-"""OLMo 2 and Granite folders trained with LoRA: K micro-batches give one batch's updates,
+"""OLMo 2, Granite and SmolLM3 folders trained with LoRA: K micro-batches give one batch's updates,
 and the PEFT adapter and the merged export load onto transformers' model with the run's
 logits; models built here with their settings export as their architecture. (Their logits,
 gradients, greedy tokens and parity reports against transformers: ``test_hf_import``,
-``test_hf_training``, ``test_hf_parity``, families ``olmo2`` and ``granite``.)"""
+``test_hf_training``, ``test_hf_parity``, families ``olmo2``, ``granite``, ``smollm3``.)"""
 
 import json
 import shutil
@@ -32,9 +32,9 @@ peft = LazyModule("peft")
 TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 
 
-@pytest.fixture(params=["olmo2", "granite"])
+@pytest.fixture(params=["olmo2", "granite", "smollm3"])
 def family_folder(request, tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
-  """A tiny random OLMo 2 or Granite (every weight random, norms too) with a tokenizer."""
+  """A tiny random model of the family (every weight random, norms too) with a tokenizer."""
   name, extra = FAMILIES[request.param]
   cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
   torch.manual_seed(0)
@@ -111,6 +111,7 @@ BUILT = {
   "GraniteForCausalLM": dict(
     embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, tie_embeddings=True
   ),
+  "SmolLM3ForCausalLM": dict(nope_layers=(0,)),
 }
 
 
@@ -129,6 +130,43 @@ def test_a_model_built_with_a_familys_settings_exports_as_it(tmp_path, architect
   assert type(model).__name__ == architecture
   ids = np.random.default_rng(1).integers(0, 40, size=(2, 9))
   assert_close(np.asarray(apply_fn(params, ids)), torch_logits(model, ids), terms=24 * 2)
-  for other, why in (("LlamaForCausalLM", "LlamaForCausalLM has"), ("OlmoeForCausalLM", "Olmoe")):
+  for other, why in (("LlamaForCausalLM", "LlamaForCausalLM "), ("OlmoeForCausalLM", "experts")):
     with pytest.raises(ConfigError, match=why):
       hf_export.save_pretrained(tmp_path / "x", cfg, params, architecture=other)
+
+
+def test_smollm3s_nope_layers_are_read_as_transformers_reads_them():
+  """Its flags where the folder lists them, else every ``no_rope_layer_interval``-th layer
+  (4 by default); flags of another length or value are one error naming the key; stacked
+  blocks need every layer alike."""
+  base = {"architectures": ["SmolLM3ForCausalLM"], **SHAPE, "num_hidden_layers": 8}
+  read = lambda **kw: hf_config.model_config({**base, **kw}).nope_layers  # noqa: E731
+  assert read() == (3, 7)
+  assert read(no_rope_layer_interval=3) == (2, 5)
+  assert read(no_rope_layers=[1, 0, 1, 1, 0, 0, 1, 1]) == (1, 4, 5)
+  for bad in ([1, 0], [1, 2, 1, 1, 1, 1, 1, 1]):
+    with pytest.raises(ConfigError, match="no_rope_layers must be 8 flags of 0 or 1"):
+      read(no_rope_layers=bad)
+  with pytest.raises(ConfigError, match="scan_layers needs every block alike"):
+    hf_config.model_config(base, scan_layers=True)
+  assert hf_config.model_config({**base, "no_rope_layers": [0] * 8}, scan_layers=True).scan_layers
+
+
+def test_an_moe_export_refuses_what_its_architectures_do_not_compute():
+  """A mixture of experts with a dense family's settings has no architecture to go to."""
+  moe = dict(num_experts=4, experts_per_token=2, qk_norm=True, qk_norm_scope="projection")
+  for settings, why in (
+    (dict(block_norms="post"), "block_norms=post"),
+    (dict(logits_scaling=2.0), "multipliers"),
+    (dict(nope_layers=(1,)), "nope_layers"),
+  ):
+    cfg = LlamaConfig(vocab_size=40, d_model=16, n_heads=2, intermediate_size=24, **moe, **settings)
+    with pytest.raises(ConfigError, match=f"OlmoeForCausalLM cannot hold this model: {why}"):
+      hf_export.check_architecture(cfg, "OlmoeForCausalLM")
+
+
+def test_a_granite_folders_multipliers_must_be_positive():
+  base = {"architectures": ["GraniteForCausalLM"], **SHAPE}
+  assert hf_config.model_config(base).attention_multiplier == 1.0  # transformers' default
+  with pytest.raises(ConfigError, match="multipliers must be > 0, got {'attention_multiplier'"):
+    hf_config.model_config({**base, "attention_multiplier": 0.0})

@@ -43,6 +43,10 @@ FAMILIES = {
   # transformers' OLMo 2 defaults name ids outside a tiny vocabulary, and its embedding
   # never updates the pad id's row (torch's padding_idx): none, as Llama's defaults
   "olmo2": ("Olmo2Config", {"head_dim": 12, "pad_token_id": None, "eos_token_id": None}),
+  "smollm3": (  # layer 1 without rotary embeddings (every 4th by default: none of 2)
+    "SmolLM3Config",
+    {"no_rope_layers": [1, 0], "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+  ),
   "granite": (
     "GraniteConfig",
     {

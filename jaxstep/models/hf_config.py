@@ -13,6 +13,7 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
   inputs, and on the whole q and k projections.
 - ``GraniteForCausalLM``: multipliers on the embeddings, the attention logits, the
   residual branches and the logits (``hf_dense.py``).
+- ``SmolLM3ForCausalLM``: no rotary embedding in the layers ``no_rope_layers`` flags 0.
 - ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``OlmoeForCausalLM``,
   ``Qwen2MoeForCausalLM``: mixtures of experts (``hf_moe.py`` says what each adds).
 - ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).

@@ -7,7 +7,9 @@ Granite adds four numbers the folder sets (``GRANITE_SCALES``): the embeddings t
 ``embedding_multiplier``, the attention logits scaled by ``attention_multiplier`` in place
 of 1/√head_dim, each attention and MLP output times ``residual_multiplier`` before it is
 added to the residual stream, and the logits divided by ``logits_scaling``. transformers'
-Granite defaults each to 1 (an attention scale of 1, not 1/√head_dim).
+Granite defaults each to 1 (an attention scale of 1, not 1/√head_dim). SmolLM3 leaves q and
+k unrotated in the layers its ``no_rope_layers`` flags 0 (by default every fourth:
+``no_rope_layer_interval``), jaxstep's ``nope_layers``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from __future__ import annotations
 import math
 
 from jaxstep.errors import ConfigError
-from jaxstep.models.hf_fields import real
+from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import GRANITE_SCALES
 
 GRANITE = "GraniteForCausalLM"
+SMOLLM3 = "SmolLM3ForCausalLM"
 LLAMA = {"attention_bias": False, "qk_norm": False, "qk_norm_scope": "head", "block_norms": "pre"}
 ARCHITECTURES = {
   "LlamaForCausalLM": LLAMA,
@@ -32,6 +35,7 @@ ARCHITECTURES = {
     "block_norms": "post",
   },
   GRANITE: LLAMA,
+  SMOLLM3: LLAMA,
 }
 
 
@@ -41,7 +45,24 @@ def read_fields(hf: dict, architecture: str, where: str) -> dict:
   fields = dict(ARCHITECTURES[architecture])
   if architecture == GRANITE:
     fields |= {name: real(hf, name, where, 1.0) for name in GRANITE_SCALES}
+    if bad := {k: fields[k] for k in GRANITE_SCALES if not fields[k] > 0}:
+      raise ConfigError(f"{where}: Granite's multipliers must be > 0, got {bad}")
+  if architecture == SMOLLM3:
+    fields["nope_layers"] = _nope_layers(hf, where)
   return fields
+
+
+def _nope_layers(hf: dict, where: str) -> tuple[int, ...]:
+  """The layers ``no_rope_layers`` flags 0, or transformers' default: every
+  ``no_rope_layer_interval``-th (4)."""
+  n = integer(hf, "num_hidden_layers", where)
+  flags = hf.get("no_rope_layers")
+  if flags is None:
+    interval = integer(hf, "no_rope_layer_interval", where, 4)
+    flags = [int((i + 1) % interval != 0) for i in range(n)]
+  if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+    raise ConfigError(f"{where}: no_rope_layers must be {n} flags of 0 or 1, got {flags!r}")
+  return tuple(i for i, rope in enumerate(flags) if not rope)
 
 
 def scaled(cfg) -> dict:
@@ -51,7 +72,10 @@ def scaled(cfg) -> dict:
 
 def export_fields(cfg, architecture: str) -> dict:
   """Granite's four multipliers for its ``config.json`` (the attention's written out: 0
-  here is 1/√head_dim); nothing for the other architectures."""
+  here is 1/√head_dim), SmolLM3's rotary flags per layer; nothing for the others."""
+  if architecture == SMOLLM3:
+    flags = [int(i not in cfg.nope_layers) for i in range(cfg.n_layers)]
+    return {"no_rope_layers": flags, "use_sliding_window": False, "mlp_bias": False}
   if architecture != GRANITE:
     return {}
   fields = {name: float(getattr(cfg, name)) for name in GRANITE_SCALES}
@@ -78,4 +102,9 @@ def check_export(cfg, architecture: str) -> None:
     names = ", ".join(f"{k}={v}" for k, v in multipliers.items())
     raise ConfigError(
       f"{architecture} has no multipliers, and the model has {names}: use {GRANITE}"
+    )
+  if cfg.nope_layers and architecture != SMOLLM3:
+    raise ConfigError(
+      f"{architecture} rotates q and k in every layer, and the model has nope_layers "
+      f"{list(cfg.nope_layers)}: use {SMOLLM3}"
     )

@@ -51,6 +51,7 @@ MODEL_TYPES = {
   "Qwen3ForCausalLM": "qwen3",
   "Olmo2ForCausalLM": "olmo2",
   "GraniteForCausalLM": "granite",
+  "SmolLM3ForCausalLM": "smollm3",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")

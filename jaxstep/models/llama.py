@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2) in Flax NNX.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3) in
+Flax NNX.
 
 Pre-RMSNorm blocks (or, for OLMo 2, RMSNorm on the attention's and the MLP's outputs
 instead); separate q/k/v projections with grouped-query attention (``n_kv_heads``
@@ -39,6 +40,7 @@ from jaxstep.models.llama_parts import (
   inv_freq,
   rope_scaling_of,
   rope_tables,
+  times,
 )
 from jaxstep.models.lora import LoraConfig
 from jaxstep.models.stack import DecoderStack
@@ -74,6 +76,7 @@ class LlamaConfig:
   qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
   qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
   block_norms: str = "pre"  # pre: norm each branch's input | post: its output (OLMo 2)
+  nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE)
   # Granite's multipliers (GRANITE_SCALES: the values that change nothing)
   embedding_multiplier: float = 1.0  # the token embeddings times this
   attention_multiplier: float = 0.0  # the attention logits' scale; 0: 1/√head_dim
@@ -108,7 +111,8 @@ class LlamaConfig:
     # a folder's model (init_from) says whether it has experts once it is read
     routed = lora.ROUTED if self.num_experts or self.init_from else ()
     self.lora.check_targets(PROJECTIONS + routed)
-    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    for name in ("dense_layers", "nope_layers"):
+      object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
     moe.check_config(self)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
     for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "intermediate_size"):
@@ -125,6 +129,13 @@ class LlamaConfig:
       raise ConfigError(
         f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads} "
         "(or set model.head_dim)"
+      )
+    if bad := [i for i in self.nope_layers if not 0 <= i < self.n_layers]:
+      raise ConfigError(f"model.nope_layers {bad} are not layers of 0 … {self.n_layers - 1}")
+    if self.scan_layers and 0 < len(set(self.nope_layers)) < self.n_layers:
+      raise ConfigError(
+        "model.scan_layers needs every block alike, and model.nope_layers rotates q and k "
+        "in some layers only: set model.scan_layers=false"
       )
     if self.resolved_head_dim % 2:
       raise ConfigError(f"model.head_dim must be even for RoPE, got {self.resolved_head_dim}")
@@ -151,6 +162,13 @@ class LlamaConfig:
     return tuple(
       (i + 1) % self.moe_every == 0 and i not in self.dense_layers for i in range(self.n_layers)
     )
+
+  @property
+  def blocks_differ(self) -> bool:
+    """Whether the blocks are not all alike (dense and MoE MLPs, rotated and NoPE
+    attention): they cannot be one stack walked by ``lax.scan``."""
+    nope = len(set(self.nope_layers))
+    return len(set(self.moe_layers)) > 1 or 0 < nope < self.n_layers
 
   @property
   def expert_size(self) -> int:
@@ -227,22 +245,23 @@ class LlamaBlock(nnx.Module):
   ``post_attention_layernorm`` normalizes the MLP's input in a pre-norm block and the
   attention's output in a post-norm one."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False, rope=True):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
     linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
     self.cfg = cfg
     self.post_norms = cfg.block_norms == "post"
-    self.input_layernorm = None if self.post_norms else RMSNorm(d, cfg.rms_norm_eps)
+    norm = functools.partial(RMSNorm, eps=cfg.rms_norm_eps, round_last=self.post_norms)
+    self.input_layernorm = None if self.post_norms else norm(d)
     self.q_proj = linear("q_proj", d, h * dh, use_bias=cfg.attention_bias)
     self.k_proj = linear("k_proj", d, kv * dh, use_bias=cfg.attention_bias)
     self.v_proj = linear("v_proj", d, kv * dh, use_bias=cfg.attention_bias)
     self.o_proj = linear("o_proj", h * dh, d)
     whole = cfg.qk_norm_scope == "projection"  # one norm over all heads (OLMoE)
-    self.q_norm = RMSNorm(h * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
-    self.k_norm = RMSNorm(kv * dh if whole else dh, cfg.rms_norm_eps) if cfg.qk_norm else None
-    self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-    self.post_feedforward_layernorm = RMSNorm(d, cfg.rms_norm_eps) if self.post_norms else None
+    self.q_norm = norm(h * dh if whole else dh) if cfg.qk_norm else None
+    self.k_norm = norm(kv * dh if whole else dh) if cfg.qk_norm else None
+    self.post_attention_layernorm = norm(d)
+    self.post_feedforward_layernorm = norm(d) if self.post_norms else None
     if sparse:
       self.mlp = moe.MoeMLP(cfg, linear, rngs=rngs)
     else:
@@ -250,12 +269,14 @@ class LlamaBlock(nnx.Module):
       self.up_proj = linear("up_proj", d, cfg.intermediate_size)
       self.down_proj = linear("down_proj", cfg.intermediate_size, d)
     self.sparse = sparse
+    self.rope = rope  # False: a NoPE layer (nope_layers), q and k as projected
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def qkv(self, x: jax.Array, positions: jax.Array):
     """Rotated ``q [B, S, H, Dh]``, rotated ``k`` and ``v`` ``[B, S, KV, Dh]`` for ``x`` at
     ``positions`` (``[S]`` or ``[B, S]``); q/k norms (if any) before the rotation, over
-    each head or, with ``qk_norm_scope="projection"``, over the whole projection."""
+    each head or, with ``qk_norm_scope="projection"``, over the whole projection. A NoPE
+    layer's q and k are not rotated; Granite's ``attention_multiplier`` scales q."""
     b, s, _ = x.shape
     cfg, dh = self.cfg, self.cfg.resolved_head_dim
     q, k = self.q_proj(x), self.k_proj(x)
@@ -266,12 +287,12 @@ class LlamaBlock(nnx.Module):
     v = self.v_proj(x).reshape(b, s, cfg.resolved_kv_heads, dh)
     if self.q_norm is not None and cfg.qk_norm_scope == "head":
       q, k = self.q_norm(q), self.k_norm(k)
-    freq = inv_freq(dh, cfg.rope_theta, cfg.rope_scaling)
-    cos, sin = rope_tables(positions, freq, q.dtype)
-    q = apply_rope(q, cos, sin)
+    if self.rope:
+      cos, sin = rope_tables(positions, inv_freq(dh, cfg.rope_theta, cfg.rope_scaling), q.dtype)
+      q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention_multiplier:  # every backend divides q·k by √dh: m·q·k in the end
-      q = q * jnp.asarray(cfg.attention_multiplier * math.sqrt(dh), q.dtype)
-    return q, apply_rope(k, cos, sin), v
+      q = times(q, cfg.attention_multiplier * math.sqrt(dh))
+    return q, k, v
 
   def attention(self, x: jax.Array, segment_ids=None, positions=None) -> jax.Array:
     """Self-attention of ``x [B, S, D]``, rotated at ``positions`` (``[B, S]``; None:
@@ -317,8 +338,7 @@ class LlamaBlock(nnx.Module):
     return self._residual(self.post_feedforward_layernorm(out) if self.post_norms else out)
 
   def _residual(self, out):
-    m = self.cfg.residual_multiplier
-    return out if m == 1.0 else out * jnp.asarray(m, out.dtype)
+    return times(out, self.cfg.residual_multiplier)
 
   def __call__(self, x, *, rng, train: bool, segment_ids=None, positions=None, route_weights=None):
     """``segment_ids``, ``positions`` ``[B, S]``: document masking
@@ -342,10 +362,13 @@ class Llama(DecoderStack):
     self.cfg = cfg
     dense, _ = platform_kernels()
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    blocks = [LlamaBlock(cfg, rngs=rngs, sparse=sparse) for sparse in cfg.moe_layers]
+    blocks = [
+      LlamaBlock(cfg, rngs=rngs, sparse=sparse, rope=i not in cfg.nope_layers)
+      for i, sparse in enumerate(cfg.moe_layers)
+    ]
     # Built one by one either way, so a seed gives the same model in both layouts.
     self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
-    self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+    self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, round_last=cfg.block_norms == "post")
     self.lm_head = (
       None
       if cfg.tie_embeddings
@@ -356,8 +379,7 @@ class Llama(DecoderStack):
   def embed_inputs(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
     """What the first block reads: the token embeddings (``[B, S, d_model]``)."""
     del positions  # rotary: the blocks turn q and k by the positions
-    x, m = self.embed_tokens(inputs), self.cfg.embedding_multiplier
-    return x if m == 1.0 else x * jnp.asarray(m, x.dtype)
+    return times(self.embed_tokens(inputs), self.cfg.embedding_multiplier)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self._final_norm(x)
@@ -366,8 +388,7 @@ class Llama(DecoderStack):
   def _final_norm(self, x: jax.Array) -> jax.Array:
     """The final RMSNorm, divided by ``logits_scaling`` (Granite's logits ÷ s, applied to
     the hidden state so the chunked loss's ``h·W`` divides too)."""
-    x, s = self.norm(x), self.cfg.logits_scaling
-    return x if s == 1.0 else x / jnp.asarray(s, x.dtype)
+    return times(self.norm(x), 1.0 / self.cfg.logits_scaling)
 
   def _hidden_and_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(norm(x), W)`` with ``norm(x)·W`` = ``_logits(x)`` (``W``: the tied embedding's

@@ -23,16 +23,28 @@ class RMSNorm(nnx.Module):
   The statistics are fp32 whatever the compute dtype; the normalized ``x`` is cast back to
   the input dtype before the scale multiplies it (in the promoted dtype of the two), in
   that order, because that is where a bf16 model rounds in the reference implementation.
+  ``round_last`` (OLMo 2's ``Olmo2RMSNorm``): the scale multiplies the fp32 normalized
+  ``x``, and the product is rounded to the input dtype once. In fp32 the two are the same.
   """
 
-  def __init__(self, dim: int, eps: float):
+  def __init__(self, dim: int, eps: float, round_last: bool = False):
     self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
     self.eps = eps
+    self.round_last = round_last
 
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.round_last:
+      return (self.scale[...] * normed).astype(x.dtype)
     return self.scale[...] * normed.astype(x.dtype)
+
+
+def times(x: jax.Array, m: float) -> jax.Array:
+  """``x · m`` rounded once to ``x``'s dtype (Granite's multipliers; transformers multiplies
+  by a Python float): the constant stays fp32, where a weakly typed one would first round
+  to bf16. ``m == 1``: ``x`` itself, the graph of a model without multipliers."""
+  return x if m == 1.0 else (x.astype(jnp.float32) * m).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

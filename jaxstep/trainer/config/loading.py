@@ -250,20 +250,21 @@ def _frozen_base_depth(cfg: Config, given: dict) -> Config:
     return cfg
   depth = {k: v for k, v in FROZEN_BASE_DEPTH.items() if k not in given}
   if "scan_layers" in depth and _mixed_layers(cfg.model.init_from):
-    del depth["scan_layers"]  # dense and MoE blocks differ: they cannot be one scanned stack
+    del depth["scan_layers"]  # blocks that differ cannot be one scanned stack
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **depth))
 
 
 def _mixed_layers(folder: str) -> bool:
-  """Whether the model folder's blocks mix dense and mixture-of-experts MLPs (a folder that
-  cannot be read says no here: reading it later gives its error)."""
+  """Whether the model folder's blocks differ (dense and mixture-of-experts MLPs, layers
+  with and without rotary embeddings; a folder that cannot be read says no here: reading
+  it later gives its error)."""
   from jaxstep.models import hf_config
 
   try:
     model = hf_config.model_config(hf_config.read_config(expand_path("model.init_from", folder)))
   except ConfigError:
     return False
-  return len(set(getattr(model, "moe_layers", ()))) > 1
+  return getattr(model, "blocks_differ", False)
 
 
 def _expand_paths(cfg: Config) -> Config:

@@ -57,6 +57,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_moe.architecture_for(model_cfg)
   if hf_dense.scaled(model_cfg):
     return hf_dense.GRANITE
+  if model_cfg.nope_layers:
+    return hf_dense.SMOLLM3
   if model_cfg.block_norms == "post":
     return "Olmo2ForCausalLM"
   if model_cfg.qk_norm:
