@@ -170,3 +170,13 @@ def test_a_granite_folders_multipliers_must_be_positive():
   assert hf_config.model_config(base).attention_multiplier == 1.0  # transformers' default
   with pytest.raises(ConfigError, match="multipliers must be > 0, got {'attention_multiplier'"):
     hf_config.model_config({**base, "attention_multiplier": 0.0})
+
+
+@pytest.mark.parametrize("architecture", sorted(hf_export.MODEL_TYPES))
+def test_a_config_without_rms_norm_eps_gets_transformers_default(architecture):
+  """A hand-written config.json may leave the epsilon out: the family's own default then,
+  as transformers builds the model (OLMo 2, Mixtral and OLMoE use 1e-5, the rest 1e-6)."""
+  theirs = transformers.AutoConfig.for_model(hf_export.MODEL_TYPES[architecture], **SHAPE)
+  hf = {**theirs.to_dict(), "architectures": [architecture]}
+  del hf["rms_norm_eps"]
+  assert hf_config.model_config(hf).rms_norm_eps == theirs.rms_norm_eps

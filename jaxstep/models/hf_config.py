@@ -37,6 +37,8 @@ from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 
 CONFIG = "config.json"
+# transformers' rms_norm_eps where a config.json names none (1e-6 for the rest)
+DEFAULT_EPS = {"Olmo2ForCausalLM": 1e-5, "MixtralForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5}
 ROPE_TYPES = ("default", "llama3")
 # GPT-2: the bundled GPT (hf_gpt2.py); the mixtures of experts: hf_moe.py
 SUPPORTED = (*ARCHITECTURES, *hf_moe.ARCHITECTURES, hf_gpt2.ARCHITECTURE)
@@ -139,7 +141,7 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
     "n_kv_heads": integer(hf, "num_key_value_heads", where, 0) or n_heads,
     "head_dim": integer(hf, "head_dim", where, 0) or d_model // max(n_heads, 1),
     "intermediate_size": integer(hf, "intermediate_size", where),
-    "rms_norm_eps": real(hf, "rms_norm_eps", where, 1e-6),
+    "rms_norm_eps": real(hf, "rms_norm_eps", where, DEFAULT_EPS.get(name, 1e-6)),
     "rope_theta": theta,
     "rope_scaling": scaling,
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
