@@ -4,19 +4,15 @@ logits; models built here with their settings export as their architecture. (The
 gradients, greedy tokens and parity reports against transformers: ``test_hf_import``,
 ``test_hf_training``, ``test_hf_parity``, families ``olmo2``, ``granite``, ``smollm3``.)"""
 
-import json
-import shutil
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import LazyModule, read_lines
-from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_hf_folder import random_chat_folder, tokenizer_files  # noqa: F401 - fixture
 from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits
 from test_init_from import run_cfg
 from test_lora_export import export, logits, ours
-from test_pretrained import CHATML_TEMPLATE
 from tolerance import assert_close, assert_far
 
 from jaxstep import models, trainer
@@ -36,19 +32,8 @@ TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 def family_folder(request, tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
   """A tiny random model of the family (every weight random, norms too) with a tokenizer."""
   name, extra = FAMILIES[request.param]
-  cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-  with torch.no_grad():
-    for p in model.parameters():
-      p.copy_(torch.randn_like(p) * 0.2)
-  path = tmp_path / request.param
-  model.eval().save_pretrained(path)
-  shutil.copy(tokenizer_files["plain"], path / "tokenizer.json")
-  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-  (path / "tokenizer_config.json").write_text(json.dumps(specials))
-  (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
-  return path
+  settings = {**SHAPE, **extra, "vocab_size": 320}
+  return random_chat_folder(tmp_path / request.param, name, settings, tokenizer_files["plain"])
 
 
 @pytest.mark.slow

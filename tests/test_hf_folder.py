@@ -62,6 +62,27 @@ MESSAGES = [
 ]
 
 
+def random_chat_folder(path, config_class: str, settings: dict, tokenizer_file):
+  """A tiny random transformers model (``config_class`` with ``settings``; every weight
+  drawn at random, norms too) saved at ``path`` with ``tokenizer_file`` (a
+  ``tokenizer_files`` entry), ChatML's special tokens and template. Returns ``path``."""
+  import torch
+  import transformers
+
+  cfg = getattr(transformers, config_class)(**settings)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(torch.randn_like(p) * 0.2)
+  model.eval().save_pretrained(path)
+  shutil.copy(tokenizer_file, path / "tokenizer.json")
+  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+  (path / "tokenizer_config.json").write_text(json.dumps(specials))
+  (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+  return path
+
+
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
   """``{"plain", "llama3"}`` → a tokenizer.json: a byte-level BPE with the special tokens;

@@ -3,17 +3,15 @@ experts), the router and the routed experts stay bit for bit the folder's, and t
 adapter jaxstep exports loads onto transformers' model with the run's logits."""
 
 import json
-import shutil
 
 import jax
 import numpy as np
 import pytest
 from conftest import LazyModule
-from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_hf_folder import random_chat_folder, tokenizer_files  # noqa: F401 - fixture
 from test_hf_moe import CASES, SHAPE
 from test_init_from import run_cfg
 from test_lora_export import export, logits, ours
-from test_pretrained import CHATML_TEMPLATE
 from tolerance import assert_close, assert_far
 
 import jaxstep
@@ -32,19 +30,8 @@ TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 def moe_folder(tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
   """A tiny random Qwen2-MoE (gated shared expert, layer 1 dense) with a tokenizer."""
   name, extra = CASES["qwen2_moe"]
-  cfg = getattr(transformers, name)(**{**SHAPE, **extra, "vocab_size": 320})
-  torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-  with torch.no_grad():
-    for p in model.parameters():
-      p.copy_(torch.randn_like(p) * 0.2)
-  path = tmp_path / "qwen2moe"
-  model.eval().save_pretrained(path)
-  shutil.copy(tokenizer_files["plain"], path / "tokenizer.json")
-  specials = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-  (path / "tokenizer_config.json").write_text(json.dumps(specials))
-  (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
-  return path
+  settings = {**SHAPE, **extra, "vocab_size": 320}
+  return random_chat_folder(tmp_path / "qwen2moe", name, settings, tokenizer_files["plain"])
 
 
 ROUTED = "model.lora.targets=[q_proj,down_proj,experts.gate_up_proj,experts.down_proj]"

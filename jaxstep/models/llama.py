@@ -132,10 +132,11 @@ class LlamaConfig:
       )
     if bad := [i for i in self.nope_layers if not 0 <= i < self.n_layers]:
       raise ConfigError(f"model.nope_layers {bad} are not layers of 0 … {self.n_layers - 1}")
-    if self.scan_layers and 0 < len(set(self.nope_layers)) < self.n_layers:
+    if self.scan_layers and self.blocks_differ:
       raise ConfigError(
-        "model.scan_layers needs every block alike, and model.nope_layers rotates q and k "
-        "in some layers only: set model.scan_layers=false"
+        "model.scan_layers needs every block alike, and this model's differ (dense and MoE "
+        "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers): set "
+        "model.scan_layers=false"
       )
     if self.resolved_head_dim % 2:
       raise ConfigError(f"model.head_dim must be even for RoPE, got {self.resolved_head_dim}")

@@ -298,8 +298,3 @@ def check_config(cfg) -> None:
   for name in ("capacity_factor", "router_aux_loss", "router_z_loss"):
     if not getattr(cfg, name) >= 0:
       raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
-  if cfg.scan_layers and len(set(cfg.moe_layers)) > 1:
-    raise ConfigError(
-      "model.scan_layers needs every block alike, and this model mixes dense and MoE "
-      "layers (moe_every, dense_layers): set model.scan_layers=false"
-    )
