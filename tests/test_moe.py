@@ -190,8 +190,10 @@ def test_global_lbl_gives_the_update_of_one_big_batch_for_any_k(remat, scan):
   for a, b in zip(m1, m4, strict=True):
     for key in ("loss", "moe/lbl", "moe/z_loss", "grad_norm", "extra_loss", "moe/max_load"):
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  # AdamW moves every weight by about lr whatever its gradient's size, so a weight whose
+  # gradient is near 0 carries the sums' rounding into its update: 1e-5 absolute, not 1e-6
   for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   assert m1[0]["moe/lbl"] > 1.0  # k = 2: 2 at perfect balance, near it at init
 
 
