@@ -1,8 +1,9 @@
-"""OLMo 2, Granite and SmolLM3 folders trained with LoRA: K micro-batches give one batch's updates,
-and the PEFT adapter and the merged export load onto transformers' model with the run's
-logits; models built here with their settings export as their architecture. (Their logits,
-gradients, greedy tokens and parity reports against transformers: ``test_hf_import``,
-``test_hf_training``, ``test_hf_parity``, families ``olmo2``, ``granite``, ``smollm3``.)"""
+"""OLMo 2, Granite, SmolLM3 and Phi-3 folders trained with LoRA: K micro-batches give one
+batch's updates, and the PEFT adapter and the merged export load onto transformers' model
+with the run's logits; models built here with their settings export as their architecture.
+(Their logits, gradients, greedy tokens and parity reports against transformers:
+``test_hf_import``, ``test_hf_training``, ``test_hf_parity``, families ``olmo2``,
+``granite``, ``smollm3``, ``phi3``; Phi-3's own: ``test_phi3``.)"""
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ peft = LazyModule("peft")
 TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 
 
-@pytest.fixture(params=["olmo2", "granite", "smollm3"])
+@pytest.fixture(params=["olmo2", "granite", "smollm3", "phi3"])
 def family_folder(request, tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
   """A tiny random model of the family (every weight random, norms too) with a tokenizer."""
   name, extra = FAMILIES[request.param]
@@ -97,6 +98,16 @@ BUILT = {
     embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, tie_embeddings=True
   ),
   "SmolLM3ForCausalLM": dict(nope_layers=(0,)),
+  "Phi3ForCausalLM": dict(  # 9 positions: past the original 6, the long factors
+    partial_rotary_factor=0.5,
+    rope_scaling=dict(
+      rope_type="longrope",
+      short_factor=[1.0, 2.0],
+      long_factor=[3.0, 5.0],
+      original_max_position_embeddings=6,
+      attention_factor=1.3,
+    ),
+  ),
 }
 
 

@@ -54,6 +54,20 @@ FAMILIES = {
       **dict(logits_scaling=2.5, bos_token_id=None, eos_token_id=None),
     },
   ),
+  "phi3": (  # fused projections, RoPE over 6 of 8 features, LongRoPE past 16 positions
+    "Phi3Config",
+    {
+      "partial_rotary_factor": 0.75,
+      "original_max_position_embeddings": 16,
+      "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.3, 2.1],
+        "long_factor": [1.5, 4.0, 9.0],
+      },
+      **dict(pad_token_id=None, eos_token_id=None),
+    },
+  ),
   "gpt2": ("GPT2Config", {"layer_norm_epsilon": 1e-5}),
   "gpt2-untied": ("GPT2Config", {"tie_word_embeddings": False}),
 }

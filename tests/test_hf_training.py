@@ -39,7 +39,7 @@ def torch_grads(model, tokens: np.ndarray, mask: np.ndarray) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "granite", "smollm3", "phi3"])
 def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)
@@ -54,11 +54,13 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
   new, _ = step(state, batch)
   grads = torch_grads(model, tokens, mask)
   moved, expected = {}, {}
-  for path, name, transposed in hf_weights.hf_names(cfg):
+  for path, name, transposed in hf_weights.hf_names(cfg, grads):
     before, after = params, new.params
     for key in path:
       before, after = before[key], after[key]
-    moved[name] = np.asarray(before) - np.asarray(after)  # sgd(1): the gradient itself
+    step_ = np.asarray(before) - np.asarray(after)  # sgd(1): the gradient itself
+    # Phi-3's fused tensors: the parts' kernels side by side ([in, out_j] each)
+    moved[name] = np.concatenate([moved[name], step_], -1) if name in moved else step_
     expected[name] = grads[name].T if transposed else grads[name]
   # two libraries: every sum of the forward and backward in another order, through both
   # layers (as the other folder comparisons count them)
@@ -68,7 +70,7 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
   assert_far({k: v * 1.25 for k, v in moved.items()}, expected, terms=terms)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "granite", "smollm3", "phi3"])
 def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)

@@ -33,6 +33,7 @@ from jaxstep.core.precision import cast_floating
 from jaxstep.core.sampling import draw
 from jaxstep.errors import ConfigError, PromptError
 from jaxstep.generation.sampling import allowed_ids, stop_ids
+from jaxstep.models.rope import LongRope
 
 STOP_REASONS = ("eos", "max_new_tokens", "max_seq_len")  # codes 1, 2, 3; 0 = still going
 
@@ -94,6 +95,7 @@ class Generator:
     self.params, self.tokenizer, self.dtype = params, tokenizer, dtype
     self._vocab, self._ban_specials = vocab, ban_specials
     self._cache_model = model if self._decode is not None else None
+    self._model_cfg = model if isinstance(model, models.LlamaConfig) else None
     self._compiled = jax.jit(self._loop, static_argnames=("max_new", "prefill", "stops"))
 
   def encode_prompt(self, prompt: str, index: int = 0) -> np.ndarray:
@@ -266,6 +268,7 @@ class Generator:
       )
     longest = max(int(lengths.max()), min(prefill_to, self.max_seq_len - 1))
     width = min(self.max_seq_len, longest + max_new_tokens)  # the token buffer
+    _check_longrope(self._model_cfg, lengths, width)
     buffer = np.full((len(prompts), width), self.tokenizer.PAD, np.int32)
     for row, p in enumerate(prompts):
       buffer[row, : len(p)] = p
@@ -422,3 +425,23 @@ def check_settings(max_new_tokens, temperature, top_k, top_p, num_samples) -> No
   for bad, message in problems:
     if bad:
       raise ConfigError(message)
+
+
+def _check_longrope(cfg, lengths: np.ndarray, width: int) -> None:
+  """``ConfigError`` when a row's positions would cross LongRoPE's original length ``L``:
+  transformers recomputes the whole sequence with the long factors once its input passes
+  ``L``, where a cache holds keys rotated with the short ones. A buffer of ``width`` tokens
+  feeds positions up to ``width − 2`` (the last token is not fed back), every row prefilled
+  to the longest prompt: within ``L`` (``width ≤ L + 1``), or with every prompt past it, the
+  rows decode as transformers does."""
+  scaling = getattr(cfg, "rope_scaling", None)
+  if not isinstance(scaling, LongRope) or width <= scaling.original_max_position_embeddings + 1:
+    return
+  original = scaling.original_max_position_embeddings
+  if int(lengths.min()) <= original:
+    raise ConfigError(
+      f"the model's LongRoPE changes factors after {original} positions, and a batch with "
+      f"prompts of {int(lengths.min())}-{int(lengths.max())} tokens decoding to {width - 1} "
+      f"positions crosses it (the cache's keys keep the factors they were rotated with): "
+      f"keep prompt + max_new_tokens <= {original + 1}, or every prompt longer than {original}"
+    )

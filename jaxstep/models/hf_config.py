@@ -14,6 +14,9 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
 - ``GraniteForCausalLM``: multipliers on the embeddings, the attention logits, the
   residual branches and the logits (``hf_dense.py``).
 - ``SmolLM3ForCausalLM``: no rotary embedding in the layers ``no_rope_layers`` flags 0.
+- ``Phi3ForCausalLM`` (Phi-3, Phi-4-mini): fused ``qkv_proj`` and ``gate_up_proj`` tensors
+  (split as they are read), RoPE over the first ``partial_rotary_factor`` of each head, and
+  LongRoPE (``rope_type: longrope``, older folders' ``su``).
 - ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``OlmoeForCausalLM``,
   ``Qwen2MoeForCausalLM``: mixtures of experts (``hf_moe.py`` says what each adds).
 - ``GPT2LMHeadModel``: the bundled GPT itself (``hf_gpt2.py``).
@@ -32,14 +35,21 @@ import pathlib
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
-from jaxstep.models.hf_dense import ARCHITECTURES, read_fields
+from jaxstep.models.hf_dense import ARCHITECTURES, PHI3, read_fields
 from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
+from jaxstep.models.rope import LongRope, rope_scaling_of
 
 CONFIG = "config.json"
 # transformers' rms_norm_eps where a config.json names none (1e-6 for the rest)
-DEFAULT_EPS = {"Olmo2ForCausalLM": 1e-5, "MixtralForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5}
-ROPE_TYPES = ("default", "llama3")
+DEFAULT_EPS = {
+  "Olmo2ForCausalLM": 1e-5,
+  "MixtralForCausalLM": 1e-5,
+  "OlmoeForCausalLM": 1e-5,
+  PHI3: 1e-5,
+}
+ROPE_TYPES = ("default", "llama3", "longrope", "su")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # GPT-2: the bundled GPT (hf_gpt2.py); the mixtures of experts: hf_moe.py
 SUPPORTED = (*ARCHITECTURES, *hf_moe.ARCHITECTURES, hf_gpt2.ARCHITECTURE)
 
@@ -82,9 +92,10 @@ def architecture(hf: dict, where: str = CONFIG) -> str:
 def rope_settings(
   hf: dict, where: str = CONFIG, default_theta: float = 10000.0
 ) -> tuple[float, tuple | None]:
-  """``(theta, llama3 scaling or None)`` from either layout: ``rope_parameters`` (current
-  transformers) or ``rope_theta`` + ``rope_scaling`` (older folders); ``default_theta``
-  where neither names a theta (the architecture's: Mixtral's is 1e6)."""
+  """``(theta, llama3 or LongRoPE scaling as ``(key, value)`` pairs, or None)`` from either
+  layout: ``rope_parameters`` (current transformers) or ``rope_theta`` + ``rope_scaling``
+  (older folders); ``default_theta`` where neither names a theta (the architecture's:
+  Mixtral's is 1e6)."""
   params = hf.get("rope_parameters")
   theta = real(hf, "rope_theta", where, default_theta)
   if isinstance(params, dict):
@@ -102,11 +113,85 @@ def rope_settings(
     )
   if kind == "default":
     return theta, None
-  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-  missing = [k for k in keys if k not in scaling]
+  if kind in ("longrope", "su"):
+    return theta, _longrope(hf, scaling, where)
+  missing = [k for k in LLAMA3_KEYS if k not in scaling]
   if missing:
     raise ConfigError(f"{where}: llama3 rope scaling lacks {', '.join(missing)}")
-  return theta, tuple((k, real(scaling, k, f"{where} rope scaling")) for k in keys)
+  return theta, tuple((k, real(scaling, k, f"{where} rope scaling")) for k in LLAMA3_KEYS)
+
+
+def _longrope(hf: dict, scaling: dict, where: str) -> tuple:
+  """LongRoPE's settings as transformers reads them: the top-level
+  ``original_max_position_embeddings`` wins over the scaling's own (and Phi-3's config
+  class defaults it to 4096, so a Phi-3 folder's scaling never names it); an attention
+  factor the folder does not give is derived from ``factor``, else from
+  ``max_position_embeddings`` over that length."""
+  at = f"{where} rope scaling"
+  original = integer(hf, "original_max_position_embeddings", where, 0)
+  if not original and architecture(hf, where) == PHI3:  # a field of its config class
+    original = 4096
+  if not original:
+    original = integer(scaling, "original_max_position_embeddings", at)
+  for key in ("short_factor", "long_factor"):
+    if not isinstance(scaling.get(key), list):
+      raise ConfigError(f"{at}: {key} must be a list of numbers, got {scaling.get(key)!r}")
+  attention = real(scaling, "attention_factor", at, 0.0)
+  if not attention:
+    longest = integer(hf, "max_position_embeddings", where, original)
+    factor = real(scaling, "factor", at, 0.0) or longest / original
+    attention = LongRope.attention_factor_of(factor, original)
+  return (
+    ("rope_type", "longrope"),
+    ("short_factor", tuple(float(v) for v in scaling["short_factor"])),
+    ("long_factor", tuple(float(v) for v in scaling["long_factor"])),
+    ("original_max_position_embeddings", original),
+    ("attention_factor", attention),
+  )
+
+
+def _rope_spelled(cfg: LlamaConfig) -> dict | None:
+  """``cfg``'s RoPE scaling as a ``rope_scaling`` / ``rope_parameters`` entry spells it."""
+  scaling = cfg.rope_scaling
+  if scaling is None:
+    return None
+  if isinstance(scaling, LongRope):  # the attention factor written out: no length changes it
+    return {
+      "rope_type": "longrope",
+      "short_factor": list(scaling.short_factor),
+      "long_factor": list(scaling.long_factor),
+      "original_max_position_embeddings": int(scaling.original_max_position_embeddings),
+      "attention_factor": float(scaling.attention_factor),
+    }
+  spelled = {"rope_type": "llama3", **{k: float(getattr(scaling, k)) for k in LLAMA3_KEYS}}
+  return spelled | {
+    "original_max_position_embeddings": int(scaling.original_max_position_embeddings)
+  }
+
+
+def set_rope(hf: dict, cfg: LlamaConfig, *, fresh: bool) -> None:
+  """Writes ``cfg``'s RoPE into ``hf`` unless it already says the same (then the base's own
+  spelling is kept)."""
+  theta = float(cfg.rope_theta)
+  if (
+    isinstance(hf.get("rope_parameters"), dict) and "partial_rotary_factor" in hf["rope_parameters"]
+  ):
+    hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # wins on reading
+  if not fresh:
+    try:
+      base_theta, base = rope_settings(hf)
+      if (base_theta, rope_scaling_of(base)) == (theta, cfg.rope_scaling):
+        return
+    except ConfigError:  # a RoPE the base names but jaxstep does not compute: replaced
+      pass
+  old = _rope_spelled(cfg)
+  new_layout = fresh or isinstance(hf.get("rope_parameters"), dict)
+  if new_layout:
+    hf["rope_parameters"] = {"rope_type": "default", **(old or {}), "rope_theta": theta}
+    if cfg.partial_rotary_factor != 1:
+      hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+  if fresh or not new_layout or "rope_theta" in hf or hf.get("rope_scaling"):
+    hf["rope_theta"], hf["rope_scaling"] = theta, old
 
 
 def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTConfig:

@@ -9,7 +9,9 @@ of 1/√head_dim, each attention and MLP output times ``residual_multiplier`` be
 added to the residual stream, and the logits divided by ``logits_scaling``. transformers'
 Granite defaults each to 1 (an attention scale of 1, not 1/√head_dim). SmolLM3 leaves q and
 k unrotated in the layers its ``no_rope_layers`` flags 0 (by default every fourth:
-``no_rope_layer_interval``), jaxstep's ``nope_layers``.
+``no_rope_layer_interval``), jaxstep's ``nope_layers``. Phi-3 rotates the first
+``partial_rotary_factor`` of each head only (Phi-4-mini: 0.75); its fused ``qkv_proj`` and
+``gate_up_proj`` tensors are ``hf_weights``' concern, its LongRoPE ``hf_config``'s.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jaxstep.models.llama import GRANITE_SCALES
 
 GRANITE = "GraniteForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
+PHI3 = "Phi3ForCausalLM"
 LLAMA = {"attention_bias": False, "qk_norm": False, "qk_norm_scope": "head", "block_norms": "pre"}
 ARCHITECTURES = {
   "LlamaForCausalLM": LLAMA,
@@ -36,6 +39,7 @@ ARCHITECTURES = {
   },
   GRANITE: LLAMA,
   SMOLLM3: LLAMA,
+  PHI3: LLAMA,
 }
 
 
@@ -49,6 +53,10 @@ def read_fields(hf: dict, architecture: str, where: str) -> dict:
       raise ConfigError(f"{where}: Granite's multipliers must be > 0, got {bad}")
   if architecture == SMOLLM3:
     fields["nope_layers"] = _nope_layers(hf, where)
+  if architecture == PHI3:  # rope_parameters' value wins, as transformers reads it
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    top = real(hf, "partial_rotary_factor", where, 1.0)
+    fields["partial_rotary_factor"] = real(rope, "partial_rotary_factor", where, top)
   return fields
 
 
@@ -76,6 +84,10 @@ def export_fields(cfg, architecture: str) -> dict:
   if architecture == SMOLLM3:
     flags = [int(i not in cfg.nope_layers) for i in range(cfg.n_layers)]
     return {"no_rope_layers": flags, "use_sliding_window": False, "mlp_bias": False}
+  if architecture == PHI3:
+    original = getattr(cfg.rope_scaling, "original_max_position_embeddings", None)
+    fields = {"partial_rotary_factor": cfg.partial_rotary_factor}
+    return fields | ({"original_max_position_embeddings": original} if original else {})
   if architecture != GRANITE:
     return {}
   fields = {name: float(getattr(cfg, name)) for name in GRANITE_SCALES}
@@ -103,8 +115,29 @@ def check_export(cfg, architecture: str) -> None:
     raise ConfigError(
       f"{architecture} has no multipliers, and the model has {names}: use {GRANITE}"
     )
+  if cfg.partial_rotary_factor != 1 and architecture != PHI3:
+    raise ConfigError(
+      f"{architecture} rotates whole heads, and the model has partial_rotary_factor "
+      f"{cfg.partial_rotary_factor}: use {PHI3}"
+    )
+  if architecture == PHI3:
+    _check_phi3(cfg)
   if cfg.nope_layers and architecture != SMOLLM3:
     raise ConfigError(
       f"{architecture} rotates q and k in every layer, and the model has nope_layers "
       f"{list(cfg.nope_layers)}: use {SMOLLM3}"
+    )
+
+
+def _check_phi3(cfg) -> None:
+  """What transformers' Phi-3 config refuses: RoPE scaling other than LongRoPE, and a
+  ``head_dim`` other than ``hidden_size / num_attention_heads`` (it sizes the factor lists
+  from that quotient)."""
+  kind = getattr(cfg.rope_scaling, "rope_type", "longrope")
+  if kind != "longrope":
+    raise ConfigError(f"{PHI3} takes LongRoPE or no RoPE scaling, and the model has {kind}")
+  if cfg.resolved_head_dim * cfg.n_heads != cfg.d_model:
+    raise ConfigError(
+      f"{PHI3} has head_dim = d_model / n_heads ({cfg.d_model} / {cfg.n_heads}), and the "
+      f"model has head_dim {cfg.resolved_head_dim}"
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import pathlib
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,7 @@ from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
 from jaxstep.models import export_folder, hf_dense, hf_gpt2, hf_moe, layers
 from jaxstep.models.gpt import GPTConfig
-from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, rope_settings
+from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, set_rope
 from jaxstep.models.hf_weights import expected_shapes, hf_names, leaf_of
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.models.safetensors_out import Tensor, write_weights
@@ -52,12 +53,12 @@ MODEL_TYPES = {
   "Olmo2ForCausalLM": "olmo2",
   "GraniteForCausalLM": "granite",
   "SmolLM3ForCausalLM": "smollm3",
+  "Phi3ForCausalLM": "phi3",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")
 GENERATION = "generation_config.json"  # the file hf_folder reads a folder's stop ids from
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def save_pretrained(
@@ -204,8 +205,9 @@ def export_config(
   ``max_position_embeddings`` never shrinks below the base's: jaxstep's ``max_seq_len`` caps
   the training inputs, while rotary positions go as far as the original model's. RoPE is
   written in the layout(s) the base uses; a config built from scratch has both the older
-  top-level ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters``
-  (transformers 5), which agree."""
+  top-level ``rope_theta`` / ``rope_scaling`` (transformers 4; a LongRoPE's with its
+  attention factor, which some transformers 4 releases do not accept) and
+  ``rope_parameters`` (transformers 5), which agree."""
   check_architecture(cfg, architecture)
   if isinstance(cfg, GPTConfig):
     hf = hf_gpt2.export_config(cfg, dtype=dtype, base_config=copy.deepcopy(base_config))
@@ -228,7 +230,9 @@ def dropout_fields(cfg: LlamaConfig | GPTConfig, architecture: str) -> dict:
   classification head jaxstep does not have, and gets the run's rate. The Llama family's
   only rate is ``attention_dropout``, on the attention probabilities: 0. Its models have
   no dropout on the embeddings or the residual branches, so a Llama-family run's
-  ``model.dropout`` has no field there (inference is the same either way)."""
+  ``model.dropout`` has no field there (inference is the same either way); Phi-3's has
+  (``resid_pdrop``: on both outputs; ``embd_pdrop``, which transformers 5 reads but does
+  not apply)."""
   if architecture == hf_gpt2.ARCHITECTURE:
     rate = float(cfg.dropout)
     return {
@@ -236,6 +240,12 @@ def dropout_fields(cfg: LlamaConfig | GPTConfig, architecture: str) -> dict:
       "resid_pdrop": rate,
       "attn_pdrop": 0.0,
       "summary_first_dropout": rate,
+    }
+  if architecture == hf_dense.PHI3:  # transformers 5 reads no embd_pdrop; written as run
+    return {
+      "attention_dropout": 0.0,
+      "resid_pdrop": float(cfg.dropout),
+      "embd_pdrop": float(cfg.dropout),
     }
   return {"attention_dropout": 0.0}
 
@@ -264,7 +274,7 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
   if architecture in hf_moe.ARCHITECTURES:
     hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
   hf.update(hf_dense.export_fields(cfg, architecture))
-  _set_rope(hf, cfg, fresh=not base_config)
+  set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype
   return hf
@@ -273,36 +283,8 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
 def _fresh(architecture: str) -> dict:
   """Fields a config built from scratch needs beyond the model's shape: Mistral's
   transformers default is a 4096-token sliding window, which this model does not have."""
-  return {"sliding_window": None} if architecture == "MistralForCausalLM" else {}
-
-
-def _rope_of(cfg: LlamaConfig) -> tuple[float, tuple | None]:
-  """``cfg``'s RoPE as ``hf_config.rope_settings`` reads it back from a config."""
-  scaling = cfg.rope_scaling
-  if scaling is None:
-    return float(cfg.rope_theta), None
-  return float(cfg.rope_theta), tuple((k, float(getattr(scaling, k))) for k in ROPE_KEYS)
-
-
-def _set_rope(hf: dict, cfg: LlamaConfig, *, fresh: bool) -> None:
-  """Writes ``cfg``'s RoPE into ``hf`` unless it already says the same (then the base's own
-  spelling is kept)."""
-  theta, scaling = _rope_of(cfg)
-  if not fresh:
-    try:
-      if rope_settings(hf) == (theta, scaling):
-        return
-    except ConfigError:  # a RoPE the base names but jaxstep does not compute: replaced
-      pass
-  old = None
-  if scaling is not None:
-    old = {"rope_type": "llama3", **dict(scaling)}
-    old["original_max_position_embeddings"] = int(old["original_max_position_embeddings"])
-  new_layout = fresh or isinstance(hf.get("rope_parameters"), dict)
-  if new_layout:
-    hf["rope_parameters"] = {"rope_type": "default", **(old or {}), "rope_theta": theta}
-  if fresh or not new_layout or "rope_theta" in hf or hf.get("rope_scaling"):
-    hf["rope_theta"], hf["rope_scaling"] = theta, old
+  windowed = architecture in ("MistralForCausalLM", hf_dense.PHI3)
+  return {"sliding_window": None} if windowed else {}
 
 
 def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict, architecture=None) -> list[Tensor]:
@@ -319,6 +301,23 @@ def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict, architecture=None) ->
     if shape != shapes[path]:
       raise ConfigError(f"params{spell(path)} has shape {shape}, the config needs {shapes[path]}")
     out.append(Tensor(name, fetch, transposed, shape[::-1] if transposed else shape))
+  return fused(out)
+
+
+def fused(tensors: list[Tensor]) -> list[Tensor]:
+  """``tensors`` with each run of one name made one tensor, its parts' output rows stacked
+  in turn (Phi-3's q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``): kernels
+  ``[in, out_j]`` side by side, written transposed."""
+  out = []
+  for name, run in itertools.groupby(tensors, key=lambda t: t.name):
+    run = list(run)
+    if len(run) == 1:
+      out += run
+      continue
+    fetches = [t.fetch for t in run]
+    fetch = lambda fetches=fetches: np.concatenate([np.asarray(f()) for f in fetches], axis=-1)  # noqa: E731
+    rows = sum(t.shape[0] for t in run)
+    out.append(Tensor(name, fetch, True, (rows, *run[0].shape[1:])))
   return out
 
 

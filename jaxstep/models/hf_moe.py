@@ -254,6 +254,7 @@ def check_export(cfg, architecture: str) -> None:
     (cfg.block_norms != "pre", f"block_norms={cfg.block_norms} (it norms each branch's input)"),
     (bool(hf_dense.scaled(cfg)), f"multipliers {hf_dense.scaled(cfg)} (it has none)"),
     (bool(cfg.nope_layers), f"nope_layers {list(cfg.nope_layers)} (it rotates every layer)"),
+    (cfg.partial_rotary_factor != 1, f"partial_rotary_factor {cfg.partial_rotary_factor}"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

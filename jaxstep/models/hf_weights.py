@@ -31,6 +31,7 @@ import numpy as np
 from jaxstep.errors import ConfigError, first_line
 from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_dense import PHI3
 from jaxstep.models.llama import LlamaConfig
 
 SINGLE = "model.safetensors"
@@ -80,10 +81,13 @@ def hf_names(
   for i in range(cfg.n_layers):
     hf, ours = f"model.layers.{i}.", ("blocks", i)
     post_norms = cfg.block_norms == "post"  # OLMo 2: on the attention's and MLP's outputs
+    # Phi-3: q, k, v rows of one qkv_proj; gate, up rows of one gate_up_proj
+    fused = architecture == PHI3 or f"{hf}self_attn.qkv_proj.weight" in names
     if not post_norms:
       yield (*ours, "input_layernorm", "scale"), f"{hf}input_layernorm.weight", False
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      yield (*ours, p, "kernel"), f"{hf}self_attn.{p}.weight", True
+      name = "qkv_proj" if fused and p != "o_proj" else p
+      yield (*ours, p, "kernel"), f"{hf}self_attn.{name}.weight", True
       if cfg.attention_bias and p != "o_proj":
         yield (*ours, p, "bias"), f"{hf}self_attn.{p}.bias", False
     if cfg.qk_norm:
@@ -95,7 +99,8 @@ def hf_names(
       yield from hf_moe.mlp_names(cfg, i, names, architecture)
       continue
     for p in ("gate_proj", "up_proj", "down_proj"):
-      yield (*ours, p, "kernel"), f"{hf}mlp.{p}.weight", True
+      name = "gate_up_proj" if fused and p != "down_proj" else p
+      yield (*ours, p, "kernel"), f"{hf}mlp.{name}.weight", True
   yield ("norm", "scale"), "model.norm.weight", False
   if not cfg.tie_embeddings:
     yield ("lm_head", "kernel"), "lm_head.weight", True
@@ -301,11 +306,13 @@ def read_params(
     entries = list(entries)
     paths, transposed, file = [p for p, _, _ in entries], entries[0][2], files[name]
     targets = [_target(cfg, path, dtype, stacks) for path in paths]
-    needed = _stored_shape([t.shape for t in targets], transposed)  # as the file lays it
+    # several leaves of one tensor: Phi-3's kernels' rows in turn, else an MoE's experts'
+    rows = len(paths) > 1 and paths[0][-1] == "kernel"
+    needed = _stored_shape([t.shape for t in targets], transposed, rows)  # as the file lays it
     hasher = None if digest is None else new_hasher()
     with _opened(file) as f:  # one opening per tensor: its mapped pages leave with it
       columns = hf_gpt2.columns(cfg, paths[0], to_hf=False)
-      finite = _read(f, file, name, needed, transposed, hasher, columns, targets)
+      finite = _read(f, file, name, needed, transposed, hasher, columns, targets, rows)
     if digest is not None:
       digest.tensor(file, name, hasher)
     if not finite:
@@ -341,31 +348,49 @@ def _target(cfg, path: tuple, dtype, stacks: dict) -> np.ndarray:
   return stacks[leaf][0][expert]
 
 
+def _rows_into(stored_rows: np.ndarray, first: int, into: list[np.ndarray]) -> bool:
+  """Copies the file's rows ``first …`` into the arrays ``into`` (``[in, out_j]`` each, the
+  j-th taking the next ``out_j`` rows of the file), transposed; whether they are finite."""
+  finite, start = True, 0
+  for out in into:
+    lo, hi = max(first, start), min(first + len(stored_rows), start + out.shape[1])
+    if lo < hi:
+      block = out[:, lo - start : hi - start]
+      block[...] = stored_rows[lo - first : hi - first].T
+      finite = finite and bool(np.isfinite(block).all())
+    start += out.shape[1]
+  return finite
+
+
 def _swapped(shape: tuple) -> tuple:
   """``shape`` with its last two axes swapped (a matrix's, or each expert's)."""
   return (*shape[:-2], shape[-1], shape[-2])
 
 
-def _stored_shape(shapes: list[tuple], transposed: bool) -> tuple:
+def _stored_shape(shapes: list[tuple], transposed: bool, rows: bool = False) -> tuple:
   """The file's shape of a tensor read into arrays of ``shapes``: each transposed back if
-  ``transposed``, several concatenated along axis 1 (a fused ``gate_up_proj``)."""
+  ``transposed``, several concatenated along axis 1 (an MoE's fused ``gate_up_proj``) or,
+  with ``rows``, along axis 0 (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
   parts = [_swapped(s) if transposed else s for s in shapes]
   if len(parts) == 1:
     return parts[0]
+  if rows:
+    return (sum(p[0] for p in parts), *parts[0][1:])
   return (parts[0][0], sum(p[1] for p in parts), *parts[0][2:])
 
 
-def _read(f, file, name: str, needed: tuple, transposed: bool, hasher, columns, into) -> bool:
+def _read(f, file, name: str, needed: tuple, transposed: bool, hasher, columns, into, by_row=False):
   """Reads tensor ``name`` of the open file into the arrays ``into``; returns whether it is
   finite (no NaN or infinity, checked per block). The tensor is checked against ``needed``
   (the file's layout) and a float dtype, cast to ``into``'s dtype and transposed if asked
   (each matrix's last two axes swapped; or its last axis reordered by ``columns``), a block
   of rows (about ``BLOCK_BYTES``; a vector is one block) at a time: besides the result only
   one block is ever held. Several arrays in ``into`` split it in equal parts along axis 1
-  (a fused ``gate_up_proj``: each expert's gate rows, then its up rows). The arrays are
-  64-byte aligned (``_aligned_empty``), so a CPU ``jax.device_put`` adopts them instead of
-  copying. ``hasher``: updated with each block's bytes as stored in the file (before the
-  cast)."""
+  (a fused ``gate_up_proj``: each expert's gate rows, then its up rows) or, with
+  ``by_row``, take its rows in turn (Phi-3's q, k, v rows; gate, up rows), each transposed.
+  The arrays are 64-byte aligned (``_aligned_empty``), so a CPU ``jax.device_put`` adopts
+  them instead of copying. ``hasher``: updated with each block's bytes as stored in the
+  file (before the cast)."""
   try:
     source = f.get_slice(name)
     shape, stored = tuple(source.get_shape()), source.get_dtype()
@@ -388,6 +413,9 @@ def _read(f, file, name: str, needed: tuple, transposed: bool, hasher, columns, 
       stored_rows = source[i:end]  # a contiguous copy of the file's bytes
       if hasher is not None:
         hasher.update(stored_rows)
+      if by_row:
+        finite = _rows_into(stored_rows, i, into) and finite
+        continue
       parts = np.split(stored_rows, len(into), axis=1) if len(into) > 1 else [stored_rows]
       for out, part in zip(into, parts, strict=True):
         block = out[:, i:end] if transposed and out.ndim == 2 else out[i:end]

@@ -1,11 +1,12 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3) in
-Flax NNX.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3,
+Phi-3) in Flax NNX.
 
 Pre-RMSNorm blocks (or, for OLMo 2, RMSNorm on the attention's and the MLP's outputs
 instead); separate q/k/v projections with grouped-query attention (``n_kv_heads``
 key/value heads shared by groups of query heads); rotary position embeddings, optionally
-with Llama 3.1's frequency scaling (``llama_parts.py``); optional q/k/v biases (Qwen2) and
-per-head RMSNorm of q and k before the rotation (Qwen3); a SwiGLU MLP
+with Llama 3.1's or Phi-3's frequency scaling and over part of each head (``rope.py``);
+optional q/k/v biases (Qwen2) and per-head RMSNorm of q and k before the rotation (Qwen3);
+a SwiGLU MLP
 ``down(silu(gate(x)) · up(x))``; no position embeddings, no biases elsewhere; tied or
 untied output head.
 
@@ -30,19 +31,11 @@ from flax import nnx
 
 from jaxstep.core import chunked_loss, layout
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers, lora, moe
+from jaxstep.models import backends, layers, lora, moe, rope
 from jaxstep.models.gpt import platform_kernels
-from jaxstep.models.llama_parts import (
-  RMSNorm,
-  RopeScaling,
-  apply_rope,
-  grouped_attention_over_cache,
-  inv_freq,
-  rope_scaling_of,
-  rope_tables,
-  times,
-)
+from jaxstep.models.llama_parts import RMSNorm, grouped_attention_over_cache, times
 from jaxstep.models.lora import LoraConfig
+from jaxstep.models.rope import LongRope, RopeScaling, apply_rope, rope_scaling_of, rotation
 from jaxstep.models.stack import DecoderStack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,7 +63,8 @@ class LlamaConfig:
   intermediate_size: int = 352  # intermediate_size: SwiGLU hidden width
   rms_norm_eps: float = 1e-6  # rms_norm_eps
   rope_theta: float = 10000.0  # rope_theta
-  rope_scaling: RopeScaling | None = None  # None, or llama3 scaling (mapping or RopeScaling)
+  rope_scaling: RopeScaling | LongRope | None = None  # None, llama3 or longrope (rope.py)
+  partial_rotary_factor: float = 1.0  # partial_rotary_factor: the share of each head rotated
   tie_embeddings: bool = False  # tie_word_embeddings
   attention_bias: bool = False  # q/k/v biases (Qwen2); o_proj never has one
   qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
@@ -138,8 +132,7 @@ class LlamaConfig:
         "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers): set "
         "model.scan_layers=false"
       )
-    if self.resolved_head_dim % 2:
-      raise ConfigError(f"model.head_dim must be even for RoPE, got {self.resolved_head_dim}")
+    rope.check_config(self)
     scales = [name for name, neutral in GRANITE_SCALES.items() if neutral]  # 0 means "none"
     for name in ("rms_norm_eps", "rope_theta", *scales):
       if getattr(self, name) <= 0:
@@ -186,6 +179,12 @@ class LlamaConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def rotary_dim(self) -> int:
+    """The features of each q and k head RoPE rotates (the first ones), as transformers
+    rounds it: ``int(head_dim · partial_rotary_factor)``."""
+    return int(self.resolved_head_dim * self.partial_rotary_factor)
 
   @property
   def kv_cache_width(self) -> int:
@@ -289,7 +288,7 @@ class LlamaBlock(nnx.Module):
     if self.q_norm is not None and cfg.qk_norm_scope == "head":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.rope:
-      cos, sin = rope_tables(positions, inv_freq(dh, cfg.rope_theta, cfg.rope_scaling), q.dtype)
+      cos, sin = rotation(positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, q.dtype)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention_multiplier:  # every backend divides q·k by √dh: m·q·k in the end
       q = times(q, cfg.attention_multiplier * math.sqrt(dh))

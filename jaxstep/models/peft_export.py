@@ -26,6 +26,14 @@ GPT-2's projections are ``Conv1D`` layers, which store ``[in, out]``: PEFT's con
 ``fan_in_fan_out: true``, which only changes how PEFT merges into the base weight; the
 adapter tensors are laid out as for a ``Linear``.
 
+Phi-3's fused projections (``qkv_proj``, ``gate_up_proj``) hold several of jaxstep's: the
+adapters on the parts of one (rank ``r`` each, ``n`` of them adapted) are one adapter of
+rank ``n·r`` on it, exactly: ``A`` the parts' ``A`` side by side ``[in, n·r]``, ``B``
+block-diagonal ``[n·r, out]`` (zero columns for a part not adapted), listed in PEFT's
+``rank_pattern`` (``n·r``) and ``alpha_pattern`` (``n·α``) so its scale stays ``α/r``. PEFT
+then drops the fused adapter's input once where jaxstep drew a mask per part: the same model
+at inference, a different dropout draw when PEFT trains on with ``lora_dropout`` > 0.
+
 Routed experts (``model.lora.targets`` naming ``experts.gate_up_proj`` /
 ``experts.down_proj``) are PEFT's ``target_parameters``: an adapter on transformers' fused
 expert parameter ``mlp.experts.gate_up_proj`` ``[E, 2f, d]`` (or ``down_proj`` ``[E, d, f]``),
@@ -44,6 +52,7 @@ and replaces only a folder jaxstep wrote, as ``hf_export`` writes (``export_fold
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 from collections.abc import Iterable
@@ -63,13 +72,24 @@ from jaxstep.models import (
   safetensors_out,
 )
 from jaxstep.models.gpt import GPTConfig
+from jaxstep.models.hf_dense import PHI3
 from jaxstep.models.hf_weights import hf_names
 from jaxstep.models.llama import LlamaConfig
+from jaxstep.models.rope import LongRope
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel → LoraModel → the transformers model
 GPT2_MODULES = {"qkv": "c_attn", "proj": "attn.c_proj", "fc": "c_fc", "out": "mlp.c_proj"}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_ranks(cfg: LlamaConfig | GPTConfig, architecture: str | None) -> dict[str, int]:
+  """Per fused module with more than one adapted part, how many are (Phi-3's)."""
+  if architecture != PHI3:
+    return {}
+  counts = {m: sum(cfg.lora.adapts(p) for p in parts) for m, parts in FUSED.items()}
+  return {m: n for m, n in counts.items() if n > 1}
 
 
 def adapted(cfg: LlamaConfig | GPTConfig) -> tuple[str, ...]:
@@ -78,11 +98,12 @@ def adapted(cfg: LlamaConfig | GPTConfig) -> tuple[str, ...]:
   return tuple(p for p in projections if cfg.lora.adapts(p))
 
 
-def target_modules(cfg: LlamaConfig | GPTConfig) -> list[str]:
+def target_modules(cfg: LlamaConfig | GPTConfig, architecture: str | None = None) -> list[str]:
   """PEFT's ``target_modules``: names that select exactly the adapted projections."""
   names = adapted(cfg)
   if not isinstance(cfg, GPTConfig):
-    return list(names)
+    fused = {p: m for m, parts in FUSED.items() for p in parts} if architecture == PHI3 else {}
+    return list(dict.fromkeys(fused.get(p, p) for p in names))
   modules = [GPT2_MODULES[p] for p in names]
   if "attn.c_proj" in modules and "mlp.c_proj" in modules:
     modules = [m for m in modules if m not in ("attn.c_proj", "mlp.c_proj")] + ["c_proj"]
@@ -96,12 +117,16 @@ def routed(cfg: LlamaConfig | GPTConfig) -> tuple[str, ...]:
   return tuple(p for p in lora.ROUTED if cfg.lora.adapts(p))
 
 
-def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = "") -> dict:
+def adapter_config(
+  cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = "", architecture=None
+) -> dict:
   """``adapter_config.json`` of ``cfg``'s adapters: PEFT's ``LoraConfig`` fields that say what
-  the adapters compute (the rest left to PEFT's defaults)."""
+  the adapters compute (the rest left to PEFT's defaults); ``architecture``: the base's
+  (Phi-3's fused projections get their ranks and alphas by pattern)."""
   alpha = cfg.lora.alpha
+  fused = fused_ranks(cfg, architecture)
   return {
-    "alpha_pattern": {},
+    "alpha_pattern": {m: n * alpha for m, n in fused.items()},
     "auto_mapping": None,
     "base_model_name_or_path": base_model_name_or_path,
     "bias": "none",
@@ -115,9 +140,9 @@ def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = 
     "modules_to_save": None,
     "peft_type": "LORA",
     "r": cfg.lora.rank,
-    "rank_pattern": {},
+    "rank_pattern": {m: n * cfg.lora.rank for m, n in fused.items()},
     "revision": None,
-    "target_modules": target_modules(cfg),
+    "target_modules": target_modules(cfg, architecture),
     "task_type": "CAUSAL_LM",
     "use_dora": False,
     "use_rslora": False,
@@ -126,32 +151,71 @@ def adapter_config(cfg: LlamaConfig | GPTConfig, base_model_name_or_path: str = 
   }
 
 
-def adapter_tensors(cfg: LlamaConfig | GPTConfig, params: dict) -> list[hf_export.Tensor]:
+def adapter_tensors(
+  cfg: LlamaConfig | GPTConfig, params: dict, architecture: str | None = None
+) -> list[hf_export.Tensor]:
   """Every adapter tensor of the file, block by block, checked against the projections'
-  shapes and ``cfg``'s rank (nothing is gathered yet). Params' layout is read from the tree."""
+  shapes and ``cfg``'s rank (nothing is gathered yet). Params' layout is read from the tree;
+  ``architecture`` names the modules (Phi-3's fused ones: one adapter per module)."""
   stacked = bool(layers.layout_of(params))
   targets, out, stored = set(adapted(cfg)), [], set()
-  for path, name, _ in hf_names(cfg):
-    if path[0] != "blocks" or path[-1] != "kernel" or path[-2] not in targets:
+  entries = hf_names(cfg, architecture=architecture)
+  for name, run in itertools.groupby(entries, key=lambda entry: entry[1]):
+    paths = [path for path, _, _ in run if path[0] == "blocks" and path[-1] == "kernel"]
+    pairs = {p: _pair(cfg, params, p, stacked, stored) for p in paths if p[-2] in targets}
+    if not pairs:
       continue
-    fan_in, fan_out = hf_export.leaf_shape(params, path, stacked)
     module = PREFIX + name.removesuffix(".weight")
-    for leaf, tag, shape in (
-      ("lora_a", "lora_A", (fan_in, cfg.lora.rank)),
-      ("lora_b", "lora_B", (cfg.lora.rank, fan_out)),
-    ):
-      where = (*path[:-1], "lora", leaf)
-      got = hf_export.leaf_shape(params, where, stacked)
-      if got != shape:
-        raise ConfigError(
-          f"params{hf_export.spell(where)} has shape {got}, the config needs {shape}"
-        )
-      stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
-      fetch = hf_export.fetcher(params, where, stacked, hf_gpt2.columns(cfg, where, to_hf=True))
-      out.append(hf_export.Tensor(f"{module}.{tag}.weight", fetch, True, shape[::-1]))
+    a, b = _stacked_pair(params, paths, pairs, stacked, cfg.lora.rank)
+    out += [
+      hf_export.Tensor(f"{module}.lora_A.weight", *a),
+      hf_export.Tensor(f"{module}.lora_B.weight", *b),
+    ]
   out += _routed_tensors(cfg, params, stacked, stored)
   _check_all_written(params, stored)
   return out
+
+
+def _pair(cfg, params: dict, path: tuple, stacked: bool, stored: set[str]) -> tuple:
+  """The ``(A, B)`` fetchers of the adapter on the projection at ``path``, each leaf checked
+  against the projection's shape and ``cfg``'s rank."""
+  fan_in, fan_out = hf_export.leaf_shape(params, path, stacked)
+  fetches = []
+  for leaf, shape in (("lora_a", (fan_in, cfg.lora.rank)), ("lora_b", (cfg.lora.rank, fan_out))):
+    where = (*path[:-1], "lora", leaf)
+    if (got := hf_export.leaf_shape(params, where, stacked)) != shape:
+      raise ConfigError(f"params{hf_export.spell(where)} has shape {got}, the config needs {shape}")
+    stored.add("/".join(map(str, hf_export.stored_path(where, stacked)[0])))
+    fetches.append(
+      hf_export.fetcher(params, where, stacked, hf_gpt2.columns(cfg, where, to_hf=True))
+    )
+  return tuple(fetches)
+
+
+def _stacked_pair(params: dict, paths: list, pairs: dict, stacked: bool, r: int) -> tuple:
+  """``(fetch, transposed, shape)`` of a module's ``lora_A`` and ``lora_B``: one projection's
+  own, or the fused module's (the adapted parts' ``A`` side by side, ``B`` block-diagonal
+  over all parts' output columns)."""
+  fan_in = hf_export.leaf_shape(params, paths[0], stacked)[0]
+  widths = [hf_export.leaf_shape(params, p, stacked)[1] for p in paths]
+  n = len(pairs)
+  if len(paths) == 1:
+    ((fetch_a, fetch_b),) = pairs.values()
+    return (fetch_a, True, (r, fan_in)), (fetch_b, True, (widths[0], r))
+
+  def fetch_a():
+    return np.concatenate([np.asarray(a()) for a, _ in pairs.values()], axis=-1)
+
+  def fetch_b():
+    b, row, column = np.zeros((n * r, sum(widths)), np.float32), 0, 0
+    for path, width in zip(paths, widths, strict=True):
+      if path in pairs:
+        b[row : row + r, column : column + width] = np.asarray(pairs[path][1]())
+        row += r
+      column += width
+    return b
+
+  return (fetch_a, True, (n * r, fan_in)), (fetch_b, True, (sum(widths), n * r))
 
 
 def _routed_tensors(cfg, params: dict, stacked: bool, stored: set[str]) -> list[hf_export.Tensor]:
@@ -212,6 +276,7 @@ def save_adapter(
   extra_files: Iterable[str | pathlib.Path] = (),
   provenance: dict | None = None,
   protected: export_folder.Protected = None,
+  architecture: str | None = None,
 ) -> pathlib.Path:
   """Writes the adapters in ``params`` of ``model_cfg``'s model as a PEFT adapter folder at
   ``folder``; returns it.
@@ -219,7 +284,10 @@ def save_adapter(
   ``base_model_name_or_path``: the model the adapters apply to (the run's
   ``model.init_from``; ``""`` for a model trained from scratch). ``dtype``: of the written
   tensors, ``float32`` or ``bfloat16``. ``extra_files`` (the run's tokenizer files) are
-  copied in, ``provenance`` goes into the folder's marker. Written whole or not at all; an
+  copied in, ``provenance`` goes into the folder's marker; ``architecture``: the base
+  model's (``hf_export.MODEL_TYPES``; it names the modules; None: Phi-3's fused modules for
+  a model with a partial rotary share or LongRoPE, jaxstep's projections otherwise: pass a
+  Phi-3 folder's, whose model may have neither). Written whole or not at all; an
   existing folder is replaced only if jaxstep wrote it and it is none of ``protected``
   (``export_folder``'s rules).
 
@@ -233,8 +301,11 @@ def save_adapter(
     raise ConfigError("the model has no adapters (model.lora.rank is 0): nothing to save")
   if dtype not in hf_export.DTYPES:
     raise ConfigError(f"dtype must be one of {', '.join(hf_export.DTYPES)}, got {dtype!r}")
-  config = adapter_config(model_cfg, base_model_name_or_path)
-  tensors = adapter_tensors(model_cfg, params)
+  if architecture is None and isinstance(model_cfg, LlamaConfig):
+    phi3 = model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope)
+    architecture = PHI3 if phi3 else None
+  config = adapter_config(model_cfg, base_model_name_or_path, architecture)
+  tensors = adapter_tensors(model_cfg, params, architecture)
 
   def fill(staging: pathlib.Path) -> None:
     # one file (adapters are small: PEFT never shards them)

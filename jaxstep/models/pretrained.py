@@ -43,7 +43,8 @@ class Pretrained:
     is. ``folder`` must be new, empty or an earlier export, never the folder these weights
     were read from (``export_folder``'s rules). With adapters (loaded with ``lora``) they
     are merged into the weights, ``W + (α/r)·A·B``, as ``jaxstep export`` merges a LoRA
-    run's; ``peft_export.save_adapter`` writes them alone instead. ``kwargs``:
+    run's; ``peft_export.save_adapter(…, architecture=self.architecture)`` writes them
+    alone instead. ``kwargs``:
     ``hf_export.save_pretrained``'s (``max_shard_bytes``)."""
     config, params = self.config, self.params if params is None else params
     if config.lora.rank:

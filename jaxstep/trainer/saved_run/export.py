@@ -44,6 +44,7 @@ from jaxstep.models import (
   lora,
   peft_export,
 )
+from jaxstep.models.rope import LongRope
 from jaxstep.trainer.saved_run import load as saved_run
 
 
@@ -59,6 +60,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_dense.GRANITE
   if model_cfg.nope_layers:
     return hf_dense.SMOLLM3
+  if model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope):
+    return hf_dense.PHI3
   if model_cfg.block_norms == "post":
     return "Olmo2ForCausalLM"
   if model_cfg.qk_norm:
@@ -111,6 +114,7 @@ def export_run(
         extra_files=files,
         provenance=provenance,
         protected=protected,
+        architecture=arch,
       )
       return out, saved.step
     model_cfg, params = cfg.model, saved.params
