@@ -98,6 +98,7 @@ BUILT = {
     embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, tie_embeddings=True
   ),
   "SmolLM3ForCausalLM": dict(nope_layers=(0,)),
+  "MistralForCausalLM": dict(sliding_window=4),  # 9 positions: past the window
   "Phi3ForCausalLM": dict(  # 9 positions: past the original 6, the long factors
     partial_rotary_factor=0.5,
     rope_scaling=dict(

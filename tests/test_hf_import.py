@@ -38,6 +38,11 @@ FAMILIES = {
   ),
   "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
   "mistral": ("MistralConfig", {"sliding_window": None}),
+  "mistral-window": ("MistralConfig", {"sliding_window": 5}),  # every layer, 5 keys each
+  "qwen2-window": (  # layer 1 windowed (from max_window_layers on), layer 0 full
+    "Qwen2Config",
+    {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+  ),
   "qwen2": ("Qwen2Config", {}),
   "qwen3": ("Qwen3Config", {"head_dim": 12}),
   # transformers' OLMo 2 defaults name ids outside a tiny vocabulary, and its embedding
@@ -45,7 +50,11 @@ FAMILIES = {
   "olmo2": ("Olmo2Config", {"head_dim": 12, "pad_token_id": None, "eos_token_id": None}),
   "smollm3": (  # layer 1 without rotary embeddings (every 4th by default: none of 2)
     "SmolLM3Config",
-    {"no_rope_layers": [1, 0], "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+    {
+      "no_rope_layers": [1, 0],
+      **dict(use_sliding_window=True, sliding_window=5),  # on the NoPE layer
+      **dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    },
   ),
   "granite": (
     "GraniteConfig",
@@ -65,7 +74,7 @@ FAMILIES = {
         "short_factor": [1.0, 1.3, 2.1],
         "long_factor": [1.5, 4.0, 9.0],
       },
-      **dict(pad_token_id=None, eos_token_id=None),
+      **dict(pad_token_id=None, eos_token_id=None, sliding_window=7),
     },
   ),
   "gpt2": ("GPT2Config", {"layer_norm_epsilon": 1e-5}),
@@ -148,11 +157,14 @@ def test_an_unsupported_rope_scaling_is_named(kind):
     hf_config.model_config(hf)
 
 
-def test_a_sliding_window_shorter_than_the_sequence_is_refused():
-  hf = {"sliding_window": 8}
+def test_a_window_jaxstep_does_not_read_is_refused_where_it_is_shorter_than_the_sequence():
+  """The mixtures of experts' windows are not read: refused once they would mask; the dense
+  families' are the model's (``read_windows``)."""
+  hf = {"architectures": ["Qwen3MoeForCausalLM"], "sliding_window": 8, "use_sliding_window": True}
   hf_config.check_sliding_window(hf, 8)
   with pytest.raises(ConfigError, match="sliding_window 8 is shorter than the sequence length"):
     hf_config.check_sliding_window(hf, 16)
+  hf_config.check_sliding_window({**hf, "architectures": ["MistralForCausalLM"]}, 16)
 
 
 def test_a_missing_or_misshaped_tensor_is_named(tmp_path):

@@ -148,17 +148,16 @@ def test_the_python_block_of_docs_pretrained_runs_as_written(folder, tmp_path):
   assert "'tokenizer.json'" in proc.stdout and "'chat_template.jinja'" in proc.stdout
 
 
-def test_a_short_sliding_window_or_a_tensor_without_a_place_is_refused(folder):
+def test_a_folders_sliding_window_is_read_and_a_tensor_without_a_place_is_refused(folder):
   from safetensors.numpy import load_file, save_file
 
   path, _ = folder
   config = json.loads((path / "config.json").read_text())
-  (path / "config.json").write_text(
-    json.dumps({**config, "sliding_window": 16, "use_sliding_window": True})
-  )
-  with pytest.raises(ConfigError, match="sliding_window 16 is shorter than the sequence length 64"):
-    jaxstep.load_pretrained(path)
-  assert jaxstep.load_pretrained(path, max_seq_len=16).config.max_seq_len == 16
+  types = ["full_attention", "sliding_attention"]
+  windowed = {**config, "sliding_window": 16, "use_sliding_window": True, "layer_types": types}
+  (path / "config.json").write_text(json.dumps(windowed))
+  loaded = jaxstep.load_pretrained(path).config
+  assert (loaded.max_seq_len, loaded.windows) == (64, (0, 16))
   tensors = load_file(path / "model.safetensors")
   tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(32, np.float32)
   save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -111,7 +111,12 @@ def resolve_attention(choice: str, dtype, head_dim: int) -> str:
 
 
 def causal_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, choice: str, segment_ids: jax.Array | None = None
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  choice: str,
+  segment_ids: jax.Array | None = None,
+  window: int = 0,
 ) -> jax.Array:
   """Causal softmax attention ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` →
   ``[B, S, H, Dh]`` with the kernel ``choice`` resolves to; ``KV`` divides ``H`` and query
@@ -120,19 +125,28 @@ def causal_attention(
 
   ``segment_ids`` (``int32[B, S]``, or None): document masking, query ``i`` sees key ``j``
   only if ``j ≤ i`` and both are in the same segment. None traces the plain causal kernel,
-  exactly as before."""
+  exactly as before. ``window`` > 0: sliding-window attention, query ``i`` sees keys
+  ``i − window < j ≤ i`` (transformers' ``sliding_window``), on every kernel
+  (``jax.nn.dot_product_attention``'s ``local_window_size``)."""
   kernel = resolve_attention(choice, q.dtype, q.shape[-1])
   if segment_ids is not None:
-    return _segment_attention(q, k, v, kernel, segment_ids)
+    return _segment_attention(q, k, v, kernel, segment_ids, window)
   if kernel == "blocked":
-    return cpu_kernels.causal_attention(q, k, v)
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
+    return cpu_kernels.causal_attention(q, k, v, window)
+  return jax.nn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=kernel, local_window_size=_local(window)
+  )
 
 
-def _segment_attention(q, k, v, kernel: str, segment_ids: jax.Array) -> jax.Array:
+def _local(window: int) -> tuple[int, int] | None:
+  """``local_window_size`` for a window of ``window`` keys, the query's own included."""
+  return (window - 1, 0) if window else None
+
+
+def _segment_attention(q, k, v, kernel: str, segment_ids: jax.Array, window: int) -> jax.Array:
   """``causal_attention`` within the segments of ``segment_ids`` on ``kernel``."""
   if kernel == "blocked":
-    return cpu_kernels.segment_causal_attention(q, k, v, segment_ids)
+    return cpu_kernels.segment_causal_attention(q, k, v, segment_ids, window)
   if kernel == "cudnn":
     if CUDNN_SEGMENT_PROBLEM not in _logged:
       _logged.add(CUDNN_SEGMENT_PROBLEM)
@@ -140,5 +154,6 @@ def _segment_attention(q, k, v, kernel: str, segment_ids: jax.Array) -> jax.Arra
     kernel = "xla"
   same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S], broadcast over heads
   return jax.nn.dot_product_attention(
-    q, k, v, mask=same[:, None], is_causal=True, implementation=kernel
-  )
+    q, k, v, mask=same[:, None], is_causal=True, implementation=kernel,
+    local_window_size=_local(window),
+  )  # fmt: skip

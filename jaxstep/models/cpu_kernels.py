@@ -79,11 +79,14 @@ def dense_dot_general(x, w, dimension_numbers, precision=None, preferred_element
   return _matmul(x, w)
 
 
-@jax.custom_vjp
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) -> jax.Array:
   """Causal softmax attention: ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` with ``KV``
   dividing ``H`` -> ``[B, S, H, Dh]``; query head ``h`` reads key/value head
-  ``h // (H / KV)`` (grouped-query attention; ``KV = H`` is plain multi-head).
+  ``h // (H / KV)`` (grouped-query attention; ``KV = H`` is plain multi-head). ``window``
+  > 0: sliding-window attention, query ``i`` sees keys ``i − window < j ≤ i`` (transformers'
+  ``sliding_window``: ``window`` keys, itself included), and a block's keys left of every
+  row's window are never computed either.
 
   ``softmax(q·kᵀ / √Dh + causal mask) · v`` per head, the softmax in fp32 whatever the
   compute dtype. Three things differ from autodiff of the plain einsum, not the math:
@@ -99,7 +102,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     transposes only a small ``[S, Dh]`` operand: autodiff lets XLA:CPU transpose the
     ``[S, S]`` probabilities and score gradients instead.
   """
-  return _attention_fwd(q, k, v)[0]
+  return _attention_fwd(q, k, v, None, window)[0]
 
 
 def query_blocks(s: int) -> list[tuple[int, int]]:
@@ -130,7 +133,12 @@ def _rows(x: jax.Array, lo: int, hi: int) -> jax.Array:
   return x[:, :, :, lo:hi].reshape(b, kv, g * (hi - lo), dh)
 
 
-def _attention_fwd(q, k, v, segment_ids=None):
+def _keys(lo: int, hi: int, window: int) -> int:
+  """The first key any query row of block ``[lo, hi)`` sees (0 without a window)."""
+  return max(0, lo - window + 1) if window else 0
+
+
+def _attention_fwd(q, k, v, segment_ids=None, window=0):
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads")
   kv, g = k.shape[2], q.shape[2] // k.shape[2]
@@ -138,16 +146,20 @@ def _attention_fwd(q, k, v, segment_ids=None):
   kt = k.transpose(0, 2, 3, 1)  # [B, KV, Dh, Sk]
   vh = v.transpose(0, 2, 1, 3)  # [B, KV, Sk, Dh]
   outs, probs = [], []
-  for lo, hi in query_blocks(q.shape[1]):  # keys [0, hi): the rest is masked for all rows
-    scores = jnp.einsum("bnqd,bndk->bnqk", _rows(qg, lo, hi), kt[..., :hi])
+  for lo, hi in query_blocks(q.shape[1]):  # keys [first, hi): the rest masked for all rows
+    first = _keys(lo, hi, window)
+    scores = jnp.einsum("bnqd,bndk->bnqk", _rows(qg, lo, hi), kt[..., first:hi])
     scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
-    allowed = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]  # [hi - lo, hi]
-    if segment_ids is not None:  # [B, hi - lo, hi]: causal and the same document
-      allowed = allowed & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
+    rows, keys = jnp.arange(lo, hi)[:, None], jnp.arange(first, hi)[None, :]
+    allowed = keys <= rows  # [hi - lo, hi - first]
+    if window:
+      allowed = allowed & (keys > rows - window)
+    if segment_ids is not None:  # [B, hi - lo, hi - first]: causal and the same document
+      allowed = allowed & (segment_ids[:, lo:hi, None] == segment_ids[:, None, first:hi])
     allowed = jnp.tile(allowed, (g, 1))  # the group's heads are stacked row blocks
     allowed = allowed[:, None] if segment_ids is not None else allowed
     p = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1)
-    out = jnp.einsum("bnqk,bnkd->bnqd", p.astype(v.dtype), vh[:, :, :hi])
+    out = jnp.einsum("bnqk,bnkd->bnqd", p.astype(v.dtype), vh[:, :, first:hi])
     outs.append(out.reshape(*qg.shape[:3], hi - lo, -1))
     probs.append(p)
   out = _ungrouped(jnp.concatenate(outs, axis=3))
@@ -155,19 +167,21 @@ def _attention_fwd(q, k, v, segment_ids=None):
 
 
 def _attention_bwd(residuals, do):
-  qg, kt, vh, probs = residuals  # probs: fp32 [B, KV, G·(hi - lo), hi] per block, 0 masked
+  qg, kt, vh, probs = residuals  # probs: fp32 [B, KV, G·(hi - lo), hi - first], 0 masked
   s, f32 = qg.shape[3], jnp.float32
   dog = _grouped(do, qg.shape[1])  # [B, KV, G, Sq, Dh]
   dqs, dkt, dvt = [], jnp.zeros(kt.shape, f32), jnp.zeros(kt.shape, f32)
   for (lo, hi), p in zip(query_blocks(s), probs, strict=True):
-    do_b, q_b, pad = _rows(dog, lo, hi), _rows(qg, lo, hi), [(0, 0)] * 3 + [(0, s - hi)]
-    dp = jnp.einsum("bnqd,bndk->bnqk", do_b, vh[:, :, :hi].transpose(0, 1, 3, 2)).astype(f32)
+    first = hi - p.shape[-1]  # the block's first key (a window's)
+    do_b, q_b, pad = _rows(dog, lo, hi), _rows(qg, lo, hi), [(0, 0)] * 3 + [(first, s - hi)]
+    v_b = vh[:, :, first:hi].transpose(0, 1, 3, 2)
+    dp = jnp.einsum("bnqd,bndk->bnqk", do_b, v_b).astype(f32)
     dv_b = jnp.einsum(
       "bndq,bnqk->bndk", do_b.transpose(0, 1, 3, 2), p.astype(do.dtype), preferred_element_type=f32
     )
     ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(qg.shape[-1])
     ds = ds.astype(qg.dtype)  # d(q·kᵀ); masked entries are 0 since p is
-    dq_b = jnp.einsum("bnqk,bnkd->bnqd", ds, kt[..., :hi].transpose(0, 1, 3, 2))
+    dq_b = jnp.einsum("bnqk,bnkd->bnqd", ds, kt[..., first:hi].transpose(0, 1, 3, 2))
     dqs.append(dq_b.reshape(*qg.shape[:3], hi - lo, -1))
     dk_b = jnp.einsum("bndq,bnqk->bndk", q_b.transpose(0, 1, 3, 2), ds, preferred_element_type=f32)
     dkt, dvt = dkt + jnp.pad(dk_b, pad), dvt + jnp.pad(dv_b, pad)
@@ -176,16 +190,25 @@ def _attention_bwd(residuals, do):
   return dq, dk.transpose(0, 3, 1, 2), dv.transpose(0, 3, 1, 2)
 
 
-causal_attention.defvjp(_attention_fwd, _attention_bwd)
+def _causal_fwd(q, k, v, window):
+  return _attention_fwd(q, k, v, None, window)
 
 
-@jax.custom_vjp
+def _causal_bwd(window, residuals, do):
+  del window  # each block's keys are read off its probabilities' width
+  return _attention_bwd(residuals, do)
+
+
+causal_attention.defvjp(_causal_fwd, _causal_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def segment_causal_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int = 0
 ) -> jax.Array:
   """``causal_attention`` within documents: query ``i`` sees key ``j`` iff ``j ≤ i`` and
   ``segment_ids[b, i] == segment_ids[b, j]`` (``segment_ids`` ``int32[B, S]``, as
-  ``Windows.rows(..., document_mask=True)`` makes them). Shapes and grouping as
+  ``Windows.rows(..., document_mask=True)`` makes them). Shapes, grouping and ``window`` as
   ``causal_attention``'s.
 
   The same blocks, arithmetic and backward as ``causal_attention``: the segment test joins
@@ -196,14 +219,14 @@ def segment_causal_attention(
   documents are still computed: which ones they are depends on the data, and skipping
   them would need dynamic shapes; the saving is the causal one only.
   """
-  return _attention_fwd(q, k, v, segment_ids)[0]
+  return _attention_fwd(q, k, v, segment_ids, window)[0]
 
 
-def _segment_attention_fwd(q, k, v, segment_ids):
-  return _attention_fwd(q, k, v, segment_ids)
+def _segment_attention_fwd(q, k, v, segment_ids, window):
+  return _attention_fwd(q, k, v, segment_ids, window)
 
 
-def _segment_attention_bwd(residuals, do):
+def _segment_attention_bwd(window, residuals, do):
   return (*_attention_bwd(residuals, do), None)  # segment ids: integers, no cotangent
 
 

@@ -5,8 +5,9 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
 
 - ``LlamaForCausalLM`` (Llama 2/3, SmolLM2): RoPE scaling type ``llama3`` or none; no
   ``attention_bias`` / ``mlp_bias`` (refused: they would add biases this model lacks).
-- ``MistralForCausalLM``: a ``sliding_window`` is accepted only when it covers the whole
-  sequence (``check_sliding_window``): then it changes nothing.
+- ``MistralForCausalLM``: sliding-window attention in every layer when ``sliding_window``
+  is set (Phi-3 too; Qwen2, Qwen3 and SmolLM3 in their ``layer_types``' sliding layers:
+  ``hf_dense.read_windows``).
 - ``Qwen2ForCausalLM``: biases on the q/k/v projections.
 - ``Qwen3ForCausalLM``: RMSNorm on each head's q and k, an explicit ``head_dim``.
 - ``Olmo2ForCausalLM``: RMSNorm on the attention's and the MLP's outputs instead of their
@@ -35,7 +36,14 @@ import pathlib
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
-from jaxstep.models.hf_dense import ARCHITECTURES, PHI3, read_fields
+from jaxstep.models.hf_dense import (
+  ARCHITECTURES,
+  LAYERED,
+  PHI3,
+  WINDOWED,
+  read_fields,
+  read_windows,
+)
 from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.models.rope import LongRope, rope_scaling_of
@@ -231,17 +239,22 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
     "rope_scaling": scaling,
     "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     **family,
+    **read_windows(hf, name, where),
   }
   return LlamaConfig(**{**fields, **options})
 
 
 def check_sliding_window(hf: dict, seq_len: int, where: str = CONFIG) -> None:
-  """A sliding window shorter than the sequences would mask what this attention sees:
-  refused rather than ignored (a window at least ``seq_len`` long changes nothing)."""
+  """A sliding window shorter than the sequences, in an architecture whose windows jaxstep
+  does not read (the mixtures of experts), would mask what this attention sees: refused
+  rather than ignored (a window at least ``seq_len`` long changes nothing)."""
+  if architecture(hf, where) in WINDOWED + LAYERED:
+    return  # the model computes it (read_windows)
   window = hf.get("sliding_window")
   uses = hf.get("use_sliding_window", window is not None)
   if window is not None and uses and int(window) < seq_len:
     raise ConfigError(
       f"{where}: sliding_window {window} is shorter than the sequence length {seq_len}; "
-      f"sliding-window attention is not implemented: use train.seq_len <= {window}"
+      f"{architecture(hf, where)}'s sliding window is not read here: use train.seq_len <= "
+      f"{window}"
     )

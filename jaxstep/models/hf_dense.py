@@ -83,7 +83,7 @@ def export_fields(cfg, architecture: str) -> dict:
   here is 1/√head_dim), SmolLM3's rotary flags per layer; nothing for the others."""
   if architecture == SMOLLM3:
     flags = [int(i not in cfg.nope_layers) for i in range(cfg.n_layers)]
-    return {"no_rope_layers": flags, "use_sliding_window": False, "mlp_bias": False}
+    return {"no_rope_layers": flags, "mlp_bias": False}
   if architecture == PHI3:
     original = getattr(cfg.rope_scaling, "original_max_position_embeddings", None)
     fields = {"partial_rotary_factor": cfg.partial_rotary_factor}
@@ -122,6 +122,7 @@ def check_export(cfg, architecture: str) -> None:
     )
   if architecture == PHI3:
     _check_phi3(cfg)
+  _check_windows(cfg, architecture)
   if cfg.nope_layers and architecture != SMOLLM3:
     raise ConfigError(
       f"{architecture} rotates q and k in every layer, and the model has nope_layers "
@@ -140,4 +141,67 @@ def _check_phi3(cfg) -> None:
     raise ConfigError(
       f"{PHI3} has head_dim = d_model / n_heads ({cfg.d_model} / {cfg.n_heads}), and the "
       f"model has head_dim {cfg.resolved_head_dim}"
+    )
+
+
+WINDOWED = ("MistralForCausalLM", PHI3)  # a sliding_window there windows every layer
+LAYERED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", SMOLLM3)  # use_sliding_window, layer_types
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def read_windows(hf: dict, architecture: str, where: str) -> dict:
+  """``sliding_window`` and ``full_layers`` as transformers builds the layers: Mistral and
+  Phi-3 window every layer when the folder names a window; Qwen2, Qwen3 and SmolLM3 only
+  with ``use_sliding_window``, the layers ``layer_types`` calls ``sliding_attention`` (where
+  it is absent: Qwen's layers from ``max_window_layers`` (28) on, SmolLM3's NoPE layers)."""
+  window = hf.get("sliding_window")
+  if architecture in LAYERED and not hf.get("use_sliding_window", False):
+    window = None
+  if architecture not in WINDOWED + LAYERED or window is None:
+    return {}
+  window = integer(hf, "sliding_window", where)
+  n = integer(hf, "num_hidden_layers", where)
+  types = hf.get("layer_types")
+  if architecture in WINDOWED:
+    sliding = set(range(n))
+  elif types is not None:
+    if not isinstance(types, list) or len(types) != n or set(types) - {SLIDING, FULL}:
+      raise ConfigError(f"{where}: layer_types must be {n} of {SLIDING!r}, {FULL!r}: {types!r}")
+    sliding = {i for i, kind in enumerate(types) if kind == SLIDING}
+  elif architecture == SMOLLM3:
+    sliding = set(_nope_layers(hf, where))
+  else:
+    first = integer(hf, "max_window_layers", where, 28)
+    sliding = set(range(first, n))
+  if window <= 0 or not sliding:
+    return {}
+  return {"sliding_window": window, "full_layers": tuple(i for i in range(n) if i not in sliding)}
+
+
+def window_fields(cfg, architecture: str) -> dict:
+  """The sliding-window fields of ``architecture``'s ``config.json`` for ``cfg``'s windows
+  (``layer_types`` spelled out where the architecture reads it)."""
+  window = cfg.sliding_window or None
+  if architecture in WINDOWED:
+    return {"sliding_window": window}
+  if architecture not in LAYERED:
+    return {}
+  types = [SLIDING if w else FULL for w in cfg.windows]
+  return {"use_sliding_window": window is not None, "sliding_window": window, "layer_types": types}
+
+
+def _check_windows(cfg, architecture: str) -> None:
+  """``ConfigError`` unless ``architecture`` can window the layers ``cfg`` windows."""
+  if not cfg.sliding_window or architecture in LAYERED:
+    return
+  if architecture not in WINDOWED:
+    raise ConfigError(
+      f"{architecture} has no sliding-window attention, and the model has sliding_window "
+      f"{cfg.sliding_window}: use MistralForCausalLM (every layer windowed) or "
+      f"{SMOLLM3} (layer_types)"
+    )
+  if any(w == 0 for w in cfg.windows):
+    raise ConfigError(
+      f"{architecture} windows every layer, and the model's full_layers are "
+      f"{list(cfg.full_layers)}: use {SMOLLM3} (layer_types)"
     )

@@ -274,6 +274,7 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
   if architecture in hf_moe.ARCHITECTURES:
     hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
   hf.update(hf_dense.export_fields(cfg, architecture))
+  hf.update(hf_dense.window_fields(cfg, architecture))
   set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype

@@ -255,6 +255,7 @@ def check_export(cfg, architecture: str) -> None:
     (bool(hf_dense.scaled(cfg)), f"multipliers {hf_dense.scaled(cfg)} (it has none)"),
     (bool(cfg.nope_layers), f"nope_layers {list(cfg.nope_layers)} (it rotates every layer)"),
     (cfg.partial_rotary_factor != 1, f"partial_rotary_factor {cfg.partial_rotary_factor}"),
+    (bool(cfg.sliding_window), f"sliding_window {cfg.sliding_window}"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

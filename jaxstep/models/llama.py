@@ -71,6 +71,8 @@ class LlamaConfig:
   qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
   block_norms: str = "pre"  # pre: norm each branch's input | post: its output (OLMo 2)
   nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE)
+  sliding_window: int = 0  # sliding_window: a query sees this many keys, itself included; 0: all
+  full_layers: tuple[int, ...] = ()  # layers that see every key despite sliding_window
   # Granite's multipliers (GRANITE_SCALES: the values that change nothing)
   embedding_multiplier: float = 1.0  # the token embeddings times this
   attention_multiplier: float = 0.0  # the attention logits' scale; 0: 1/√head_dim
@@ -105,7 +107,7 @@ class LlamaConfig:
     # a folder's model (init_from) says whether it has experts once it is read
     routed = lora.ROUTED if self.num_experts or self.init_from else ()
     self.lora.check_targets(PROJECTIONS + routed)
-    for name in ("dense_layers", "nope_layers"):
+    for name in ("dense_layers", "nope_layers", "full_layers"):
       object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
     moe.check_config(self)
     object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
@@ -124,13 +126,16 @@ class LlamaConfig:
         f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads} "
         "(or set model.head_dim)"
       )
-    if bad := [i for i in self.nope_layers if not 0 <= i < self.n_layers]:
-      raise ConfigError(f"model.nope_layers {bad} are not layers of 0 … {self.n_layers - 1}")
+    for name in ("nope_layers", "full_layers"):
+      if bad := [i for i in getattr(self, name) if not 0 <= i < self.n_layers]:
+        raise ConfigError(f"model.{name} {bad} are not layers of 0 … {self.n_layers - 1}")
+    if self.sliding_window < 0:
+      raise ConfigError(f"model.sliding_window must be >= 0 (0: none), got {self.sliding_window}")
     if self.scan_layers and self.blocks_differ:
       raise ConfigError(
         "model.scan_layers needs every block alike, and this model's differ (dense and MoE "
-        "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers): set "
-        "model.scan_layers=false"
+        "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers; windowed "
+        "and full attention: full_layers): set model.scan_layers=false"
       )
     rope.check_config(self)
     scales = [name for name, neutral in GRANITE_SCALES.items() if neutral]  # 0 means "none"
@@ -161,8 +166,16 @@ class LlamaConfig:
   def blocks_differ(self) -> bool:
     """Whether the blocks are not all alike (dense and MoE MLPs, rotated and NoPE
     attention): they cannot be one stack walked by ``lax.scan``."""
-    nope = len(set(self.nope_layers))
-    return len(set(self.moe_layers)) > 1 or 0 < nope < self.n_layers
+    return (
+      len(set(self.moe_layers)) > 1
+      or len(set(self.windows)) > 1
+      or 0 < len(set(self.nope_layers)) < self.n_layers
+    )
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    """Per layer, the keys a query sees (0: every earlier one)."""
+    return tuple(0 if i in self.full_layers else self.sliding_window for i in range(self.n_layers))
 
   @property
   def expert_size(self) -> int:
@@ -245,7 +258,9 @@ class LlamaBlock(nnx.Module):
   ``post_attention_layernorm`` normalizes the MLP's input in a pre-norm block and the
   attention's output in a post-norm one."""
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False, rope=True):
+  def __init__(
+    self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False, rope=True, window: int = 0
+  ):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
     linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
@@ -270,6 +285,7 @@ class LlamaBlock(nnx.Module):
       self.down_proj = linear("down_proj", cfg.intermediate_size, d)
     self.sparse = sparse
     self.rope = rope  # False: a NoPE layer (nope_layers), q and k as projected
+    self.window = window  # > 0: sliding-window attention over this many keys
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def qkv(self, x: jax.Array, positions: jax.Array):
@@ -299,7 +315,9 @@ class LlamaBlock(nnx.Module):
     ``0 … S-1``), within the documents of ``segment_ids`` (``[B, S]``; None: causal only)."""
     b, s, _ = x.shape
     q, k, v = self.qkv(x, jnp.arange(s) if positions is None else positions)
-    out = backends.causal_attention(q, k, v, self.cfg.attention, segment_ids=segment_ids)
+    out = backends.causal_attention(
+      q, k, v, self.cfg.attention, segment_ids=segment_ids, window=self.window
+    )
     return self.o_proj(out.reshape(b, s, -1))
 
   def feed_forward(self, x: jax.Array, route_weights=None):
@@ -321,7 +339,8 @@ class LlamaBlock(nnx.Module):
     kt, vc = cache  # the index arrays select [B, KV, S] slots; each takes a [Dh] vector
     kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
     vc = vc.at[rows, heads, at].set(v.transpose(0, 2, 1, 3).astype(vc.dtype))
-    attn = self.o_proj(grouped_attention_over_cache(q, kt, vc, positions).reshape(b, s, -1))
+    attn = grouped_attention_over_cache(q, kt, vc, positions, self.window)
+    attn = self.o_proj(attn.reshape(b, s, -1))
     x = x + self._attention_output(attn)
     return x + self._mlp_output(self.feed_forward(self._mlp_input(x))[0]), (kt, vc)
 
@@ -363,8 +382,8 @@ class Llama(DecoderStack):
     dense, _ = platform_kernels()
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
     blocks = [
-      LlamaBlock(cfg, rngs=rngs, sparse=sparse, rope=i not in cfg.nope_layers)
-      for i, sparse in enumerate(cfg.moe_layers)
+      LlamaBlock(cfg, rngs=rngs, sparse=sparse, rope=i not in cfg.nope_layers, window=window)
+      for i, (sparse, window) in enumerate(zip(cfg.moe_layers, cfg.windows, strict=True))
     ]
     # Built one by one either way, so a seed gives the same model in both layouts.
     self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)

@@ -43,9 +43,10 @@ def times(x: jax.Array, m: float) -> jax.Array:
   return x if m == 1.0 else (x.astype(jnp.float32) * m).astype(x.dtype)
 
 
-def grouped_attention_over_cache(q, kt, v, positions):
+def grouped_attention_over_cache(q, kt, v, positions, window: int = 0):
   """``gpt.attention_over_cache`` for grouped queries: ``q [B, S, H, Dh]`` against a cache
-  of ``KV`` heads, keys ``kt [B, KV, Dh, T]``, values ``v [B, KV, T, Dh]``; query head
+  of ``KV`` heads, keys ``kt [B, KV, Dh, T]``, values ``v [B, KV, T, Dh]`` (``window`` > 0:
+  only the last ``window`` positions of the cache, the query's included); query head
   ``h`` reads cache head ``h // (H / KV)``. The query heads are grouped instead of the
   cache repeated, so each step reads the cache once. Same arithmetic as the GPT's (scores
   in the compute dtype, softmax in fp32, masked at the fp32 minimum). ``[B, S, H, Dh]``."""
@@ -53,7 +54,10 @@ def grouped_attention_over_cache(q, kt, v, positions):
   kv = kt.shape[1]
   qg = q.reshape(b, s, kv, h // kv, dh).transpose(0, 2, 3, 1, 4)  # [B, KV, G, S, Dh]
   scores = jnp.einsum("bkgqd,bkdt->bkgqt", qg, kt).astype(jnp.float32) / math.sqrt(dh)
-  visible = jnp.arange(kt.shape[-1])[None, None, :] <= positions[:, :, None]  # [B, S, T]
+  slots = jnp.arange(kt.shape[-1])[None, None, :]
+  visible = slots <= positions[:, :, None]  # [B, S, T]
+  if window:  # sliding-window attention: the window's keys of a full-length cache
+    visible = visible & (slots > positions[:, :, None] - window)
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   p = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgqt,bktd->bkgqd", p.astype(v.dtype), v)  # [B, KV, G, S, Dh]

@@ -93,8 +93,9 @@ def load_pretrained(
 
   Raises:
     ConfigError: no ``config.json``, an unsupported architecture or setting (named), a
-      sliding window shorter than ``max_seq_len``, a missing, mis-shaped or unused tensor
-      (named), a ``vocab_size`` smaller than the tokenizer. DataError: the tokenizer files.
+      mixture of experts' sliding window shorter than ``max_seq_len``, a missing,
+      mis-shaped or unused tensor (named), a ``vocab_size`` smaller than the tokenizer.
+      DataError: the tokenizer files.
   """
   path = pathlib.Path(path)
   hf, where = hf_config.read_config(path), str(path / hf_config.CONFIG)

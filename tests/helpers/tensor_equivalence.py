@@ -27,9 +27,15 @@ from jaxstep.trainer.plan import tensor_split  # noqa: E402
 
 MODELS = {
   "gpt": models.GPTConfig(vocab_size=32, max_seq_len=8, d_model=32, n_layers=1, n_heads=4),
-  "llama": models.LlamaConfig(
-    vocab_size=32, max_seq_len=8, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2
-  ),
+  "llama": models.LlamaConfig(  # a 3-key sliding window: windowed attention split too
+    vocab_size=32,
+    max_seq_len=8,
+    d_model=32,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    sliding_window=3,
+  ),  # fmt: skip
 }
 MESHES = ((1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2))
 # (LoRA, K, meshes, sequence parallelism): every mesh at K 4 and 1 without sequence

@@ -62,6 +62,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_dense.SMOLLM3
   if model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope):
     return hf_dense.PHI3
+  if model_cfg.sliding_window and not (model_cfg.qk_norm or model_cfg.attention_bias):
+    return "MistralForCausalLM" if not model_cfg.full_layers else hf_dense.SMOLLM3
   if model_cfg.block_norms == "post":
     return "Olmo2ForCausalLM"
   if model_cfg.qk_norm:

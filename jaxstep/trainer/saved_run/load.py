@@ -225,8 +225,12 @@ def load_model_folder(path: str | pathlib.Path, *, tensor: int = 1) -> SavedRun:
 
 def _usable_positions(hf: dict, model_cfg) -> int:
   """The longest sequence the model attends over exactly: ``max_position_embeddings``, or a
-  shorter sliding window it uses (this attention is not windowed)."""
+  shorter sliding window it uses where jaxstep does not read it (a mixture of experts')."""
+  from jaxstep.models import hf_config, hf_dense
+
   window = hf.get("sliding_window")
+  if hf_config.architecture(hf) in hf_dense.WINDOWED + hf_dense.LAYERED:
+    return model_cfg.max_seq_len  # the model computes its window
   if window is not None and hf.get("use_sliding_window", True):
     return min(model_cfg.max_seq_len, int(window))
   return model_cfg.max_seq_len
