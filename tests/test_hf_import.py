@@ -77,6 +77,19 @@ FAMILIES = {
       **dict(pad_token_id=None, eos_token_id=None, sliding_window=7),
     },
   ),
+  "gemma3": (  # a local layer (5-key window, base 100) and a global one (base 10,000)
+    "Gemma3TextConfig",
+    {
+      "head_dim": 8,
+      "query_pre_attn_scalar": 12,
+      "sliding_window": 5,
+      "layer_types": ["sliding_attention", "full_attention"],
+      "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+      },
+    },
+  ),
   "gpt2": ("GPT2Config", {"layer_norm_epsilon": 1e-5}),
   "gpt2-untied": ("GPT2Config", {"tie_word_embeddings": False}),
 }

@@ -56,7 +56,10 @@ def one_error(capsys) -> str:
     "qwen3",
     "llama",
     "gpt2",
-    *(pytest.param(f, marks=pytest.mark.slow) for f in ("olmo2", "granite", "smollm3", "phi3")),
+    *(
+      pytest.param(f, marks=pytest.mark.slow)
+      for f in ("olmo2", "granite", "smollm3", "phi3", "gemma3")
+    ),
   ],
 )
 def test_an_unmodified_folder_passes_every_stage(tiny, tmp_path, family):

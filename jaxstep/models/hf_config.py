@@ -15,6 +15,7 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
 - ``GraniteForCausalLM``: multipliers on the embeddings, the attention logits, the
   residual branches and the logits (``hf_dense.py``).
 - ``SmolLM3ForCausalLM``: no rotary embedding in the layers ``no_rope_layers`` flags 0.
+- ``Gemma3ForCausalLM`` (Gemma 3 270M, 1B): ``hf_gemma.py``.
 - ``Phi3ForCausalLM`` (Phi-3, Phi-4-mini): fused ``qkv_proj`` and ``gate_up_proj`` tensors
   (split as they are read), RoPE over the first ``partial_rotary_factor`` of each head, and
   LongRoPE (``rope_type: longrope``, older folders' ``su``).
@@ -34,16 +35,9 @@ import json
 import pathlib
 
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_gpt2, hf_moe
+from jaxstep.models import hf_gemma, hf_gpt2, hf_moe
 from jaxstep.models.gpt import GPTConfig
-from jaxstep.models.hf_dense import (
-  ARCHITECTURES,
-  LAYERED,
-  PHI3,
-  WINDOWED,
-  read_fields,
-  read_windows,
-)
+from jaxstep.models.hf_dense import ARCHITECTURES, PHI3, READS_WINDOWS, read_fields, read_windows
 from jaxstep.models.hf_fields import integer, real
 from jaxstep.models.llama import LlamaConfig
 from jaxstep.models.rope import LongRope, rope_scaling_of
@@ -212,7 +206,7 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
   if name == hf_gpt2.ARCHITECTURE:
     return hf_gpt2.model_config(hf, where, **options)
   act = hf.get("hidden_act", "silu")
-  if act != "silu":
+  if act != "silu" and name != hf_gemma.GEMMA3:  # Gemma's is hidden_activation
     raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the Llama MLP is SwiGLU)")
   if name in hf_moe.ARCHITECTURES:
     family = hf_moe.config_fields(hf, name, where)
@@ -248,8 +242,8 @@ def check_sliding_window(hf: dict, seq_len: int, where: str = CONFIG) -> None:
   """A sliding window shorter than the sequences, in an architecture whose windows jaxstep
   does not read (the mixtures of experts), would mask what this attention sees: refused
   rather than ignored (a window at least ``seq_len`` long changes nothing)."""
-  if architecture(hf, where) in WINDOWED + LAYERED:
-    return  # the model computes it (read_windows)
+  if architecture(hf, where) in READS_WINDOWS:
+    return  # the model computes it (read_windows, hf_gemma)
   window = hf.get("sliding_window")
   uses = hf.get("use_sliding_window", window is not None)
   if window is not None and uses and int(window) < seq_len:

@@ -19,13 +19,23 @@ from __future__ import annotations
 import math
 
 from jaxstep.errors import ConfigError
+from jaxstep.models import hf_gemma
 from jaxstep.models.hf_fields import integer, real
+from jaxstep.models.hf_gemma import GEMMA3
 from jaxstep.models.llama import GRANITE_SCALES
 
 GRANITE = "GraniteForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 PHI3 = "Phi3ForCausalLM"
-LLAMA = {"attention_bias": False, "qk_norm": False, "qk_norm_scope": "head", "block_norms": "pre"}
+LLAMA = {
+  "attention_bias": False,
+  "qk_norm": False,
+  "qk_norm_scope": "head",
+  "block_norms": "pre",
+  "norm_offset": 0.0,
+  "mlp_activation": "silu",
+  "scale_embeddings": False,
+}
 ARCHITECTURES = {
   "LlamaForCausalLM": LLAMA,
   "MistralForCausalLM": LLAMA,
@@ -40,6 +50,7 @@ ARCHITECTURES = {
   GRANITE: LLAMA,
   SMOLLM3: LLAMA,
   PHI3: LLAMA,
+  GEMMA3: hf_gemma.FIELDS,
 }
 
 
@@ -53,6 +64,8 @@ def read_fields(hf: dict, architecture: str, where: str) -> dict:
       raise ConfigError(f"{where}: Granite's multipliers must be > 0, got {bad}")
   if architecture == SMOLLM3:
     fields["nope_layers"] = _nope_layers(hf, where)
+  if architecture == GEMMA3:
+    fields |= hf_gemma.read_fields(hf, where)
   if architecture == PHI3:  # rope_parameters' value wins, as transformers reads it
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     top = real(hf, "partial_rotary_factor", where, 1.0)
@@ -122,6 +135,12 @@ def check_export(cfg, architecture: str) -> None:
     )
   if architecture == PHI3:
     _check_phi3(cfg)
+  gemma = {k: getattr(cfg, k) for k in ("query_pre_attn_scalar", "local_rope_theta")}
+  if any(gemma.values()) and architecture != GEMMA3:
+    names = ", ".join(f"{k}={v}" for k, v in gemma.items() if v)
+    raise ConfigError(f"{architecture} has no {names.split('=')[0]}, and the model has {names}")
+  if architecture == GEMMA3:
+    hf_gemma.check_export(cfg)
   _check_windows(cfg, architecture)
   if cfg.nope_layers and architecture != SMOLLM3:
     raise ConfigError(
@@ -147,6 +166,7 @@ def _check_phi3(cfg) -> None:
 WINDOWED = ("MistralForCausalLM", PHI3)  # a sliding_window there windows every layer
 LAYERED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", SMOLLM3)  # use_sliding_window, layer_types
 SLIDING, FULL = "sliding_attention", "full_attention"
+READS_WINDOWS = (*WINDOWED, *LAYERED, GEMMA3)  # the architectures whose windows are the model's
 
 
 def read_windows(hf: dict, architecture: str, where: str) -> dict:
@@ -192,7 +212,7 @@ def window_fields(cfg, architecture: str) -> dict:
 
 def _check_windows(cfg, architecture: str) -> None:
   """``ConfigError`` unless ``architecture`` can window the layers ``cfg`` windows."""
-  if not cfg.sliding_window or architecture in LAYERED:
+  if not cfg.sliding_window or architecture in LAYERED + (GEMMA3,):
     return
   if architecture not in WINDOWED:
     raise ConfigError(

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxstep.core.trees import key_name
 from jaxstep.errors import ConfigError
-from jaxstep.models import export_folder, hf_dense, hf_gpt2, hf_moe, layers
+from jaxstep.models import export_folder, hf_dense, hf_gemma, hf_gpt2, hf_moe, layers
 from jaxstep.models.gpt import GPTConfig
 from jaxstep.models.hf_config import ARCHITECTURES, CONFIG, json_object, set_rope
 from jaxstep.models.hf_weights import expected_shapes, hf_names, leaf_of
@@ -54,6 +54,7 @@ MODEL_TYPES = {
   "GraniteForCausalLM": "granite",
   "SmolLM3ForCausalLM": "smollm3",
   "Phi3ForCausalLM": "phi3",
+  "Gemma3ForCausalLM": "gemma3_text",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
 DTYPES = ("float32", "bfloat16")
@@ -275,7 +276,11 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
     hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
   hf.update(hf_dense.export_fields(cfg, architecture))
   hf.update(hf_dense.window_fields(cfg, architecture))
-  set_rope(hf, cfg, fresh=not base_config)
+  if architecture == hf_gemma.GEMMA3:  # its RoPE keyed by layer type, its activation named
+    hf.pop("hidden_act", None)
+    hf.update(hf_gemma.export_fields(cfg, longest))
+  else:
+    set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype
   return hf

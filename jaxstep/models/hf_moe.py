@@ -256,6 +256,11 @@ def check_export(cfg, architecture: str) -> None:
     (bool(cfg.nope_layers), f"nope_layers {list(cfg.nope_layers)} (it rotates every layer)"),
     (cfg.partial_rotary_factor != 1, f"partial_rotary_factor {cfg.partial_rotary_factor}"),
     (bool(cfg.sliding_window), f"sliding_window {cfg.sliding_window}"),
+    (bool(cfg.norm_offset), f"norm_offset {cfg.norm_offset} (Gemma's norms)"),
+    (cfg.mlp_activation != "silu", f"mlp_activation {cfg.mlp_activation}"),
+    (cfg.scale_embeddings, "scale_embeddings (Gemma's)"),
+    (bool(cfg.query_pre_attn_scalar), f"query_pre_attn_scalar {cfg.query_pre_attn_scalar}"),
+    (bool(cfg.local_rope_theta), f"local_rope_theta {cfg.local_rope_theta}"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

@@ -35,6 +35,8 @@ from jaxstep.models.hf_dense import PHI3
 from jaxstep.models.llama import LlamaConfig
 
 SINGLE = "model.safetensors"
+POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+BOTH_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 INDEX = "model.safetensors.index.json"
 # Buffers some older checkpoints carry that are recomputed here, not parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -93,7 +95,8 @@ def hf_names(
     if cfg.qk_norm:
       for p in ("q_norm", "k_norm"):
         yield (*ours, p, "scale"), f"{hf}self_attn.{p}.weight", False
-    for norm in ("post_attention_layernorm", "post_feedforward_layernorm")[: 1 + post_norms]:
+    norms = {"pre": ("post_attention_layernorm",), "post": POST_NORMS, "both": BOTH_NORMS}
+    for norm in norms[cfg.block_norms]:
       yield (*ours, norm, "scale"), f"{hf}{norm}.weight", False
     if cfg.moe_layers[i]:
       yield from hf_moe.mlp_names(cfg, i, names, architecture)

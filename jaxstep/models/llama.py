@@ -1,8 +1,9 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3,
-Phi-3) in Flax NNX.
+Phi-3, Gemma 3) in Flax NNX.
 
 Pre-RMSNorm blocks (or, for OLMo 2, RMSNorm on the attention's and the MLP's outputs
-instead); separate q/k/v projections with grouped-query attention (``n_kv_heads``
+instead; for Gemma 3 on both, each norm scaling by ``1 + w``, with a GeGLU MLP and
+embeddings times √d); separate q/k/v projections with grouped-query attention (``n_kv_heads``
 key/value heads shared by groups of query heads); rotary position embeddings, optionally
 with Llama 3.1's or Phi-3's frequency scaling and over part of each head (``rope.py``);
 optional q/k/v biases (Qwen2) and per-head RMSNorm of q and k before the rotation (Qwen3);
@@ -21,7 +22,6 @@ of each kernel (``[in, out]`` here, ``[out, in]`` in PyTorch). The kernels per p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -29,225 +29,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstep.core import chunked_loss, layout
-from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers, lora, moe, rope
+from jaxstep.core import layout
+from jaxstep.models import backends, layers, lora, moe
 from jaxstep.models.gpt import platform_kernels
+from jaxstep.models.llama_config import (  # noqa: F401 - the model's names, here too
+  BLOCK_NORMS,
+  GRANITE_SCALES,
+  PROJECTIONS,
+  QK_NORM_SCOPES,
+  LlamaConfig,
+)
 from jaxstep.models.llama_parts import RMSNorm, grouped_attention_over_cache, times
-from jaxstep.models.lora import LoraConfig
-from jaxstep.models.rope import LongRope, RopeScaling, apply_rope, rope_scaling_of, rotation
+from jaxstep.models.rope import apply_rope, rotation
 from jaxstep.models.stack import DecoderStack
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QK_NORM_SCOPES = ("head", "projection")
-GRANITE_SCALES = {
-  "embedding_multiplier": 1.0,
-  "attention_multiplier": 0.0,
-  "residual_multiplier": 1.0,
-  "logits_scaling": 1.0,
-}
-BLOCK_NORMS = ("pre", "post")
+
+def norm_of(cfg: LlamaConfig, dim: int) -> RMSNorm:
+  """An RMSNorm of ``cfg``'s model over ``dim`` features: OLMo 2's and Gemma's round once at
+  the end, Gemma's scale by ``1 + w``."""
+  late = cfg.block_norms != "pre" or bool(cfg.norm_offset)
+  return RMSNorm(dim, cfg.rms_norm_eps, round_last=late, offset=cfg.norm_offset)
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """Model shape (Hugging Face names in comments). Defaults: a tiny CPU model."""
-
-  vocab_size: int = 264  # vocab_size; 0: set by the data
-  max_seq_len: int = 128  # max_position_embeddings: longest input sequence
-  d_model: int = 128  # hidden_size: residual width
-  n_layers: int = 2  # num_hidden_layers
-  n_heads: int = 4  # num_attention_heads (query heads)
-  n_kv_heads: int = 0  # num_key_value_heads: divides n_heads; 1: multi-query; 0: n_heads
-  head_dim: int = 0  # head_dim; 0: d_model // n_heads
-  intermediate_size: int = 352  # intermediate_size: SwiGLU hidden width
-  rms_norm_eps: float = 1e-6  # rms_norm_eps
-  rope_theta: float = 10000.0  # rope_theta
-  rope_scaling: RopeScaling | LongRope | None = None  # None, llama3 or longrope (rope.py)
-  partial_rotary_factor: float = 1.0  # partial_rotary_factor: the share of each head rotated
-  tie_embeddings: bool = False  # tie_word_embeddings
-  attention_bias: bool = False  # q/k/v biases (Qwen2); o_proj never has one
-  qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
-  qk_norm_scope: str = "head"  # head: per head (Qwen3) | projection: whole q, k (OLMoE)
-  block_norms: str = "pre"  # pre: norm each branch's input | post: its output (OLMo 2)
-  nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE)
-  sliding_window: int = 0  # sliding_window: a query sees this many keys, itself included; 0: all
-  full_layers: tuple[int, ...] = ()  # layers that see every key despite sliding_window
-  # Granite's multipliers (GRANITE_SCALES: the values that change nothing)
-  embedding_multiplier: float = 1.0  # the token embeddings times this
-  attention_multiplier: float = 0.0  # the attention logits' scale; 0: 1/√head_dim
-  residual_multiplier: float = 1.0  # each attention and MLP output times this, then added
-  logits_scaling: float = 1.0  # the logits divided by this
-  dropout: float = 0.0  # on the embeddings, attention output and MLP output
-  attention: str = "auto"  # auto | blocked | xla | cudnn (see backends.py)
-  remat: str = "none"  # none | block | dots: recompute activations in the backward pass
-  scan_layers: bool = False  # stacked block params walked by lax.scan (compile once)
-  init_from: str = ""  # a Hugging Face model folder: its config and weights ("" = random)
-  lora: LoraConfig = LoraConfig()  # adapters on PROJECTIONS (+ lora.ROUTED if named)
-  loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits; auto; 0: whole
-  # mixture of experts (moe.py, docs/moe.md); num_experts 0: every MLP dense
-  num_experts: int = 0  # num_experts / num_local_experts
-  experts_per_token: int = 2  # num_experts_per_tok: k of the top-k routing
-  moe_intermediate_size: int = 0  # each expert's SwiGLU width (0: intermediate_size)
-  shared_experts: int = 0  # experts every token goes through, fused as one SwiGLU
-  shared_expert_size: int = 0  # that SwiGLU's width (0: shared_experts × expert width)
-  shared_expert_gate: bool = False  # sigmoid gate on the shared experts' output (Qwen2-MoE)
-  moe_every: int = 1  # decoder_sparse_step: layer i is MoE when (i + 1) % moe_every == 0
-  dense_layers: tuple[int, ...] = ()  # mlp_only_layers: layers kept dense anyway
-  router_scores: str = "softmax"  # softmax | sigmoid
-  norm_topk: bool = True  # norm_topk_prob: renormalize the top-k weights to sum 1
-  capacity_factor: float = 0.0  # > 0: an expert takes at most c·T·k/E tokens (0: dropless)
-  moe_matmul: str = "auto"  # auto | tiles | ragged (grouped.py)
-  router_aux_loss: float = 0.01  # router_aux_loss_coef: weight of the load-balancing loss
-  router_z_loss: float = 0.0  # weight of the router z-loss
-  lbl_scope: str = "global"  # global | micro_batch: where the LBL's expert shares are counted
-
-  def __post_init__(self):
-    chunked_loss.check_setting(self.loss_chunk)
-    # a folder's model (init_from) says whether it has experts once it is read
-    routed = lora.ROUTED if self.num_experts or self.init_from else ()
-    self.lora.check_targets(PROJECTIONS + routed)
-    for name in ("dense_layers", "nope_layers", "full_layers"):
-      object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
-    moe.check_config(self)
-    object.__setattr__(self, "rope_scaling", rope_scaling_of(self.rope_scaling))
-    for name in ("max_seq_len", "d_model", "n_layers", "n_heads", "intermediate_size"):
-      if getattr(self, name) <= 0:
-        raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
-    for name in ("vocab_size", "n_kv_heads", "head_dim"):
-      if getattr(self, name) < 0:
-        raise ConfigError(f"model.{name} must be >= 0 (0: derived), got {getattr(self, name)}")
-    if self.n_heads % self.resolved_kv_heads:
-      raise ConfigError(
-        f"model.n_kv_heads {self.n_kv_heads} does not divide model.n_heads {self.n_heads}"
-      )
-    if not self.head_dim and self.d_model % self.n_heads:
-      raise ConfigError(
-        f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads} "
-        "(or set model.head_dim)"
-      )
-    for name in ("nope_layers", "full_layers"):
-      if bad := [i for i in getattr(self, name) if not 0 <= i < self.n_layers]:
-        raise ConfigError(f"model.{name} {bad} are not layers of 0 … {self.n_layers - 1}")
-    if self.sliding_window < 0:
-      raise ConfigError(f"model.sliding_window must be >= 0 (0: none), got {self.sliding_window}")
-    if self.scan_layers and self.blocks_differ:
-      raise ConfigError(
-        "model.scan_layers needs every block alike, and this model's differ (dense and MoE "
-        "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers; windowed "
-        "and full attention: full_layers): set model.scan_layers=false"
-      )
-    rope.check_config(self)
-    scales = [name for name, neutral in GRANITE_SCALES.items() if neutral]  # 0 means "none"
-    for name in ("rms_norm_eps", "rope_theta", *scales):
-      if getattr(self, name) <= 0:
-        raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
-    if self.attention_multiplier < 0:
-      raise ConfigError(f"model.attention_multiplier must be >= 0, got {self.attention_multiplier}")
-    for name, allowed in (("qk_norm_scope", QK_NORM_SCOPES), ("block_norms", BLOCK_NORMS)):
-      if getattr(self, name) not in allowed:
-        raise ConfigError(
-          f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-        )
-    if not 0.0 <= self.dropout < 1.0:
-      raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-    _check_kernels(self)
-
-  @property
-  def moe_layers(self) -> tuple[bool, ...]:
-    """Per layer, whether its MLP is a mixture of experts."""
-    if not self.num_experts:
-      return (False,) * self.n_layers
-    return tuple(
-      (i + 1) % self.moe_every == 0 and i not in self.dense_layers for i in range(self.n_layers)
-    )
-
-  @property
-  def blocks_differ(self) -> bool:
-    """Whether the blocks are not all alike (dense and MoE MLPs, rotated and NoPE
-    attention): they cannot be one stack walked by ``lax.scan``."""
-    return (
-      len(set(self.moe_layers)) > 1
-      or len(set(self.windows)) > 1
-      or 0 < len(set(self.nope_layers)) < self.n_layers
-    )
-
-  @property
-  def windows(self) -> tuple[int, ...]:
-    """Per layer, the keys a query sees (0: every earlier one)."""
-    return tuple(0 if i in self.full_layers else self.sliding_window for i in range(self.n_layers))
-
-  @property
-  def expert_size(self) -> int:
-    return self.moe_intermediate_size or self.intermediate_size
-
-  @property
-  def shared_width(self) -> int:
-    return self.shared_expert_size or self.shared_experts * self.expert_size
-
-  @property
-  def resolved_kv_heads(self) -> int:
-    return self.n_kv_heads or self.n_heads
-
-  @property
-  def resolved_head_dim(self) -> int:
-    return self.head_dim or self.d_model // self.n_heads
-
-  @property
-  def rotary_dim(self) -> int:
-    """The features of each q and k head RoPE rotates (the first ones), as transformers
-    rounds it: ``int(head_dim · partial_rotary_factor)``."""
-    return int(self.resolved_head_dim * self.partial_rotary_factor)
-
-  @property
-  def kv_cache_width(self) -> int:
-    """Floats per token per block in each of the key and the value cache (``n_kv_heads``
-    heads: grouped-query attention's saving)."""
-    return self.resolved_kv_heads * self.resolved_head_dim
-
-  @property
-  def mlp_hidden(self) -> int:
-    """Width of each block's MLP hidden layer (SwiGLU's gate and up outputs)."""
-    return self.intermediate_size
-
-  def matmul_params(self) -> int:
-    """Weights that take part in a matmul per token (all blocks + the output head); an MoE
-    layer counts its router, the ``experts_per_token`` experts a token goes through and the
-    shared experts: the *active* parameters."""
-    d, hd, kvd = (
-      self.d_model,
-      self.n_heads * self.resolved_head_dim,
-      self.resolved_kv_heads * self.resolved_head_dim,
-    )
-    attention = 2 * d * hd + 2 * d * kvd  # q, o; k, v
-    dense = 3 * d * self.intermediate_size
-    routed = d * self.num_experts + 3 * d * self.experts_per_token * self.expert_size
-    sparse = routed + 3 * d * self.shared_width + d * self.shared_expert_gate
-    mlps = sum(sparse if is_moe else dense for is_moe in self.moe_layers)
-    return self.n_layers * attention + mlps + d * self.vocab_size
-
-  def flops_per_token(self, seq_len: int) -> float:
-    """Training FLOPs per token (fwd + bwd): ``6·W + 12·L·H·Dh·S``.
-
-    W = matmul weights (k and v count their ``n_kv_heads`` only); the attention term counts
-    QKᵀ and PV for every query head over the full S×S score matrix (2·2·S·H·Dh per layer
-    forward, ×3 for forward + backward), as for the GPT. Grouping the key/value heads saves
-    projection weights, not attention FLOPs."""
-    width = self.n_heads * self.resolved_head_dim
-    return 6.0 * self.matmul_params() + 12.0 * self.n_layers * width * seq_len
-
-
-def _check_kernels(cfg: LlamaConfig) -> None:
-  """ConfigError for an unknown ``model.attention`` or ``model.remat`` (as the GPT's)."""
-  if cfg.attention not in backends.ATTENTION_BACKENDS:
-    raise ConfigError(
-      f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
-      f"got {cfg.attention!r}"
-    )
-  if cfg.remat not in layers.REMAT_POLICIES:
-    raise ConfigError(
-      f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {cfg.remat!r}"
-    )
+def activation(cfg: LlamaConfig, gate: jax.Array) -> jax.Array:
+  """The MLP's gate activation: SiLU (SwiGLU), or GELU's tanh form computed in fp32 and
+  rounded once, as torch's ``gelu_pytorch_tanh`` (Gemma's GeGLU)."""
+  if cfg.mlp_activation == "silu":
+    return jax.nn.silu(gate)
+  return jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
 
 
 class LlamaBlock(nnx.Module):
@@ -259,14 +68,22 @@ class LlamaBlock(nnx.Module):
   attention's output in a post-norm one."""
 
   def __init__(
-    self, cfg: LlamaConfig, *, rngs: nnx.Rngs, sparse: bool = False, rope=True, window: int = 0
+    self,
+    cfg: LlamaConfig,
+    *,
+    rngs: nnx.Rngs,
+    sparse: bool = False,
+    rope=True,
+    window: int = 0,
+    rope_base: tuple | None = None,
   ):
     d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dense, _ = platform_kernels()
     linear = functools.partial(lora.linear, cfg.lora, use_bias=False, **dense, rngs=rngs)
     self.cfg = cfg
     self.post_norms = cfg.block_norms == "post"
-    norm = functools.partial(RMSNorm, eps=cfg.rms_norm_eps, round_last=self.post_norms)
+    self.outputs_normed = cfg.block_norms != "pre"  # post, both: norms on the outputs
+    norm = functools.partial(norm_of, cfg)
     self.input_layernorm = None if self.post_norms else norm(d)
     self.q_proj = linear("q_proj", d, h * dh, use_bias=cfg.attention_bias)
     self.k_proj = linear("k_proj", d, kv * dh, use_bias=cfg.attention_bias)
@@ -276,7 +93,8 @@ class LlamaBlock(nnx.Module):
     self.q_norm = norm(h * dh if whole else dh) if cfg.qk_norm else None
     self.k_norm = norm(kv * dh if whole else dh) if cfg.qk_norm else None
     self.post_attention_layernorm = norm(d)
-    self.post_feedforward_layernorm = norm(d) if self.post_norms else None
+    self.pre_feedforward_layernorm = norm(d) if cfg.block_norms == "both" else None
+    self.post_feedforward_layernorm = norm(d) if self.outputs_normed else None
     if sparse:
       self.mlp = moe.MoeMLP(cfg, linear, rngs=rngs)
     else:
@@ -286,6 +104,7 @@ class LlamaBlock(nnx.Module):
     self.sparse = sparse
     self.rope = rope  # False: a NoPE layer (nope_layers), q and k as projected
     self.window = window  # > 0: sliding-window attention over this many keys
+    self.rope_base = rope_base or (cfg.rope_theta, cfg.rope_scaling)  # (theta, scaling)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def qkv(self, x: jax.Array, positions: jax.Array):
@@ -304,10 +123,12 @@ class LlamaBlock(nnx.Module):
     if self.q_norm is not None and cfg.qk_norm_scope == "head":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.rope:
-      cos, sin = rotation(positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, q.dtype)
+      cos, sin = rotation(positions, cfg.rotary_dim, *self.rope_base, q.dtype)
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cfg.attention_multiplier:  # every backend divides q·k by √dh: m·q·k in the end
       q = times(q, cfg.attention_multiplier * math.sqrt(dh))
+    if cfg.query_pre_attn_scalar:  # Gemma: q·k / √scalar in the end
+      q = times(q, math.sqrt(dh / cfg.query_pre_attn_scalar))
     return q, k, v
 
   def attention(self, x: jax.Array, segment_ids=None, positions=None) -> jax.Array:
@@ -325,7 +146,7 @@ class LlamaBlock(nnx.Module):
     model and zeros for a dense layer of an MoE model (``moe.dense_sums``)."""
     if self.sparse:
       return self.mlp(x, route_weights)
-    out = self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    out = self.down_proj(activation(self.cfg, self.gate_proj(x)) * self.up_proj(x))
     return out, (moe.dense_sums(self.cfg.num_experts) if self.cfg.num_experts else None)
 
   def decode(self, x, cache, positions):
@@ -345,16 +166,18 @@ class LlamaBlock(nnx.Module):
     return x + self._mlp_output(self.feed_forward(self._mlp_input(x))[0]), (kt, vc)
 
   def _attention_input(self, x):
-    return x if self.post_norms else self.input_layernorm(x)
+    return x if self.post_norms else self.input_layernorm(x)  # pre, both
 
   def _attention_output(self, out):
-    return self._residual(self.post_attention_layernorm(out) if self.post_norms else out)
+    return self._residual(self.post_attention_layernorm(out) if self.outputs_normed else out)
 
   def _mlp_input(self, x):
+    if self.pre_feedforward_layernorm is not None:  # both
+      return self.pre_feedforward_layernorm(x)
     return x if self.post_norms else self.post_attention_layernorm(x)
 
   def _mlp_output(self, out):
-    return self._residual(self.post_feedforward_layernorm(out) if self.post_norms else out)
+    return self._residual(self.post_feedforward_layernorm(out) if self.outputs_normed else out)
 
   def _residual(self, out):
     return times(out, self.cfg.residual_multiplier)
@@ -381,13 +204,15 @@ class Llama(DecoderStack):
     self.cfg = cfg
     dense, _ = platform_kernels()
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+    layer = zip(cfg.moe_layers, cfg.windows, cfg.rope_bases, strict=True)
     blocks = [
-      LlamaBlock(cfg, rngs=rngs, sparse=sparse, rope=i not in cfg.nope_layers, window=window)
-      for i, (sparse, window) in enumerate(zip(cfg.moe_layers, cfg.windows, strict=True))
-    ]
+      LlamaBlock(cfg, rngs=rngs, sparse=sparse, rope=i not in cfg.nope_layers, window=window,
+                 rope_base=base)
+      for i, (sparse, window, base) in enumerate(layer)
+    ]  # fmt: skip
     # Built one by one either way, so a seed gives the same model in both layouts.
     self.blocks = layers.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
-    self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, round_last=cfg.block_norms == "post")
+    self.norm = norm_of(cfg, cfg.d_model)
     self.lm_head = (
       None
       if cfg.tie_embeddings
@@ -398,7 +223,10 @@ class Llama(DecoderStack):
   def embed_inputs(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
     """What the first block reads: the token embeddings (``[B, S, d_model]``)."""
     del positions  # rotary: the blocks turn q and k by the positions
-    return times(self.embed_tokens(inputs), self.cfg.embedding_multiplier)
+    x = times(self.embed_tokens(inputs), self.cfg.embedding_multiplier)
+    if self.cfg.scale_embeddings:  # Gemma: √d rounded to the embeddings' dtype first
+      x = x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)
+    return x
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self._final_norm(x)

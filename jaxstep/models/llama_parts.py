@@ -21,16 +21,21 @@ class RMSNorm(nnx.Module):
   that order, because that is where a bf16 model rounds in the reference implementation.
   ``round_last`` (OLMo 2's ``Olmo2RMSNorm``): the scale multiplies the fp32 normalized
   ``x``, and the product is rounded to the input dtype once. In fp32 the two are the same.
+  ``offset`` (Gemma's ``Gemma3RMSNorm``): ``(offset + scale) · normed`` in fp32, rounded
+  once; the scale starts at ``1 − offset``, so every norm starts as the identity's scale.
   """
 
-  def __init__(self, dim: int, eps: float, round_last: bool = False):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+  def __init__(self, dim: int, eps: float, round_last: bool = False, offset: float = 0.0):
+    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32))
     self.eps = eps
     self.round_last = round_last
+    self.offset = offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.offset:  # Gemma: (1 + w) in fp32, the product rounded once
+      return ((self.offset + self.scale[...].astype(jnp.float32)) * normed).astype(x.dtype)
     if self.round_last:
       return (self.scale[...] * normed).astype(x.dtype)
     return self.scale[...] * normed.astype(x.dtype)

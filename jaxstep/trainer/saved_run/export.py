@@ -39,6 +39,7 @@ from jaxstep.models import (
   hf_config,
   hf_dense,
   hf_export,
+  hf_gemma,
   hf_gpt2,
   hf_moe,
   lora,
@@ -60,6 +61,8 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_dense.GRANITE
   if model_cfg.nope_layers:
     return hf_dense.SMOLLM3
+  if model_cfg.norm_offset or model_cfg.mlp_activation != "silu" or model_cfg.scale_embeddings:
+    return hf_gemma.GEMMA3
   if model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope):
     return hf_dense.PHI3
   if model_cfg.sliding_window and not (model_cfg.qk_norm or model_cfg.attention_bias):

@@ -229,7 +229,7 @@ def _usable_positions(hf: dict, model_cfg) -> int:
   from jaxstep.models import hf_config, hf_dense
 
   window = hf.get("sliding_window")
-  if hf_config.architecture(hf) in hf_dense.WINDOWED + hf_dense.LAYERED:
+  if hf_config.architecture(hf) in hf_dense.READS_WINDOWS:
     return model_cfg.max_seq_len  # the model computes its window
   if window is not None and hf.get("use_sliding_window", True):
     return min(model_cfg.max_seq_len, int(window))

@@ -1,0 +1,128 @@
+"""Gemma 3 text folders (``Gemma3ForCausalLM``: Gemma 3 270M and 1B) as ``LlamaConfig``
+fields, and back.
+
+What Gemma 3 adds to the Llama decoder: RMSNorm as ``x̂ · (1 + w)`` in fp32 (``norm_offset``
+1) on each branch's input *and* output (``block_norms: both``: ``input_layernorm``,
+``post_attention_layernorm``, ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``)
+and on each head's q and k; a GeGLU MLP (``gelu_pytorch_tanh``); embeddings times √d rounded
+to their dtype; attention logits scaled by ``query_pre_attn_scalar^-1/2``; and two kinds of
+layers (``layer_types``, else every ``sliding_window_pattern``-th (6) layer full): local
+ones with a sliding window and RoPE base ``rope_local_base_freq`` (10,000), global ones
+with full attention and ``rope_theta`` (1,000,000) — ``model.full_layers``,
+``model.local_rope_theta``. Read as transformers 5 reads a folder: ``rope_parameters``
+keyed by layer type, or the older top-level ``rope_theta`` / ``rope_local_base_freq``.
+
+Not read, and refused by name: the larger models' linear RoPE scaling of the global layers
+(``Gemma3ForConditionalGeneration`` folders, whose text tower sits beside a vision tower,
+are another architecture), ``final_logit_softcapping`` (null in Gemma 3) and
+``use_bidirectional_attention`` (EmbeddingGemma). transformers ignores
+``attn_logit_softcapping`` in Gemma 3, and so does jaxstep.
+"""
+
+from __future__ import annotations
+
+from jaxstep.errors import ConfigError
+from jaxstep.models.hf_fields import integer, real
+
+GEMMA3 = "Gemma3ForCausalLM"
+FIELDS = {
+  "attention_bias": False,
+  "qk_norm": True,
+  "qk_norm_scope": "head",
+  "block_norms": "both",
+  "norm_offset": 1.0,
+  "mlp_activation": "gelu_tanh",
+  "scale_embeddings": True,
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def read_fields(hf: dict, where: str) -> dict:
+  """The ``LlamaConfig`` fields of a Gemma 3 text folder beyond its shape (transformers'
+  class defaults where it names none: head_dim 256, tied embeddings, a 4,096-key window)."""
+  activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
+  if activation != "gelu_pytorch_tanh":
+    raise ConfigError(f"{where}: hidden_activation {activation!r} is not supported for {GEMMA3}")
+  for key in ("final_logit_softcapping", "use_bidirectional_attention"):
+    if hf.get(key):
+      raise ConfigError(f"{where}: {key}={hf[key]} is not supported for {GEMMA3}")
+  theta, local = _rope(hf, where)
+  return {
+    **FIELDS,
+    "head_dim": integer(hf, "head_dim", where, 256),
+    "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    "query_pre_attn_scalar": real(hf, "query_pre_attn_scalar", where, 256.0),
+    "rope_theta": theta,
+    "rope_scaling": None,
+    "local_rope_theta": local,
+    **_windows(hf, where),
+  }
+
+
+def _rope(hf: dict, where: str) -> tuple[float, float]:
+  """``(global theta, local theta)``; ``ConfigError`` for a scaled RoPE."""
+  params = hf.get("rope_parameters")
+  at = f"{where} rope_parameters"
+  if isinstance(params, dict) and {FULL, SLIDING} & set(params):
+    full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+    thetas = real(full, "rope_theta", at, 1e6), real(local, "rope_theta", at, 1e4)
+    kinds = [p.get("rope_type", "default") for p in (full, local)]
+  else:
+    thetas = real(hf, "rope_theta", where, 1e6), real(hf, "rope_local_base_freq", where, 1e4)
+    scaling = hf.get("rope_scaling") or {}
+    kinds = [scaling.get("rope_type", scaling.get("type", "default"))]
+  if bad := [k for k in kinds if k != "default"]:
+    raise ConfigError(
+      f"{where}: {GEMMA3}'s {bad[0]} RoPE scaling (the larger models' global layers) is not "
+      "computed here"
+    )
+  return thetas
+
+
+def _windows(hf: dict, where: str) -> dict:
+  """``sliding_window`` and ``full_layers``: ``layer_types``, else every
+  ``sliding_window_pattern``-th layer full (transformers ignores ``_sliding_window_pattern``)."""
+  n = integer(hf, "num_hidden_layers", where)
+  types = hf.get("layer_types")
+  if types is None:
+    every = integer(hf, "sliding_window_pattern", where, 6)
+    types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
+  if not isinstance(types, list) or len(types) != n or set(types) - {SLIDING, FULL}:
+    raise ConfigError(f"{where}: layer_types must be {n} of {SLIDING!r}, {FULL!r}: {types!r}")
+  full = tuple(i for i, kind in enumerate(types) if kind == FULL)
+  return {"sliding_window": integer(hf, "sliding_window", where, 4096), "full_layers": full}
+
+
+def export_fields(cfg, longest: int) -> dict:
+  """Gemma 3's own ``config.json`` fields for ``cfg`` (``longest``: the export's
+  ``max_position_embeddings``; a model without a window gets one that long, which masks
+  nothing, since transformers needs a number). The older top-level RoPE keys are written
+  too, in step with ``rope_parameters``."""
+  local = cfg.local_rope_theta or cfg.rope_theta
+  return {
+    "rope_theta": float(cfg.rope_theta),
+    "rope_local_base_freq": float(local),
+    "rope_scaling": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar or cfg.resolved_head_dim),
+    "sliding_window": cfg.sliding_window or longest,
+    "layer_types": [FULL if i in cfg.full_layers else SLIDING for i in range(cfg.n_layers)],
+    "rope_parameters": {
+      FULL: {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+      SLIDING: {"rope_type": "default", "rope_theta": float(local)},
+    },
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+  }
+
+
+def check_export(cfg) -> None:
+  """``ConfigError`` for what a Gemma 3 config cannot hold: a RoPE scaling."""
+  if cfg.rope_scaling is not None:
+    raise ConfigError(f"{GEMMA3} has no RoPE scaling here, and the model has {cfg.rope_scaling}")
+
+
+def _number(value: float) -> int | float:
+  """``value`` as transformers' config class types it: an int where it is whole."""
+  return int(value) if float(value).is_integer() else float(value)

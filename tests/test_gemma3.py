@@ -1,0 +1,71 @@
+"""Gemma 3 text folders: each piece of its math is the one transformers computes (a model
+without it is far off), the older config layout reads the same, and what jaxstep does not
+compute is refused by name. (Logits, export, gradients, greedy tokens, LoRA and the parity
+report against transformers: ``test_hf_import``, ``test_hf_export``, ``test_hf_training``,
+``test_dense_families``, ``test_hf_parity``, family ``gemma3``.)"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits
+from test_phi3 import imported, logits_of
+from tolerance import assert_close, assert_far
+
+from jaxstep.errors import ConfigError
+from jaxstep.models import hf_config
+from jaxstep.models.hf_gemma import GEMMA3
+
+transformers = pytest.importorskip("transformers")
+TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
+
+
+def test_each_piece_of_gemmas_math_is_transformers(tmp_path):
+  model = save_tiny(tmp_path, "gemma3")
+  cfg, params = imported(tmp_path)
+  assert cfg.windows == (5, 0) and cfg.rope_bases == ((100.0, None), (10000.0, None))
+  ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
+  theirs = torch_logits(model, ids)
+  assert_close(logits_of(cfg, params, ids), theirs, terms=TERMS)
+  for wrong in (
+    dict(norm_offset=0.0),  # w, not 1 + w
+    dict(mlp_activation="silu"),
+    dict(scale_embeddings=False),
+    dict(query_pre_attn_scalar=0.0),  # 1/√head_dim
+    dict(local_rope_theta=0.0),  # one base for both kinds of layer
+  ):
+    assert_far(logits_of(dataclasses.replace(cfg, **wrong), params, ids), theirs, terms=TERMS)
+
+
+def test_the_older_layout_and_transformers_defaults_read_the_same():
+  """``rope_theta`` / ``rope_local_base_freq`` at the top level and the layers from
+  ``sliding_window_pattern``, as transformers 4 wrote them; head_dim 256, tied embeddings
+  and a query scalar of 256 where a folder names none."""
+  _, extra = FAMILIES["gemma3"]
+  new = transformers.Gemma3TextConfig(**SHAPE, **extra).to_dict() | {"architectures": [GEMMA3]}
+  old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+  old |= {"rope_theta": 10000.0, "rope_local_base_freq": 100.0, "sliding_window_pattern": 2}
+  assert hf_config.model_config(old) == hf_config.model_config(new)
+  bare = {**SHAPE, "architectures": [GEMMA3], "num_hidden_layers": 7}
+  read = hf_config.model_config(bare)
+  assert (read.resolved_head_dim, read.tie_embeddings, read.query_pre_attn_scalar) == (
+    256,
+    True,
+    256,
+  )
+  assert read.full_layers == (5,) and read.sliding_window == 4096
+  assert read.rope_bases[0] == (10000.0, None) and read.rope_bases[5] == (1e6, None)
+
+
+@pytest.mark.parametrize(
+  "setting, why",
+  [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "linear RoPE scaling"),
+  ],
+)
+def test_what_is_not_computed_is_refused_by_name(setting, why):
+  with pytest.raises(ConfigError, match=why):
+    hf_config.model_config({**SHAPE, "architectures": [GEMMA3], **setting})
