@@ -57,6 +57,47 @@ def test_the_older_layout_and_transformers_defaults_read_the_same():
   assert read.rope_bases[0] == (10000.0, None) and read.rope_bases[5] == (1e6, None)
 
 
+@pytest.mark.slow
+def test_a_bf16_folder_computes_in_bf16_within_its_rounding_of_transformers(tmp_path):
+  """bf16 weights and compute on both sides: jaxstep's logits within bf16's rounding of
+  transformers' (about 1.5 % of their scale here), where a model without the ``1 + w``
+  norms is off by far more. (Which of the two libraries' roundings lands where is below
+  this bound: the fp32 comparisons pin the math.)"""
+  import jax
+  import jax.numpy as jnp
+  import torch
+
+  from jaxstep import models
+
+  model = save_tiny(tmp_path, "gemma3", dtype=torch.bfloat16)
+  cfg, params = imported(tmp_path)
+  ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
+  with torch.no_grad():
+    theirs = model(torch.tensor(ids)).logits.float().numpy()
+  bf16 = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params)
+
+  def error(c):
+    apply_fn, _ = models.build(c, 0, abstract=True)
+    return np.abs(np.asarray(jax.jit(apply_fn)(bf16, ids), np.float32) - theirs).max()
+
+  scale = np.abs(theirs).max()
+  assert error(cfg) < 0.03 * scale
+  assert error(dataclasses.replace(cfg, norm_offset=0.0)) > 0.1 * scale
+
+
+def test_a_mixture_of_experts_refuses_gemmas_mlp_and_a_zero_pattern():
+  with pytest.raises(ConfigError, match="mlp_activation gelu_tanh is not computed by the experts"):
+    models_llama(num_experts=4, mlp_activation="gelu_tanh")
+  with pytest.raises(ConfigError, match="sliding_window_pattern must be >= 1"):
+    hf_config.model_config({**SHAPE, "architectures": [GEMMA3], "sliding_window_pattern": 0})
+
+
+def models_llama(**settings):
+  from jaxstep.models.llama import LlamaConfig
+
+  return LlamaConfig(vocab_size=40, d_model=16, n_heads=2, intermediate_size=24, **settings)
+
+
 @pytest.mark.parametrize(
   "setting, why",
   [

@@ -80,7 +80,7 @@ def test_the_older_layout_and_transformers_reading_rules():
     hf_config.model_config(new)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_adapters_on_parts_of_the_fused_projections_load_into_peft(tmp_path, scan):
   """q and v of ``qkv_proj``, gate of ``gate_up_proj`` and ``o_proj`` adapted: one adapter
   per module of rank n·r, B block-diagonal, by PEFT's patterns; transformers + PEFT compute
@@ -123,6 +123,7 @@ def greedy(model, cfg, params, prompts, new: int):
     assert got == out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 def test_decoding_past_the_original_length_and_across_it(tmp_path):
   """Prompts already past the original length decode with the long factors throughout, as
   transformers does; a prompt that would cross it while decoding is refused by name."""
@@ -171,3 +172,11 @@ def test_an_export_as_phi3_refuses_what_its_config_refuses(tmp_path):
   moe = models.LlamaConfig(**shape, num_experts=4, qk_norm=True, partial_rotary_factor=0.5)
   with pytest.raises(ConfigError, match="cannot hold this model: partial_rotary_factor 0.5"):
     hf_export.check_architecture(moe, "Qwen3MoeForCausalLM")
+
+
+def test_decoding_across_the_original_length_is_refused_before_compiling(tmp_path):
+  save_tiny(tmp_path, "phi3")
+  cfg, params = imported(tmp_path)
+  prompt = np.arange(2, ORIGINAL - 2)
+  with pytest.raises(ConfigError, match=f"changes factors after {ORIGINAL} positions"):
+    greedy(None, cfg, params, [prompt], new=6)

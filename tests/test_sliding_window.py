@@ -2,8 +2,9 @@
 its last ``window`` keys, itself included, as transformers' ``sliding_window``. Every
 kernel computes the reference's values and gradients, with and without documents; folders
 of Mistral, Qwen2, SmolLM3 and Phi-3 whose window is shorter than the sequence give
-transformers' logits and ``generate``'s tokens 40 past the window; K micro-batches give one
-batch's update. (Logits and export of each family: ``test_hf_import``, ``test_hf_export``.)"""
+transformers' logits, Mistral's and Qwen2's ``generate``'s tokens 40 past the window; K
+micro-batches give one batch's update. (Logits and export of each family:
+``test_hf_import``, ``test_hf_export``.)"""
 
 import dataclasses
 
@@ -38,8 +39,16 @@ def reference(q, k, v, window, segments):
   return jnp.einsum("bhqk,bkhd->bqhd", p, vv)
 
 
-@pytest.mark.parametrize("window", [1, 5, 64, 100, 200])
-@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize(
+  "window, documents",
+  [
+    (1, False),
+    (5, True),
+    (64, False),
+    (100, True),
+    pytest.param(200, False, marks=pytest.mark.slow),
+  ],
+)
 def test_every_kernel_computes_the_windowed_reference_and_its_gradient(window, documents):
   rng = np.random.default_rng(window)
   q, k, v = (jnp.asarray(rng.normal(size=(B, S, h, D)), jnp.float32) for h in (H, KV, KV))
@@ -86,6 +95,13 @@ def test_which_layers_are_windowed_is_read_as_transformers_builds_them():
     3, 0, 3, 0,
   )  # fmt: skip
   assert read("SmolLM3ForCausalLM", use_sliding_window=True).windows == (0, 0, 0, 3)
+  # transformers' defaults: Qwen's class window of 4,096; SmolLM3's layer_types alone
+  qwen = {k: v for k, v in base.items() if k != "sliding_window"}
+  assert hf_config.model_config(
+    {**qwen, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+     "max_window_layers": 3}
+  ).windows == (0, 0, 0, 4096)  # fmt: skip
+  assert read("SmolLM3ForCausalLM", layer_types=types).windows == (3, 0, 3, 0)
   with pytest.raises(ConfigError, match="layer_types must be 4 of"):
     read("Qwen3ForCausalLM", use_sliding_window=True, layer_types=["x"] * 4)
   with pytest.raises(ConfigError, match="scan_layers needs every block alike"):
@@ -95,7 +111,9 @@ def test_which_layers_are_windowed_is_read_as_transformers_builds_them():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window"])
+@pytest.mark.parametrize(
+  "family", ["mistral-window", pytest.param("qwen2-window", marks=pytest.mark.slow)]
+)
 def test_greedy_decoding_40_tokens_past_the_window_gives_generates_tokens(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)
@@ -103,6 +121,7 @@ def test_greedy_decoding_40_tokens_past_the_window_gives_generates_tokens(tmp_pa
   greedy(model, cfg, params, prompts, new=40)
 
 
+@pytest.mark.slow
 def test_k_micro_batches_of_a_windowed_model_give_one_batchs_update():
   cfg = LlamaConfig(
     vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48,

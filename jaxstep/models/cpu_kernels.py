@@ -217,7 +217,7 @@ def segment_causal_attention(
   underflows), which zeroes their score gradients as it does the causal ones. Every query
   sees at least itself, so no row is fully masked. Blocks whose keys are all in other
   documents are still computed: which ones they are depends on the data, and skipping
-  them would need dynamic shapes; the saving is the causal one only.
+  them would need dynamic shapes; the saving is the causal one (and the window's) only.
   """
   return _attention_fwd(q, k, v, segment_ids, window)[0]
 

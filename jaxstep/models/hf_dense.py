@@ -138,7 +138,7 @@ def check_export(cfg, architecture: str) -> None:
   gemma = {k: getattr(cfg, k) for k in ("query_pre_attn_scalar", "local_rope_theta")}
   if any(gemma.values()) and architecture != GEMMA3:
     names = ", ".join(f"{k}={v}" for k, v in gemma.items() if v)
-    raise ConfigError(f"{architecture} has no {names.split('=')[0]}, and the model has {names}")
+    raise ConfigError(f"{architecture} cannot hold the model's {names}: use {GEMMA3}")
   if architecture == GEMMA3:
     hf_gemma.check_export(cfg)
   _check_windows(cfg, architecture)
@@ -174,12 +174,15 @@ def read_windows(hf: dict, architecture: str, where: str) -> dict:
   Phi-3 window every layer when the folder names a window; Qwen2, Qwen3 and SmolLM3 only
   with ``use_sliding_window``, the layers ``layer_types`` calls ``sliding_attention`` (where
   it is absent: Qwen's layers from ``max_window_layers`` (28) on, SmolLM3's NoPE layers)."""
-  window = hf.get("sliding_window")
-  if architecture in LAYERED and not hf.get("use_sliding_window", False):
+  qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # their class's 4,096
+  window = hf.get("sliding_window", 4096 if qwen else None)
+  # SmolLM3's layers take the window from layer_types alone, whatever the flag says
+  explicit = architecture == SMOLLM3 and hf.get("layer_types") is not None
+  if architecture in LAYERED and not (hf.get("use_sliding_window", False) or explicit):
     window = None
   if architecture not in WINDOWED + LAYERED or window is None:
     return {}
-  window = integer(hf, "sliding_window", where)
+  window = integer(hf, "sliding_window", where, window)
   n = integer(hf, "num_hidden_layers", where)
   types = hf.get("layer_types")
   if architecture in WINDOWED:
@@ -217,11 +220,12 @@ def _check_windows(cfg, architecture: str) -> None:
   if architecture not in WINDOWED:
     raise ConfigError(
       f"{architecture} has no sliding-window attention, and the model has sliding_window "
-      f"{cfg.sliding_window}: use MistralForCausalLM (every layer windowed) or "
-      f"{SMOLLM3} (layer_types)"
+      f"{cfg.sliding_window} (Mistral and Phi-3 window every layer; Qwen2, Qwen3, SmolLM3 "
+      "and Gemma 3 the layers their layer_types name)"
     )
   if any(w == 0 for w in cfg.windows):
     raise ConfigError(
       f"{architecture} windows every layer, and the model's full_layers are "
-      f"{list(cfg.full_layers)}: use {SMOLLM3} (layer_types)"
+      f"{list(cfg.full_layers)} (Qwen2, Qwen3, SmolLM3 and Gemma 3 window the layers their "
+      "layer_types name)"
     )

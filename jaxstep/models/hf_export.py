@@ -287,8 +287,8 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
 
 
 def _fresh(architecture: str) -> dict:
-  """Fields a config built from scratch needs beyond the model's shape: Mistral's
-  transformers default is a 4096-token sliding window, which this model does not have."""
+  """Fields a config built from scratch needs beyond the model's shape: Mistral's and
+  Phi-3's transformers default is a sliding window (``window_fields`` writes the model's)."""
   windowed = architecture in ("MistralForCausalLM", hf_dense.PHI3)
   return {"sliding_window": None} if windowed else {}
 

@@ -86,6 +86,8 @@ def _windows(hf: dict, where: str) -> dict:
   types = hf.get("layer_types")
   if types is None:
     every = integer(hf, "sliding_window_pattern", where, 6)
+    if every < 1:
+      raise ConfigError(f"{where}: sliding_window_pattern must be >= 1, got {every}")
     types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
   if not isinstance(types, list) or len(types) != n or set(types) - {SLIDING, FULL}:
     raise ConfigError(f"{where}: layer_types must be {n} of {SLIDING!r}, {FULL!r}: {types!r}")

@@ -99,9 +99,9 @@ def _errors(ours, reference) -> tuple[float, float]:
 
 def read_model(folder: pathlib.Path, seq_len: int):
   """``load_pretrained``'s model config and fp32 params of ``folder`` for ``seq_len`` ids,
-  refused as it refuses them (an unsupported setting, a sliding window shorter than the
-  ids, a missing, mis-shaped or unused tensor), without its tokenizer: the comparison
-  needs none, so a folder of weights alone can be checked."""
+  refused as it refuses them (an unsupported setting, a mixture of experts' sliding window
+  shorter than the ids, a missing, mis-shaped or unused tensor), without its tokenizer:
+  the comparison needs none, so a folder of weights alone can be checked."""
   hf, where = hf_config.read_config(folder), str(folder / hf_config.CONFIG)
   gpt = hf_config.architecture(hf, where) == hf_gpt2.ARCHITECTURE  # positions are weights
   config = hf_config.model_config(hf, where, **({} if gpt else {"max_seq_len": seq_len}))

@@ -61,7 +61,8 @@ def activation(cfg: LlamaConfig, gate: jax.Array) -> jax.Array:
 
 class LlamaBlock(nnx.Module):
   """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)); with ``block_norms``
-  ``post`` (OLMo 2): x + norm(attn(x)), then x + norm(mlp(x)).
+  ``post`` (OLMo 2): x + norm(attn(x)), then x + norm(mlp(x)); ``both`` (Gemma 3):
+  x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
 
   The norms keep transformers' names, whose meaning depends on the placement:
   ``post_attention_layernorm`` normalizes the MLP's input in a pre-norm block and the

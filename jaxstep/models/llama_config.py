@@ -114,7 +114,8 @@ class LlamaConfig:
       raise ConfigError(
         "model.scan_layers needs every block alike, and this model's differ (dense and MoE "
         "MLPs: moe_every, dense_layers; rotated and NoPE attention: nope_layers; windowed "
-        "and full attention: full_layers): set model.scan_layers=false"
+        "and full attention, or local and global RoPE bases: full_layers): set "
+        "model.scan_layers=false"
       )
     rope.check_config(self)
     scales = [name for name, neutral in GRANITE_SCALES.items() if neutral]  # 0 means "none"
@@ -159,7 +160,8 @@ class LlamaConfig:
   @property
   def blocks_differ(self) -> bool:
     """Whether the blocks are not all alike (dense and MoE MLPs, rotated and NoPE
-    attention): they cannot be one stack walked by ``lax.scan``."""
+    attention, windowed and full attention, local and global RoPE bases): they cannot be
+    one stack walked by ``lax.scan``."""
     return (
       len(set(self.moe_layers)) > 1
       or len(set(self.windows)) > 1

@@ -276,6 +276,11 @@ def check_config(cfg) -> None:
       raise ConfigError(f"model.{name} must be >= 0, got {getattr(cfg, name)}")
   if not cfg.num_experts:
     return
+  if cfg.mlp_activation != "silu":
+    raise ConfigError(
+      f"model.mlp_activation {cfg.mlp_activation} is not computed by the experts (SwiGLU): "
+      "set model.mlp_activation=silu or model.num_experts=0"
+    )
   if not 1 <= cfg.experts_per_token <= cfg.num_experts:
     raise ConfigError(
       f"model.experts_per_token must be in [1, num_experts={cfg.num_experts}], "

@@ -61,7 +61,9 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_dense.GRANITE
   if model_cfg.nope_layers:
     return hf_dense.SMOLLM3
-  if model_cfg.norm_offset or model_cfg.mlp_activation != "silu" or model_cfg.scale_embeddings:
+  gemma = (model_cfg.norm_offset, model_cfg.mlp_activation != "silu", model_cfg.scale_embeddings)
+  gemma += (model_cfg.block_norms == "both", model_cfg.query_pre_attn_scalar)
+  if any(gemma) or model_cfg.local_rope_theta:
     return hf_gemma.GEMMA3
   if model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope):
     return hf_dense.PHI3
