@@ -3,8 +3,8 @@ batch's updates, and the PEFT adapter and the merged export load onto transforme
 with the run's logits; models built here with their settings export as their architecture.
 (Their logits, gradients, greedy tokens and parity reports against transformers:
 ``test_hf_import``, ``test_hf_training``, ``test_hf_parity``, families ``olmo2``,
-``granite``, ``smollm3``, ``phi3``, ``gemma3``; Phi-3's and Gemma 3's own: ``test_phi3``,
-``test_gemma3``.)"""
+``granite``, ``smollm3``, ``phi3``, ``gemma2``, ``gemma3``; Phi-3's and Gemma's own:
+``test_phi3``, ``test_gemma``.)"""
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ peft = LazyModule("peft")
 TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 
 
-@pytest.fixture(params=["olmo2", "granite", "smollm3", "phi3", "gemma3"])
+@pytest.fixture(params=["olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3"])
 def family_folder(request, tmp_path, tokenizer_files):  # noqa: F811 - the imported fixture
   """A tiny random model of the family (every weight random, norms too) with a tokenizer."""
   name, extra = FAMILIES[request.param]
@@ -100,6 +100,12 @@ BUILT = {
   ),
   "SmolLM3ForCausalLM": dict(nope_layers=(0,)),
   "MistralForCausalLM": dict(sliding_window=4),  # 9 positions: past the window
+  "Gemma2ForCausalLM": dict(
+    **dict(block_norms="both", norm_offset=1.0, mlp_activation="gelu_tanh"),
+    **dict(scale_embeddings=True, tie_embeddings=True, query_pre_attn_scalar=4.0),
+    **dict(sliding_window=4, full_layers=(1,), attn_logit_softcapping=1.0),
+    final_logit_softcapping=2.0,
+  ),
   "Gemma3ForCausalLM": dict(
     **dict(qk_norm=True, block_norms="both", norm_offset=1.0, mlp_activation="gelu_tanh"),
     **dict(scale_embeddings=True, tie_embeddings=True, query_pre_attn_scalar=4.0),

@@ -77,6 +77,13 @@ FAMILIES = {
       **dict(pad_token_id=None, eos_token_id=None, sliding_window=7),
     },
   ),
+  "gemma2": (  # soft-capped scores and logits; layer 0 windowed (5 keys), layer 1 full
+    "Gemma2Config",
+    {
+      **dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=5),
+      **dict(attn_logit_softcapping=0.8, final_logit_softcapping=1.5),
+    },
+  ),
   "gemma3": (  # a local layer (5-key window, base 100) and a global one (base 10,000)
     "Gemma3TextConfig",
     {

@@ -58,7 +58,7 @@ def one_error(capsys) -> str:
     "gpt2",
     *(
       pytest.param(f, marks=pytest.mark.slow)
-      for f in ("olmo2", "granite", "smollm3", "phi3", "gemma3")
+      for f in ("olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3")
     ),
   ],
 )

@@ -40,7 +40,7 @@ def torch_grads(model, tokens: np.ndarray, mask: np.ndarray) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "family", ["llama", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma3"]
+  "family", ["llama", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3"]
 )
 def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family):
   model = save_tiny(tmp_path, family)
@@ -72,7 +72,9 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
   assert_far({k: v * 1.25 for k, v in moved.items()}, expected, terms=terms)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma3"])
+@pytest.mark.parametrize(
+  "family", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3"]
+)
 def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path, family):
   model = save_tiny(tmp_path, family)
   cfg, params = imported(tmp_path)

@@ -27,10 +27,12 @@ TERMS = SHAPE["intermediate_size"] * SHAPE["num_hidden_layers"]
 B, S, H, KV, D = 2, 150, 4, 2, 8  # 150 positions: query blocks of 64, keys skipped left
 
 
-def reference(q, k, v, window, segments):
-  """Every score computed, then masked: causal, within the window and the document."""
+def reference(q, k, v, window, segments, cap=0.0):
+  """Every score computed (soft-capped if ``cap``), then masked: causal, within the window
+  and the document."""
   kk, vv = (jnp.repeat(x, H // KV, axis=2) for x in (k, v))
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(D)
+  scores = cap * jnp.tanh(scores / cap) if cap else scores
   i, j = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
   allowed = (j <= i) & ((j > i - window) if window else True)
   if segments is not None:
@@ -40,32 +42,37 @@ def reference(q, k, v, window, segments):
 
 
 @pytest.mark.parametrize(
-  "window, documents",
+  "window, documents, cap",
   [
-    (1, False),
-    (5, True),
-    (64, False),
-    (100, True),
-    pytest.param(200, False, marks=pytest.mark.slow),
+    (1, False, 0.0),
+    (5, True, 0.0),
+    (64, False, 0.0),
+    (100, True, 0.7),  # Gemma 2's soft-capped scores, windowed
+    (0, False, 0.7),
+    pytest.param(200, False, 0.0, marks=pytest.mark.slow),
   ],
 )
-def test_every_kernel_computes_the_windowed_reference_and_its_gradient(window, documents):
+def test_every_kernel_computes_the_windowed_reference_and_its_gradient(window, documents, cap):
   rng = np.random.default_rng(window)
   q, k, v = (jnp.asarray(rng.normal(size=(B, S, h, D)), jnp.float32) for h in (H, KV, KV))
   segments = jnp.asarray(np.repeat([[0] * 70 + [1] * 80], B, 0)) if documents else None
-  want = reference(q, k, v, window, segments)
+  want = reference(q, k, v, window, segments, cap)
   loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))  # noqa: E731
-  want_grads = jax.grad(loss(lambda *x: reference(*x, window, segments)), (0, 1, 2))(q, k, v)
-  unwindowed = reference(q, k, v, 0, segments)
+  ref = lambda *x: reference(*x, window, segments, cap)  # noqa: E731
+  want_grads = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
   for kernel in ("blocked", "xla"):
     f = jax.jit(
-      lambda q, k, v, kernel=kernel: backends.causal_attention(q, k, v, kernel, segments, window)
+      lambda q, k, v, kernel=kernel: backends.causal_attention(
+        q, k, v, kernel, segments, window, cap
+      )
     )
     assert_close(f(q, k, v), want, terms=S)
     for got, expected in zip(jax.grad(loss(f), (0, 1, 2))(q, k, v), want_grads, strict=True):
       assert_close(got, expected, terms=S)
-  if window < (80 if documents else S):  # shorter than the longest document: it masks
-    assert_far(unwindowed, want, terms=S)
+  if 0 < window < (80 if documents else S):  # shorter than the longest document: it masks
+    assert_far(reference(q, k, v, 0, segments, cap), want, terms=S)
+  if cap:
+    assert_far(reference(q, k, v, window, segments), want, terms=S)
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "smollm3", "phi3"])

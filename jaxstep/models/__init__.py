@@ -95,12 +95,18 @@ def build(
     out = model.apply_fn(params, inputs, rng=rng, train=train, **fields)[0]
     return out[0] if sparse and not with_routing else out
 
-  # the chunked loss (core/chunked_loss.py) asks for (final hidden states, head [d, V])
-  apply_fn.emits_hidden, apply_fn.vocab_size = True, model_config.vocab_size
+  # the chunked loss (core/chunked_loss.py) asks for (final hidden states, head [d, V]);
+  # logits soft-capped after the head (Gemma 2) are computed whole
+  apply_fn.emits_hidden, apply_fn.vocab_size = _emits_hidden(model_config), model_config.vocab_size
   params = model.params
   if model_config.lora.rank and not abstract:  # adapters from a stream of their own
     params = lora.initialised(params, lora.adapter_key(rng))
   return apply_fn, params
+
+
+def _emits_hidden(model_config) -> bool:
+  """Whether the model's logits are ``h · W`` (no soft-cap after the head)."""
+  return not getattr(model_config, "final_logit_softcapping", 0.0)
 
 
 class Decoder(NamedTuple):
@@ -129,7 +135,7 @@ def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
     out = merged(params)(inputs, segment_ids=segment_ids, positions=positions, as_hidden=as_hidden)
     return out[0] if sparse else out
 
-  apply_fn.emits_hidden, apply_fn.vocab_size = True, model_config.vocab_size
+  apply_fn.emits_hidden, apply_fn.vocab_size = _emits_hidden(model_config), model_config.vocab_size
 
   def decode_fn(params, inputs, positions, cache):
     return merged(params).decode(inputs, positions, cache)

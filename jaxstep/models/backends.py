@@ -30,6 +30,7 @@ parameters and the math are the same, so a checkpoint moves freely between platf
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,7 @@ def causal_attention(
   choice: str,
   segment_ids: jax.Array | None = None,
   window: int = 0,
+  cap: float = 0.0,
 ) -> jax.Array:
   """Causal softmax attention ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` →
   ``[B, S, H, Dh]`` with the kernel ``choice`` resolves to; ``KV`` divides ``H`` and query
@@ -127,12 +129,16 @@ def causal_attention(
   only if ``j ≤ i`` and both are in the same segment. None traces the plain causal kernel,
   exactly as before. ``window`` > 0: sliding-window attention, query ``i`` sees keys
   ``i − window < j ≤ i`` (transformers' ``sliding_window``), on every kernel
-  (``jax.nn.dot_product_attention``'s ``local_window_size``)."""
+  (``jax.nn.dot_product_attention``'s ``local_window_size``). ``cap`` > 0: Gemma 2's
+  soft-capped scores, ``cap · tanh(s / cap)``: the blocked kernel's own, else plain XLA
+  (``softcapped_attention``; neither ``jax.nn.dot_product_attention`` nor cuDNN caps)."""
   kernel = resolve_attention(choice, q.dtype, q.shape[-1])
+  if cap and kernel != "blocked":
+    return softcapped_attention(q, k, v, segment_ids, window, cap)
   if segment_ids is not None:
-    return _segment_attention(q, k, v, kernel, segment_ids, window)
+    return _segment_attention(q, k, v, kernel, segment_ids, window, cap)
   if kernel == "blocked":
-    return cpu_kernels.causal_attention(q, k, v, window)
+    return cpu_kernels.causal_attention(q, k, v, window, cap)
   return jax.nn.dot_product_attention(
     q, k, v, is_causal=True, implementation=kernel, local_window_size=_local(window)
   )
@@ -143,10 +149,29 @@ def _local(window: int) -> tuple[int, int] | None:
   return (window - 1, 0) if window else None
 
 
-def _segment_attention(q, k, v, kernel: str, segment_ids: jax.Array, window: int) -> jax.Array:
+def softcapped_attention(q, k, v, segment_ids, window: int, cap: float) -> jax.Array:
+  """Causal attention with soft-capped scores in plain XLA (autodiff's backward): the
+  grouped query heads against their key/value head, scores and softmax in fp32, masked
+  causally, to the window and to the documents as the other kernels mask."""
+  b, s, h, dh = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, s, kv, h // kv, dh)
+  scores = jnp.einsum("bqngd,bknd->bngqk", qg, k).astype(jnp.float32) / math.sqrt(dh)
+  scores = cap * jnp.tanh(scores / cap)
+  rows, keys = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+  allowed = (keys <= rows) & ((keys > rows - window) if window else True)
+  allowed = allowed[None, None, None]
+  if segment_ids is not None:
+    allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+  p = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  out = jnp.einsum("bngqk,bknd->bqngd", p.astype(v.dtype), v)
+  return out.reshape(b, s, h, dh)
+
+
+def _segment_attention(q, k, v, kernel: str, segment_ids, window: int, cap: float):
   """``causal_attention`` within the segments of ``segment_ids`` on ``kernel``."""
   if kernel == "blocked":
-    return cpu_kernels.segment_causal_attention(q, k, v, segment_ids, window)
+    return cpu_kernels.segment_causal_attention(q, k, v, segment_ids, window, cap)
   if kernel == "cudnn":
     if CUDNN_SEGMENT_PROBLEM not in _logged:
       _logged.add(CUDNN_SEGMENT_PROBLEM)

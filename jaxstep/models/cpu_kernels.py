@@ -79,14 +79,18 @@ def dense_dot_general(x, w, dimension_numbers, precision=None, preferred_element
   return _matmul(x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0, cap: float = 0.0
+) -> jax.Array:
   """Causal softmax attention: ``q [B, S, H, Dh]``, ``k``, ``v [B, S, KV, Dh]`` with ``KV``
   dividing ``H`` -> ``[B, S, H, Dh]``; query head ``h`` reads key/value head
   ``h // (H / KV)`` (grouped-query attention; ``KV = H`` is plain multi-head). ``window``
   > 0: sliding-window attention, query ``i`` sees keys ``i − window < j ≤ i`` (transformers'
   ``sliding_window``: ``window`` keys, itself included), and a block's keys left of every
-  row's window are never computed either.
+  row's window are never computed either. ``cap`` > 0: each scaled score ``s`` becomes
+  ``cap · tanh(s / cap)`` before the mask (Gemma 2's attention soft-capping; the backward
+  multiplies by ``1 − tanh²``, kept per block beside the probabilities).
 
   ``softmax(q·kᵀ / √Dh + causal mask) · v`` per head, the softmax in fp32 whatever the
   compute dtype. Three things differ from autodiff of the plain einsum, not the math:
@@ -102,7 +106,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int = 0) 
     transposes only a small ``[S, Dh]`` operand: autodiff lets XLA:CPU transpose the
     ``[S, S]`` probabilities and score gradients instead.
   """
-  return _attention_fwd(q, k, v, None, window)[0]
+  return _attention_fwd(q, k, v, None, window, cap)[0]
 
 
 def query_blocks(s: int) -> list[tuple[int, int]]:
@@ -138,18 +142,22 @@ def _keys(lo: int, hi: int, window: int) -> int:
   return max(0, lo - window + 1) if window else 0
 
 
-def _attention_fwd(q, k, v, segment_ids=None, window=0):
+def _attention_fwd(q, k, v, segment_ids=None, window=0, cap=0.0):
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads")
   kv, g = k.shape[2], q.shape[2] // k.shape[2]
   qg = _grouped(q, kv)  # [B, KV, G, Sq, Dh]
   kt = k.transpose(0, 2, 3, 1)  # [B, KV, Dh, Sk]
   vh = v.transpose(0, 2, 1, 3)  # [B, KV, Sk, Dh]
-  outs, probs = [], []
+  outs, probs, slopes = [], [], []
   for lo, hi in query_blocks(q.shape[1]):  # keys [first, hi): the rest masked for all rows
     first = _keys(lo, hi, window)
     scores = jnp.einsum("bnqd,bndk->bnqk", _rows(qg, lo, hi), kt[..., first:hi])
     scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
+    if cap:  # soft-capped: d(capped)/d(score) = 1 − tanh², for the backward
+      t = jnp.tanh(scores / cap)
+      scores, slope = cap * t, 1.0 - t * t
+      slopes.append(slope)
     rows, keys = jnp.arange(lo, hi)[:, None], jnp.arange(first, hi)[None, :]
     allowed = keys <= rows  # [hi - lo, hi - first]
     if window:
@@ -163,15 +171,15 @@ def _attention_fwd(q, k, v, segment_ids=None, window=0):
     outs.append(out.reshape(*qg.shape[:3], hi - lo, -1))
     probs.append(p)
   out = _ungrouped(jnp.concatenate(outs, axis=3))
-  return out, (qg, kt, vh, tuple(probs))
+  return out, (qg, kt, vh, tuple(probs), tuple(slopes))
 
 
 def _attention_bwd(residuals, do):
-  qg, kt, vh, probs = residuals  # probs: fp32 [B, KV, G·(hi - lo), hi - first], 0 masked
+  qg, kt, vh, probs, slopes = residuals  # probs: fp32 [B, KV, G·(hi-lo), hi-first], 0 masked
   s, f32 = qg.shape[3], jnp.float32
   dog = _grouped(do, qg.shape[1])  # [B, KV, G, Sq, Dh]
   dqs, dkt, dvt = [], jnp.zeros(kt.shape, f32), jnp.zeros(kt.shape, f32)
-  for (lo, hi), p in zip(query_blocks(s), probs, strict=True):
+  for i, ((lo, hi), p) in enumerate(zip(query_blocks(s), probs, strict=True)):
     first = hi - p.shape[-1]  # the block's first key (a window's)
     do_b, q_b, pad = _rows(dog, lo, hi), _rows(qg, lo, hi), [(0, 0)] * 3 + [(first, s - hi)]
     v_b = vh[:, :, first:hi].transpose(0, 1, 3, 2)
@@ -180,6 +188,8 @@ def _attention_bwd(residuals, do):
       "bndq,bnqk->bndk", do_b.transpose(0, 1, 3, 2), p.astype(do.dtype), preferred_element_type=f32
     )
     ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(qg.shape[-1])
+    if slopes:  # through the soft-cap
+      ds = ds * slopes[i]
     ds = ds.astype(qg.dtype)  # d(q·kᵀ); masked entries are 0 since p is
     dq_b = jnp.einsum("bnqk,bnkd->bnqd", ds, kt[..., first:hi].transpose(0, 1, 3, 2))
     dqs.append(dq_b.reshape(*qg.shape[:3], hi - lo, -1))
@@ -190,26 +200,31 @@ def _attention_bwd(residuals, do):
   return dq, dk.transpose(0, 3, 1, 2), dv.transpose(0, 3, 1, 2)
 
 
-def _causal_fwd(q, k, v, window):
-  return _attention_fwd(q, k, v, None, window)
+def _causal_fwd(q, k, v, window, cap):
+  return _attention_fwd(q, k, v, None, window, cap)
 
 
-def _causal_bwd(window, residuals, do):
-  del window  # each block's keys are read off its probabilities' width
+def _causal_bwd(window, cap, residuals, do):
+  del window, cap  # each block's keys are read off its probabilities' width
   return _attention_bwd(residuals, do)
 
 
 causal_attention.defvjp(_causal_fwd, _causal_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def segment_causal_attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int = 0
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  window: int = 0,
+  cap: float = 0.0,
 ) -> jax.Array:
   """``causal_attention`` within documents: query ``i`` sees key ``j`` iff ``j ≤ i`` and
   ``segment_ids[b, i] == segment_ids[b, j]`` (``segment_ids`` ``int32[B, S]``, as
-  ``Windows.rows(..., document_mask=True)`` makes them). Shapes, grouping and ``window`` as
-  ``causal_attention``'s.
+  ``Windows.rows(..., document_mask=True)`` makes them). Shapes, grouping, ``window`` and
+  ``cap`` as ``causal_attention``'s.
 
   The same blocks, arithmetic and backward as ``causal_attention``: the segment test joins
   the causal one inside each block, and the backward needs no mask of its own because the
@@ -219,14 +234,14 @@ def segment_causal_attention(
   documents are still computed: which ones they are depends on the data, and skipping
   them would need dynamic shapes; the saving is the causal one (and the window's) only.
   """
-  return _attention_fwd(q, k, v, segment_ids, window)[0]
+  return _attention_fwd(q, k, v, segment_ids, window, cap)[0]
 
 
-def _segment_attention_fwd(q, k, v, segment_ids, window):
-  return _attention_fwd(q, k, v, segment_ids, window)
+def _segment_attention_fwd(q, k, v, segment_ids, window, cap):
+  return _attention_fwd(q, k, v, segment_ids, window, cap)
 
 
-def _segment_attention_bwd(window, residuals, do):
+def _segment_attention_bwd(window, cap, residuals, do):
   return (*_attention_bwd(residuals, do), None)  # segment ids: integers, no cotangent
 
 

@@ -15,7 +15,7 @@ Llama decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention):
 - ``GraniteForCausalLM``: multipliers on the embeddings, the attention logits, the
   residual branches and the logits (``hf_dense.py``).
 - ``SmolLM3ForCausalLM``: no rotary embedding in the layers ``no_rope_layers`` flags 0.
-- ``Gemma3ForCausalLM`` (Gemma 3 270M, 1B): ``hf_gemma.py``.
+- ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (Gemma 3 270M, 1B): ``hf_gemma.py``.
 - ``Phi3ForCausalLM`` (Phi-3, Phi-4-mini): fused ``qkv_proj`` and ``gate_up_proj`` tensors
   (split as they are read), RoPE over the first ``partial_rotary_factor`` of each head, and
   LongRoPE (``rope_type: longrope``, older folders' ``su``).
@@ -206,7 +206,7 @@ def model_config(hf: dict, where: str = CONFIG, **options) -> LlamaConfig | GPTC
   if name == hf_gpt2.ARCHITECTURE:
     return hf_gpt2.model_config(hf, where, **options)
   act = hf.get("hidden_act", "silu")
-  if act != "silu" and name != hf_gemma.GEMMA3:  # Gemma's is hidden_activation
+  if act != "silu" and name not in hf_gemma.GEMMAS:  # Gemma's is hidden_activation
     raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the Llama MLP is SwiGLU)")
   if name in hf_moe.ARCHITECTURES:
     family = hf_moe.config_fields(hf, name, where)

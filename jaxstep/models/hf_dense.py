@@ -21,7 +21,7 @@ import math
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_gemma
 from jaxstep.models.hf_fields import integer, real
-from jaxstep.models.hf_gemma import GEMMA3
+from jaxstep.models.hf_gemma import GEMMA2, GEMMA3
 from jaxstep.models.llama import GRANITE_SCALES
 
 GRANITE = "GraniteForCausalLM"
@@ -50,6 +50,7 @@ ARCHITECTURES = {
   GRANITE: LLAMA,
   SMOLLM3: LLAMA,
   PHI3: LLAMA,
+  GEMMA2: hf_gemma.GEMMA2_FIELDS,
   GEMMA3: hf_gemma.FIELDS,
 }
 
@@ -64,8 +65,8 @@ def read_fields(hf: dict, architecture: str, where: str) -> dict:
       raise ConfigError(f"{where}: Granite's multipliers must be > 0, got {bad}")
   if architecture == SMOLLM3:
     fields["nope_layers"] = _nope_layers(hf, where)
-  if architecture == GEMMA3:
-    fields |= hf_gemma.read_fields(hf, where)
+  if architecture in hf_gemma.GEMMAS:
+    fields |= hf_gemma.read_fields(hf, where, architecture)
   if architecture == PHI3:  # rope_parameters' value wins, as transformers reads it
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     top = real(hf, "partial_rotary_factor", where, 1.0)
@@ -135,18 +136,25 @@ def check_export(cfg, architecture: str) -> None:
     )
   if architecture == PHI3:
     _check_phi3(cfg)
-  gemma = {k: getattr(cfg, k) for k in ("query_pre_attn_scalar", "local_rope_theta")}
-  if any(gemma.values()) and architecture != GEMMA3:
-    names = ", ".join(f"{k}={v}" for k, v in gemma.items() if v)
-    raise ConfigError(f"{architecture} cannot hold the model's {names}: use {GEMMA3}")
-  if architecture == GEMMA3:
-    hf_gemma.check_export(cfg)
+  gemma = ("query_pre_attn_scalar", "local_rope_theta", *CAPS)
+  if architecture not in hf_gemma.GEMMAS and (names := _set(cfg, gemma)):
+    raise ConfigError(f"{architecture} cannot hold the model's {names}: use {GEMMA2} or {GEMMA3}")
+  if architecture in hf_gemma.GEMMAS:
+    hf_gemma.check_export(cfg, architecture)
   _check_windows(cfg, architecture)
   if cfg.nope_layers and architecture != SMOLLM3:
     raise ConfigError(
       f"{architecture} rotates q and k in every layer, and the model has nope_layers "
       f"{list(cfg.nope_layers)}: use {SMOLLM3}"
     )
+
+
+CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def _set(cfg, names) -> str:
+  """``cfg``'s fields among ``names`` that are set, as ``name=value``."""
+  return ", ".join(f"{k}={getattr(cfg, k)}" for k in names if getattr(cfg, k))
 
 
 def _check_phi3(cfg) -> None:
@@ -166,7 +174,11 @@ def _check_phi3(cfg) -> None:
 WINDOWED = ("MistralForCausalLM", PHI3)  # a sliding_window there windows every layer
 LAYERED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", SMOLLM3)  # use_sliding_window, layer_types
 SLIDING, FULL = "sliding_attention", "full_attention"
-READS_WINDOWS = (*WINDOWED, *LAYERED, GEMMA3)  # the architectures whose windows are the model's
+READS_WINDOWS = (
+  *WINDOWED,
+  *LAYERED,
+  *hf_gemma.GEMMAS,
+)  # the architectures whose windows are the model's
 
 
 def read_windows(hf: dict, architecture: str, where: str) -> dict:
@@ -215,7 +227,7 @@ def window_fields(cfg, architecture: str) -> dict:
 
 def _check_windows(cfg, architecture: str) -> None:
   """``ConfigError`` unless ``architecture`` can window the layers ``cfg`` windows."""
-  if not cfg.sliding_window or architecture in LAYERED + (GEMMA3,):
+  if not cfg.sliding_window or architecture in LAYERED + hf_gemma.GEMMAS:
     return
   if architecture not in WINDOWED:
     raise ConfigError(

@@ -54,6 +54,7 @@ MODEL_TYPES = {
   "GraniteForCausalLM": "granite",
   "SmolLM3ForCausalLM": "smollm3",
   "Phi3ForCausalLM": "phi3",
+  "Gemma2ForCausalLM": "gemma2",
   "Gemma3ForCausalLM": "gemma3_text",
   **{name: family.model_type for name, family in hf_moe.ARCHITECTURES.items()},
 }
@@ -276,10 +277,10 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
     hf.update(hf_moe.export_fields(cfg, architecture, hf, fresh=not base_config))
   hf.update(hf_dense.export_fields(cfg, architecture))
   hf.update(hf_dense.window_fields(cfg, architecture))
-  if architecture == hf_gemma.GEMMA3:  # its RoPE keyed by layer type, its activation named
+  if architecture in hf_gemma.GEMMAS:  # the activation named otherwise
     hf.pop("hidden_act", None)
-    hf.update(hf_gemma.export_fields(cfg, longest))
-  else:
+    hf.update(hf_gemma.export_fields(cfg, longest, architecture))
+  if architecture != hf_gemma.GEMMA3:  # Gemma 3's RoPE is keyed by layer type
     set_rope(hf, cfg, fresh=not base_config)
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype

@@ -261,6 +261,7 @@ def check_export(cfg, architecture: str) -> None:
     (cfg.scale_embeddings, "scale_embeddings (Gemma's)"),
     (bool(cfg.query_pre_attn_scalar), f"query_pre_attn_scalar {cfg.query_pre_attn_scalar}"),
     (bool(cfg.local_rope_theta), f"local_rope_theta {cfg.local_rope_theta}"),
+    (bool(cfg.attn_logit_softcapping or cfg.final_logit_softcapping), "soft-capping (Gemma 2's)"),
     (
       fam.shared_expert != bool(cfg.shared_width) or fam.shared_expert != cfg.shared_expert_gate,
       "a gated shared expert"

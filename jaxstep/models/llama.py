@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstep.core import layout
+from jaxstep.errors import ConfigError
 from jaxstep.models import backends, layers, lora, moe
 from jaxstep.models.gpt import platform_kernels
 from jaxstep.models.llama_config import (  # noqa: F401 - the model's names, here too
@@ -138,7 +139,7 @@ class LlamaBlock(nnx.Module):
     b, s, _ = x.shape
     q, k, v = self.qkv(x, jnp.arange(s) if positions is None else positions)
     out = backends.causal_attention(
-      q, k, v, self.cfg.attention, segment_ids=segment_ids, window=self.window
+      q, k, v, self.cfg.attention, segment_ids, self.window, self.cfg.attn_logit_softcapping
     )
     return self.o_proj(out.reshape(b, s, -1))
 
@@ -161,7 +162,8 @@ class LlamaBlock(nnx.Module):
     kt, vc = cache  # the index arrays select [B, KV, S] slots; each takes a [Dh] vector
     kt = kt.at[rows, heads, :, at].set(k.transpose(0, 2, 1, 3).astype(kt.dtype))
     vc = vc.at[rows, heads, at].set(v.transpose(0, 2, 1, 3).astype(vc.dtype))
-    attn = grouped_attention_over_cache(q, kt, vc, positions, self.window)
+    cap = self.cfg.attn_logit_softcapping
+    attn = grouped_attention_over_cache(q, kt, vc, positions, self.window, cap)
     attn = self.o_proj(attn.reshape(b, s, -1))
     x = x + self._attention_output(attn)
     return x + self._mlp_output(self.feed_forward(self._mlp_input(x))[0]), (kt, vc)
@@ -231,7 +233,10 @@ class Llama(DecoderStack):
 
   def _logits(self, x: jax.Array) -> jax.Array:
     x = self._final_norm(x)
-    return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+    logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+    if cap := self.cfg.final_logit_softcapping:  # Gemma 2 (no chunked loss: emits_hidden)
+      logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+    return logits
 
   def _final_norm(self, x: jax.Array) -> jax.Array:
     """The final RMSNorm, divided by ``logits_scaling`` (Granite's logits ÷ s, applied to
@@ -240,7 +245,12 @@ class Llama(DecoderStack):
 
   def _hidden_and_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(norm(x), W)`` with ``norm(x)·W`` = ``_logits(x)`` (``W``: the tied embedding's
-    transpose or the head's kernel)."""
+    transpose or the head's kernel); refused for logits soft-capped after the head."""
+    if self.cfg.final_logit_softcapping:
+      raise ConfigError(
+        "the logits are soft-capped after the head (final_logit_softcapping): they are "
+        "computed whole, never from the hidden states in chunks"
+      )
     w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
     return self._final_norm(x), w
 

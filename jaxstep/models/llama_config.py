@@ -49,6 +49,8 @@ class LlamaConfig:
   scale_embeddings: bool = False  # the embeddings times √d_model, rounded to their dtype
   query_pre_attn_scalar: float = 0.0  # the attention logits' scale is its -1/2 power; 0: head_dim
   local_rope_theta: float = 0.0  # RoPE base of the layers not in full_layers; 0: rope_theta
+  attn_logit_softcapping: float = 0.0  # > 0: scores s become c·tanh(s / c) (Gemma 2)
+  final_logit_softcapping: float = 0.0  # > 0: logits z become c·tanh(z / c) (Gemma 2)
   nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's NoPE)
   sliding_window: int = 0  # sliding_window: a query sees this many keys, itself included; 0: all
   full_layers: tuple[int, ...] = ()  # layers that see every key despite sliding_window
@@ -127,6 +129,8 @@ class LlamaConfig:
       "norm_offset",
       "query_pre_attn_scalar",
       "local_rope_theta",
+      "attn_logit_softcapping",
+      "final_logit_softcapping",
     ):
       if getattr(self, name) < 0:
         raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")

@@ -48,7 +48,7 @@ def times(x: jax.Array, m: float) -> jax.Array:
   return x if m == 1.0 else (x.astype(jnp.float32) * m).astype(x.dtype)
 
 
-def grouped_attention_over_cache(q, kt, v, positions, window: int = 0):
+def grouped_attention_over_cache(q, kt, v, positions, window: int = 0, cap: float = 0.0):
   """``gpt.attention_over_cache`` for grouped queries: ``q [B, S, H, Dh]`` against a cache
   of ``KV`` heads, keys ``kt [B, KV, Dh, T]``, values ``v [B, KV, T, Dh]`` (``window`` > 0:
   only the last ``window`` positions of the cache, the query's included); query head
@@ -59,6 +59,8 @@ def grouped_attention_over_cache(q, kt, v, positions, window: int = 0):
   kv = kt.shape[1]
   qg = q.reshape(b, s, kv, h // kv, dh).transpose(0, 2, 3, 1, 4)  # [B, KV, G, S, Dh]
   scores = jnp.einsum("bkgqd,bkdt->bkgqt", qg, kt).astype(jnp.float32) / math.sqrt(dh)
+  if cap:  # Gemma 2's soft-capped scores
+    scores = cap * jnp.tanh(scores / cap)
   slots = jnp.arange(kt.shape[-1])[None, None, :]
   visible = slots <= positions[:, :, None]  # [B, S, T]
   if window:  # sliding-window attention: the window's keys of a full-length cache

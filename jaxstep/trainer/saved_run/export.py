@@ -63,8 +63,10 @@ def architecture_of(model_cfg: LlamaConfig | GPTConfig, base: dict | None) -> st
     return hf_dense.SMOLLM3
   gemma = (model_cfg.norm_offset, model_cfg.mlp_activation != "silu", model_cfg.scale_embeddings)
   gemma += (model_cfg.block_norms == "both", model_cfg.query_pre_attn_scalar)
+  if model_cfg.attn_logit_softcapping or model_cfg.final_logit_softcapping:
+    return hf_gemma.GEMMA2
   if any(gemma) or model_cfg.local_rope_theta:
-    return hf_gemma.GEMMA3
+    return hf_gemma.GEMMA3 if model_cfg.qk_norm or model_cfg.local_rope_theta else hf_gemma.GEMMA2
   if model_cfg.partial_rotary_factor != 1 or isinstance(model_cfg.rope_scaling, LongRope):
     return hf_dense.PHI3
   if model_cfg.sliding_window and not (model_cfg.qk_norm or model_cfg.attention_bias):

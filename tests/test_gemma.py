@@ -1,8 +1,9 @@
-"""Gemma 3 text folders: each piece of its math is the one transformers computes (a model
-without it is far off), the older config layout reads the same, and what jaxstep does not
-compute is refused by name. (Logits, export, gradients, greedy tokens, LoRA and the parity
-report against transformers: ``test_hf_import``, ``test_hf_export``, ``test_hf_training``,
-``test_dense_families``, ``test_hf_parity``, family ``gemma3``.)"""
+"""Gemma 2 and Gemma 3 text folders: each piece of their math is the one transformers
+computes (a model without it is far off), the older config layout reads the same, logits
+soft-capped after the head are never chunked, and what jaxstep does not compute is refused
+by name. (Logits, export, gradients, greedy tokens, LoRA and the parity report against
+transformers: ``test_hf_import``, ``test_hf_export``, ``test_hf_training``,
+``test_dense_families``, ``test_hf_parity``, families ``gemma2``, ``gemma3``.)"""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits
 from test_phi3 import imported, logits_of
 from tolerance import assert_close, assert_far
 
+from jaxstep import models
 from jaxstep.errors import ConfigError
 from jaxstep.models import hf_config
 from jaxstep.models.hf_gemma import GEMMA3
@@ -35,6 +37,25 @@ def test_each_piece_of_gemmas_math_is_transformers(tmp_path):
     dict(local_rope_theta=0.0),  # one base for both kinds of layer
   ):
     assert_far(logits_of(dataclasses.replace(cfg, **wrong), params, ids), theirs, terms=TERMS)
+
+
+def test_gemma2s_soft_caps_are_transformers_and_its_logits_are_computed_whole(tmp_path):
+  model = save_tiny(tmp_path, "gemma2")
+  cfg, params = imported(tmp_path)
+  assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (0.8, 1.5)
+  assert cfg.windows == (5, 0) and not cfg.qk_norm
+  ids = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], size=(2, 12))
+  theirs = torch_logits(model, ids)
+  assert_close(logits_of(cfg, params, ids), theirs, terms=TERMS)
+  for wrong in (dict(attn_logit_softcapping=0.0), dict(final_logit_softcapping=0.0)):
+    assert_far(logits_of(dataclasses.replace(cfg, **wrong), params, ids), theirs, terms=TERMS)
+  apply_fn, _ = models.build(cfg, 0, abstract=True)
+  assert not apply_fn.emits_hidden  # every chunked path takes the whole logits
+  with pytest.raises(ConfigError, match="soft-capped after the head"):
+    apply_fn(params, ids, as_hidden=True)
+  null = {"architectures": ["Gemma2ForCausalLM"], **SHAPE, "attn_logit_softcapping": None}
+  assert hf_config.model_config(null).attn_logit_softcapping == 0.0  # null: none
+  assert hf_config.model_config(null).final_logit_softcapping == 30.0  # absent: the default
 
 
 def test_the_older_layout_and_transformers_defaults_read_the_same():
