@@ -17,6 +17,7 @@ import time
 from benchmarks.chunked_loss_bench import suite_chunked_loss
 from benchmarks.data_bench import suite_data
 from benchmarks.eval_bench import suite_eval
+from benchmarks.family_bench import suite_families
 from benchmarks.generate_bench import suite_generate
 from benchmarks.harness import RESULTS, environment, quick_compiles, write
 from benchmarks.hf_bench import suite_hf
@@ -55,6 +56,7 @@ SUITES = {
   "eval": suite_eval,
   "startup": suite_startup,
   "moe": suite_moe,
+  "families": suite_families,
   "chunked_loss": suite_chunked_loss,
   "qlora": suite_qlora,
 }
@@ -104,6 +106,7 @@ QUICK_ORDER = (
   "generate",
   "startup",
   "moe",
+  "families",
   "chunked_loss",
   "qlora",
 )

@@ -22,6 +22,7 @@ MODULES = (
   "step_bench",
   "torch_bench",
   "moe_bench",
+  "family_bench",
   "preference_bench",
   "rl_bench",
   "eval_bench",
