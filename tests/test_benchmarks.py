@@ -42,6 +42,7 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "ce_chunked_temp_over_full",  # the chunked_loss suite's
   "ce_chunked_step_time_over_full",
   "dpo_chunked_temp_over_full",
+  "sliding_window_decode_over_full",  # the families suite's
 }
 HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "hf_import_over_transformers",
@@ -52,6 +53,7 @@ HF_KEYS = {  # the hf suite's, with torch and transformers installed
   "harness_vs_hf_requests_per_s",  # the eval suite's
   "folder_ppl_vs_transformers_rel_diff",
   "moe_tokens_vs_pytorch",
+  "gemma_tokens_vs_pytorch",
 }
 
 
