@@ -2,7 +2,7 @@
 its last ``window`` keys, itself included, as transformers' ``sliding_window``. Every
 kernel computes the reference's values and gradients, with and without documents; folders
 of Mistral, Qwen2, SmolLM3 and Phi-3 whose window is shorter than the sequence give
-transformers' logits, Mistral's and Qwen2's ``generate``'s tokens 40 past the window; K
+transformers' logits, and (with Gemma 2's and 3's) ``generate``'s tokens 40 past it; K
 micro-batches give one batch's update. (Logits and export of each family:
 ``test_hf_import``, ``test_hf_export``.)"""
 
@@ -119,7 +119,14 @@ def test_which_layers_are_windowed_is_read_as_transformers_builds_them():
 
 
 @pytest.mark.parametrize(
-  "family", ["mistral-window", pytest.param("qwen2-window", marks=pytest.mark.slow)]
+  "family",
+  [
+    "mistral-window",
+    *(
+      pytest.param(f, marks=pytest.mark.slow)
+      for f in ("qwen2-window", "smollm3", "gemma2", "gemma3")
+    ),
+  ],
 )
 def test_greedy_decoding_40_tokens_past_the_window_gives_generates_tokens(tmp_path, family):
   model = save_tiny(tmp_path, family)
