@@ -93,8 +93,10 @@ def test_gpt_gradient_matches_the_autodiff_model(monkeypatch):
   assert_far(non_causal, expected, terms=terms)
 
 
-def reference_attention(q, k, v):
-  """The plain einsum causal attention (fp32 softmax) that autodiff differentiates."""
+def reference_attention(q, k, v, window=0, cap=0.0):
+  """The plain einsum causal attention (fp32 softmax) that autodiff differentiates (the
+  GPT has no window and no soft-cap: the kernel's signature, their defaults)."""
+  assert not window and not cap
   s, dh = q.shape[1], q.shape[-1]
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(dh)
   scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(jnp.float32).min)
@@ -102,7 +104,7 @@ def reference_attention(q, k, v):
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def full_attention(q, k, v):
+def full_attention(q, k, v, window=0, cap=0.0):
   """``reference_attention`` without the causal mask: a deliberately wrong variant."""
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
