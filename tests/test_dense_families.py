@@ -124,7 +124,13 @@ BUILT = {
 }
 
 
-@pytest.mark.parametrize("architecture", list(BUILT))
+SLOW_BUILT = ("MistralForCausalLM", "Gemma2ForCausalLM")  # their pieces: the others'
+
+
+@pytest.mark.parametrize(
+  "architecture",
+  [a if a not in SLOW_BUILT else pytest.param(a, marks=pytest.mark.slow) for a in BUILT],
+)
 def test_a_model_built_with_a_familys_settings_exports_as_it(tmp_path, architecture):
   """No base folder: the settings name the architecture, transformers computes the
   exported folder's logits, and the architectures without them are refused by name."""

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits
 from test_phi3 import imported, logits_of
 from tolerance import assert_close, assert_far
@@ -131,3 +132,30 @@ def models_llama(**settings):
 def test_what_is_not_computed_is_refused_by_name(setting, why):
   with pytest.raises(ConfigError, match=why):
     hf_config.model_config({**SHAPE, "architectures": [GEMMA3], **setting})
+
+
+@pytest.mark.slow
+def test_a_gemma2_run_asking_for_chunks_trains_on_the_whole_logits(tmp_path, tokenizer_files):  # noqa: F811
+  """``model.loss_chunk`` set on a model whose logits are soft-capped after the head: the
+  run computes them whole (the same losses as ``loss_chunk: 0``), a LoRA run and its
+  frozen reference alike, never a wrong chunked loss."""
+  from conftest import read_lines
+  from test_hf_folder import random_chat_folder
+  from test_init_from import run_cfg
+
+  from jaxstep import trainer
+
+  name, extra = FAMILIES["gemma2"]
+  folder = random_chat_folder(
+    tmp_path / "gemma2", name, {**SHAPE, **extra, "vocab_size": 320}, tokenizer_files["plain"]
+  )
+  losses = {}
+  for chunk in (0, 4):
+    run = tmp_path / f"chunk{chunk}"
+    cfg = run_cfg(
+      tmp_path, folder, "model.lora.rank=2", "train.max_steps=2", "train.log_every=1",
+      f"model.loss_chunk={chunk}", f"run_dir={run}",
+    )  # fmt: skip
+    trainer.train(cfg)
+    losses[chunk] = [r["loss"] for r in read_lines(run / "metrics.jsonl")]
+  assert len(losses[0]) == 2 and losses[4] == losses[0]

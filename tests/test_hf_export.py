@@ -85,7 +85,13 @@ def assert_same_params(a, b):
     assert leaf.dtype == flat_b[path].dtype and np.array_equal(leaf, flat_b[path]), path
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+  "family",  # Mistral's window is written as Phi-3's, Qwen2's layer types as SmolLM3's
+  [
+    f if f != "mistral-window" else pytest.param(f, marks=pytest.mark.slow)
+    for f in sorted(FAMILIES)
+  ],
+)
 def test_an_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
   model = save_tiny(tmp_path / "src", family)
   export(tmp_path / "src", tmp_path / "out")

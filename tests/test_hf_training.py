@@ -73,7 +73,15 @@ def test_one_exact_update_moves_every_weight_by_torchs_gradient(tmp_path, family
 
 
 @pytest.mark.parametrize(
-  "family", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3"]
+  "family",
+  [
+    "qwen3",
+    "olmo2",
+    "granite",
+    "smollm3",
+    # decoding past the window (test_sliding_window) and LongRoPE's switch (test_phi3)
+    *(pytest.param(f, marks=pytest.mark.slow) for f in ("phi3", "gemma2", "gemma3")),
+  ],
 )
 def test_greedy_decoding_gives_transformers_generate_tokens(tmp_path, family):
   model = save_tiny(tmp_path, family)

@@ -146,10 +146,15 @@ def k_micro_steps_equal_one_big_batch(case):
   ref_params, ref_opt, ref_loss, ref_norm = big_batch_update(params, state.opt_state, batch)
   assert bool(metrics["updated"])
   assert int(metrics["tokens"]) == int(np.sum(batch["loss_mask"]))
-  assert_trees_rel_close(new_state.params, ref_params, 1e-5)
+  # the gradient's own sums: Adam's moments (its first is (1 − β1)·g), the loss, the norm
   assert_trees_rel_close(new_state.opt_state, ref_opt, 1e-5)
   assert rel_err(metrics["loss"], ref_loss) <= 1e-5
   assert rel_err(metrics["grad_norm"], ref_norm) <= 1e-5
+  # AdamW moves each weight by about lr (1e-2) whatever its gradient's size, so a weight
+  # whose gradient is near 0 carries the sums' last bits into its update (an Intel Xeon
+  # drew one 1e-5 off): the weights agree to 1 % of a step
+  for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_params), strict=True):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
 
 
 def test_clipping_sees_the_accumulated_gradient_once(np_rng):
