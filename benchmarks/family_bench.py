@@ -18,9 +18,6 @@ transformers, and sliding-window decoding against a full cache.
 
 from __future__ import annotations
 
-import os
-import time
-
 GEMMA_MODEL = {
   "family": "llama",
   "vocab_size": 8192,
@@ -86,39 +83,13 @@ def hf_gemma3_kwargs(model: dict) -> dict:
 
 def torch_gemma_contender(spec):
   """transformers' ``Gemma3ForCausalLM`` in ``torch_bench``'s update loop."""
-  import torch
-  from torch import nn
   from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-  from benchmarks.step_bench import make_batch
-  from benchmarks.torch_bench import _update_fn
+  from benchmarks.torch_bench import transformers_contender
 
-  torch.set_num_threads(os.cpu_count() or 1)
-  torch.manual_seed(0)
-  config = Gemma3TextConfig(**hf_gemma3_kwargs(spec["model"]))
-
-  class Logits(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.gemma = Gemma3ForCausalLM(config)
-
-    def forward(self, idx):
-      return self.gemma(input_ids=idx, use_cache=False).logits
-
-  model = Logits().train()
-  batch = make_batch(spec["g"], spec["model"]["max_seq_len"], spec["model"]["vocab_size"])
-  once = _update_fn(model, batch, spec["k"])
-  once()
-  repeats = spec.get("repeats", 2)
-
-  def run():
-    t = time.perf_counter()
-    for _ in range(repeats):
-      once()
-    return {"seconds": (time.perf_counter() - t) / repeats}
-
-  attention = model.gemma.config._attn_implementation
-  return {"threads": torch.get_num_threads(), "attention": attention}, run
+  return transformers_contender(
+    spec, lambda: Gemma3ForCausalLM(Gemma3TextConfig(**hf_gemma3_kwargs(spec["model"])))
+  )
 
 
 CONTENDERS = {"torch_gemma": torch_gemma_contender}

@@ -19,9 +19,6 @@ batch 16 × 256 in K = 4 micro-steps, AdamW, fp32. Contenders, interleaved round
 
 from __future__ import annotations
 
-import os
-import time
-
 MOE_MODEL = {
   "family": "llama",
   "vocab_size": 8192,
@@ -86,38 +83,13 @@ def hf_qwen3_moe_kwargs(model: dict) -> dict:
 
 def torch_moe_contender(spec):
   """transformers' ``Qwen3MoeForCausalLM`` in ``torch_bench``'s update loop."""
-  import torch
-  from torch import nn
   from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-  from benchmarks.step_bench import make_batch
-  from benchmarks.torch_bench import _update_fn
+  from benchmarks.torch_bench import transformers_contender
 
-  torch.set_num_threads(os.cpu_count() or 1)
-  torch.manual_seed(0)
-  config = Qwen3MoeConfig(**hf_qwen3_moe_kwargs(spec["model"]))
-
-  class Logits(nn.Module):
-    def __init__(self):
-      super().__init__()
-      self.moe = Qwen3MoeForCausalLM(config)
-
-    def forward(self, idx):
-      return self.moe(input_ids=idx, use_cache=False).logits
-
-  model = Logits().train()
-  batch = make_batch(spec["g"], spec["model"]["max_seq_len"], spec["model"]["vocab_size"])
-  once = _update_fn(model, batch, spec["k"])
-  once()
-  repeats = spec.get("repeats", 2)
-
-  def run():
-    t = time.perf_counter()
-    for _ in range(repeats):
-      once()
-    return {"seconds": (time.perf_counter() - t) / repeats}
-
-  return {"threads": torch.get_num_threads()}, run
+  return transformers_contender(
+    spec, lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_qwen3_moe_kwargs(spec["model"])))
+  )
 
 
 CONTENDERS = {"torch_moe": torch_moe_contender}

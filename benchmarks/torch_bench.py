@@ -212,3 +212,36 @@ def torch_llama_contender(spec):
 
 
 CONTENDERS["torch_llama"] = torch_llama_contender
+
+
+def transformers_contender(spec, make_model):
+  """``(info, run)`` of a transformers causal LM, ``make_model()`` built after seeding 0, in
+  ``_update_fn``'s update loop on every core (the MoE and Gemma comparisons' contender)."""
+  import torch
+  from torch import nn
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  torch.manual_seed(0)
+  lm = make_model()
+
+  class Logits(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.lm = lm
+
+    def forward(self, idx):
+      return self.lm(input_ids=idx, use_cache=False).logits
+
+  model = Logits().train()
+  batch = make_batch(spec["g"], spec["model"]["max_seq_len"], spec["model"]["vocab_size"])
+  once = _update_fn(model, batch, spec["k"])
+  once()
+  repeats = spec.get("repeats", 2)
+
+  def run():
+    t = time.perf_counter()
+    for _ in range(repeats):
+      once()
+    return {"seconds": (time.perf_counter() - t) / repeats}
+
+  return {"threads": torch.get_num_threads(), "attention": lm.config._attn_implementation}, run
