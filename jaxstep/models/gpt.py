@@ -80,15 +80,7 @@ class GPTConfig:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
     if not self.layer_norm_eps > 0:
       raise ConfigError(f"model.layer_norm_eps must be > 0, got {self.layer_norm_eps}")
-    if self.attention not in backends.ATTENTION_BACKENDS:
-      raise ConfigError(
-        f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
-        f"got {self.attention!r}"
-      )
-    if self.remat not in layers.REMAT_POLICIES:
-      raise ConfigError(
-        f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {self.remat!r}"
-      )
+    check_kernels(self)
 
   @property
   def kv_cache_width(self) -> int:
@@ -112,6 +104,20 @@ class GPTConfig:
     matrix (2·2·S·d per layer forward, ×3 for forward + backward), as MFU conventions do.
     """
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * self.d_model * seq_len
+
+
+def check_kernels(cfg) -> None:
+  """ConfigError for an unknown ``model.attention`` or ``model.remat`` (the GPT's and the
+  Llama family's configs alike)."""
+  if cfg.attention not in backends.ATTENTION_BACKENDS:
+    raise ConfigError(
+      f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
+      f"got {cfg.attention!r}"
+    )
+  if cfg.remat not in layers.REMAT_POLICIES:
+    raise ConfigError(
+      f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {cfg.remat!r}"
+    )
 
 
 def platform_kernels() -> tuple[dict, type]:

@@ -254,7 +254,7 @@ def dropout_fields(cfg: LlamaConfig | GPTConfig, architecture: str) -> dict:
 
 def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_config) -> dict:
   """``export_config``'s dict for the Llama family, without ids and dropout."""
-  hf = copy.deepcopy(base_config) if base_config else _fresh(architecture)
+  hf = copy.deepcopy(base_config) if base_config else {}
   longest = max(cfg.max_seq_len, int(hf.get("max_position_embeddings") or 0))
   hf.update(
     architectures=[architecture],
@@ -285,13 +285,6 @@ def _llama_config(cfg: LlamaConfig, architecture: str, *, dtype: str, base_confi
   for key in [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]:
     hf[key] = dtype
   return hf
-
-
-def _fresh(architecture: str) -> dict:
-  """Fields a config built from scratch needs beyond the model's shape: Mistral's and
-  Phi-3's transformers default is a sliding window (``window_fields`` writes the model's)."""
-  windowed = architecture in ("MistralForCausalLM", hf_dense.PHI3)
-  return {"sliding_window": None} if windowed else {}
 
 
 def tensors_of(cfg: LlamaConfig | GPTConfig, params: dict, architecture=None) -> list[Tensor]:

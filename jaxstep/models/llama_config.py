@@ -7,7 +7,8 @@ import dataclasses
 
 from jaxstep.core import chunked_loss
 from jaxstep.errors import ConfigError
-from jaxstep.models import backends, layers, lora, moe, rope
+from jaxstep.models import lora, moe, rope
+from jaxstep.models.gpt import check_kernels
 from jaxstep.models.lora import LoraConfig
 from jaxstep.models.rope import LongRope, RopeScaling, rope_scaling_of
 
@@ -150,7 +151,7 @@ class LlamaConfig:
         )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-    _check_kernels(self)
+    check_kernels(self)
 
   @property
   def moe_layers(self) -> tuple[bool, ...]:
@@ -245,16 +246,3 @@ class LlamaConfig:
     projection weights, not attention FLOPs."""
     width = self.n_heads * self.resolved_head_dim
     return 6.0 * self.matmul_params() + 12.0 * self.n_layers * width * seq_len
-
-
-def _check_kernels(cfg: LlamaConfig) -> None:
-  """ConfigError for an unknown ``model.attention`` or ``model.remat`` (as the GPT's)."""
-  if cfg.attention not in backends.ATTENTION_BACKENDS:
-    raise ConfigError(
-      f"model.attention must be one of {', '.join(backends.ATTENTION_BACKENDS)}, "
-      f"got {cfg.attention!r}"
-    )
-  if cfg.remat not in layers.REMAT_POLICIES:
-    raise ConfigError(
-      f"model.remat must be one of {', '.join(layers.REMAT_POLICIES)}, got {cfg.remat!r}"
-    )
