@@ -72,6 +72,7 @@ def test_an_rl_run_trains_on_its_rollouts_and_reports_trls_names(tmp_path):
   ):
     assert key in first, key
   assert first["advantage_std"] > 0 and first["grad_norm"] > 0
+  assert "groups_kept" not in first  # dynamic sampling is off unless asked for
   # the first pass over each rollout: the trainer's log-probs are the sampler's
   assert all(
     r["rl_pass"] == 0 and r["logp_gap_excess"] == 0 and r["logp_gap"] < 1e-5 for r in lines

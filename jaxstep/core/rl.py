@@ -309,6 +309,8 @@ class RLConfig:
   reference_dtype: str = "fp32"  # live: the frozen copy's dtype (bf16 halves its bytes)
   logp_tolerance: float = 0.02  # max |sampler − trainer| log-prob gap (nats) before a stop
   reward_timeout: float = 300.0  # seconds each call of a reward function may take (0: none)
+  filter_groups: bool = False  # dynamic sampling: train only on groups whose rewards differ
+  max_draws: int = 4  # with filter_groups: at most this many rollouts sampled per update
 
   def __post_init__(self):
     object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -332,7 +334,7 @@ class RLConfig:
         f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
         f"got {self.num_generations}"
       )
-    for name in ("iterations", "max_new_tokens", "num_generations"):
+    for name in ("iterations", "max_new_tokens", "num_generations", "max_draws"):
       if getattr(self, name) < 1:
         raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
     if self.temperature <= 0:

@@ -62,7 +62,22 @@ def rows(prompts: list[np.ndarray], completions: list[list[int]], logps, seq_len
   }
 
 
-def sample(
+@dataclasses.dataclass(frozen=True)
+class Draw:
+  """One sampling of P prompts' groups, before advantages: ``rows`` this process's rows of
+  the step's fields (``rows``); ``total`` every completion's weighted reward, ``per_fn``
+  each function's, ``lengths`` and ``clipped`` for the whole draw (every process's rows, in
+  row order); ``seconds`` spent sampling."""
+
+  rows: dict
+  total: np.ndarray
+  per_fn: np.ndarray
+  lengths: np.ndarray
+  clipped: np.ndarray
+  seconds: float
+
+
+def draw(
   generator,
   params,
   prompts: PromptSet,
@@ -73,16 +88,15 @@ def sample(
   seed: int,
   temperature: float | None = None,
   sharding=None,
-) -> Rollout:
+) -> Draw:
   """``cfg.num_generations`` completions of every prompt (``temperature`` None: the
-  config's; 0: greedy, for evaluation), scored and laid out; ``sharding``: where the rows
+  config's; 0: greedy, one each, for evaluation), scored; ``sharding``: where the rows
   are decoded (the step's batch sharding: each device samples its own rows). Over several
-  processes each samples and scores only the rows its devices hold, and the batch holds
-  those; the rewards and lengths are gathered, so the advantages and metrics are the
-  global batch's on every process."""
+  processes each samples and scores only the rows its devices hold; the rewards and
+  lengths are gathered."""
   g = cfg.num_generations if temperature is None else 1
   n = len(prompts) * g
-  here = None if sharding is None or sharding.is_fully_addressable else rows_here(sharding, n)
+  here = _here(sharding, n)
   index = np.arange(n) if here is None else here
   generator.params = params
   begun = time.perf_counter()
@@ -98,7 +112,7 @@ def sample(
     sharding=sharding,
     global_rows=n,
   )
-  sampled = time.perf_counter() - begun
+  seconds = time.perf_counter() - begun
   tok = generator.tokenizer
   texts = [tok.decode(c[:-1] if r == "eos" else c) for c, r in zip(ids, reasons, strict=True)]
   columns = {k: [v[i // g] for i in index] for k, v in prompts.columns.items()}
@@ -107,7 +121,6 @@ def sample(
   per_fn, total = rewards_lib.score(
     rewards, prompt_texts, texts, columns, timeout=cfg.reward_timeout
   )
-  batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
   lengths = np.array([len(c) for c in ids])
   clipped = np.array([r != "eos" for r in reasons])
   if here is not None:  # every process's rows, for the group statistics
@@ -115,6 +128,43 @@ def sample(
       gather_rows(x, here, n) for x in (per_fn.T, total, lengths, clipped)
     )
     per_fn = per_fn.T
+  batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
+  return Draw(batch, total, per_fn, lengths, clipped, seconds)
+
+
+def informative(total: np.ndarray, g: int) -> np.ndarray:
+  """bool[P]: the groups (``g`` consecutive completions of ``total``) whose rewards are not
+  all equal, the only ones whose advantages are not exactly 0 (DAPO's dynamic sampling
+  keeps these; verl's ``filter_groups`` tests std > 0, the same thing)."""
+  grouped = total.reshape(-1, g)
+  return np.any(grouped != grouped[:, :1], axis=1)
+
+
+def sample(generator, params, prompts, cfg, rewards, *, seq_len, seed, temperature=None,
+           sharding=None) -> Rollout:  # fmt: skip
+  """One ``draw``, laid out as the step's rows with advantages (``temperature`` None) and
+  its metrics: what an update trains on without ``rl.filter_groups``."""
+  one = draw(generator, params, prompts, cfg, rewards, seq_len=seq_len, seed=seed,
+             temperature=temperature, sharding=sharding)  # fmt: skip
+  return assemble([one], cfg, rewards, sharding=sharding, groups=None if temperature is None else 0)
+
+
+def assemble(draws: list[Draw], cfg: rl.RLConfig, rewards: list, *, sharding=None,
+             groups: int | None = None) -> Rollout:  # fmt: skip
+  """The rollout an update trains on, from ``draws``.
+
+  ``groups`` None: every group of the one draw, with its advantages. ``groups`` P > 0
+  (dynamic sampling): the first P informative groups in draw order; when the draws hold
+  fewer, the rest of the P slots are dropped groups with their ``completion_mask`` zeroed,
+  rows that add nothing to the loss nor to its count, so the update is normalized over what
+  it trains on; when no draw holds an informative group, the first draw as drawn (its
+  advantages all 0: the plain GRPO update). ``groups`` 0: no advantages (evaluation).
+  The metrics describe every drawn completion; ``advantage_std`` the trained rows."""
+  g = 1 if groups == 0 else cfg.num_generations
+  every = [d.total for d in draws]
+  total, lengths = np.concatenate(every), np.concatenate([d.lengths for d in draws])
+  per_fn = np.concatenate([d.per_fn for d in draws], axis=1)
+  seconds = sum(d.seconds for d in draws)
   metrics = {
     "reward": float(total.mean()),
     "reward_std": float(total.std()),
@@ -122,14 +172,53 @@ def sample(
     **{f"rewards/{r.name}/std": float(v.std()) for r, v in zip(rewards, per_fn, strict=True)},
     "completions/mean_length": float(lengths.mean()),
     "completions/max_length": int(lengths.max()),
-    "completions/clipped_ratio": float(clipped.mean()),
-    "rollout_s": sampled,
-    "rollout_tokens_per_s": float(lengths.sum() / max(sampled, 1e-9)),
+    "completions/clipped_ratio": float(np.concatenate([d.clipped for d in draws]).mean()),
+    "rollout_s": seconds,
+    "rollout_tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
   }
-  if temperature is None:
-    grouped = total.reshape(-1, g)
-    adv = np.asarray(rl.group_advantages(grouped, cfg.advantage)).reshape(-1)
-    batch["advantages"] = adv[index].astype(np.float32)
+  if groups == 0:
+    return Rollout(draws[0].rows, metrics)
+  adv = np.concatenate(
+    [rl.group_advantages(t.reshape(-1, g), cfg.advantage).reshape(-1) for t in every]
+  )
+  keep = np.concatenate([informative(t, g) for t in every])
+  metrics["frac_reward_zero_std"] = float(np.mean(~keep))
+  n = every[0].size
+  if groups is None:
+    batch = {**draws[0].rows, "advantages": adv[_index(sharding, n)].astype(np.float32)}
     metrics["advantage_std"] = float(adv.std())
-    metrics["frac_reward_zero_std"] = float(np.mean(grouped.std(axis=1) == 0))
-  return Rollout(batch, metrics)
+    return Rollout(batch, metrics)
+  chosen, counted = _chosen(keep, groups)
+  metrics |= {"groups_drawn": int(keep.size), "groups_kept": int(keep[chosen].sum())}
+  picked = (chosen[:, None] * g + np.arange(g)).reshape(-1)  # rows of the draws laid end to end
+  trained = np.repeat(counted, g)
+  here = _here(sharding, n)
+  whole = [d.rows if here is None else {k: gather_rows(v, here, n) for k, v in d.rows.items()}
+           for d in draws]  # fmt: skip
+  batch = {k: np.concatenate([w[k] for w in whole])[picked] for k in whole[0]}
+  batch["advantages"] = adv[picked].astype(np.float32)
+  batch["completion_mask"] = batch["completion_mask"] * trained[:, None].astype(np.int32)
+  metrics["advantage_std"] = float(batch["advantages"][trained].std())
+  mine = _index(sharding, n)
+  return Rollout({k: v[mine] for k, v in batch.items()}, metrics)
+
+
+def _chosen(keep: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+  """The ``p`` groups an update trains on (indices into the draws' groups laid end to end)
+  and which of them count: the first ``p`` kept, then dropped ones that do not count; none
+  kept: the first draw's ``p``, all counting."""
+  kept, dropped = np.flatnonzero(keep), np.flatnonzero(~keep)
+  if not kept.size:
+    return np.arange(p), np.ones(p, bool)
+  chosen = np.concatenate([kept[:p], dropped[: max(p - kept.size, 0)]])
+  return chosen, np.arange(p) < kept.size
+
+
+def _here(sharding, n: int):
+  """This process's rows of ``n`` when it holds only some (several processes), else None."""
+  return None if sharding is None or sharding.is_fully_addressable else rows_here(sharding, n)
+
+
+def _index(sharding, n: int) -> np.ndarray:
+  here = _here(sharding, n)
+  return np.arange(n) if here is None else here

@@ -1,6 +1,7 @@
 """Where an RL run's batches come from: ``Rollouts``, an iterator that every
 ``rl.iterations`` updates takes the next P = G / ``num_generations`` prompts of the epoch's
-order, samples a rollout with the params of that moment, and hands it to the step
+order, samples a rollout with the params of that moment (with ``rl.filter_groups``, draws of
+the next P again until P groups carry signal: ``rollout.assemble``), and hands it to the step
 ``rl.iterations`` times (each batch says which pass it is, ``rl_pass``, for ``LogpCheck``);
 and ``RolloutSource``, the ``BatchSource`` of ``jaxstep train`` around it.
 
@@ -116,17 +117,28 @@ class Rollouts:
       self.current = self._read_back(self.updates // self.r.iterations)
 
   def _sample(self, index: int):
-    out = rollout_lib.sample(
-      self.generator,
-      self.params(),
-      self._prompts(),
-      self.r,
-      self.rewards,
-      seq_len=self.seq_len,
-      seed=rollout_seed(self.seed, index),
-      sharding=self.sharding,
-    )
-    if self.r.iterations > 1 and self.writer and self.file is not None:
+    """Rollout ``index``: one draw of the next P prompts; with ``rl.filter_groups``, more
+    draws of the next P until P informative groups are drawn or ``rl.max_draws`` are."""
+    r, draws, kept = self.r, [], 0
+    for d in range(r.max_draws if r.filter_groups else 1):
+      seed = rollout_seed(self.seed, index) ^ (d * 0x9E3779B9 % 2**32)  # draw 0: the plain seed
+      one = rollout_lib.draw(
+        self.generator,
+        self.params(),
+        self._prompts(),
+        r,
+        self.rewards,
+        seq_len=self.seq_len,
+        seed=seed,
+        sharding=self.sharding,
+      )
+      draws.append(one)
+      kept += int(rollout_lib.informative(one.total, r.num_generations).sum())
+      if kept >= self.per_rollout:
+        break
+    groups = self.per_rollout if r.filter_groups else None
+    out = rollout_lib.assemble(draws, r, self.rewards, sharding=self.sharding, groups=groups)
+    if r.iterations > 1 and self.writer and self.file is not None:
       self._keep(index, out)
     return out
 
