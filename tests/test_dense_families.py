@@ -74,6 +74,7 @@ def test_a_lora_run_on_a_folder_is_k_invariant_and_exports_what_it_trained(tmp_p
   assert_far(logits(plain), expected, terms=TERMS)  # the adapters moved the logits
 
 
+@pytest.mark.slow
 def test_scanned_rematerialized_blocks_compute_the_folders_logits(tmp_path):
   """Stacked blocks walked by ``lax.scan`` and recomputed in the backward pass hold the
   post-norm block as the per-layer model does: transformers' logits, and the gradient of
@@ -87,7 +88,7 @@ def test_scanned_rematerialized_blocks_compute_the_folders_logits(tmp_path):
     apply_fn, _ = models.build(cfg, 0, abstract=True)
     params = layers.convert_layout(hf_weights.read_params(tmp_path, cfg), scan_layers=scan)
     assert_close(np.asarray(jax.jit(apply_fn)(params, ids)), torch_logits(model, ids), terms=TERMS)
-    g = jax.grad(lambda p, f=apply_fn: jnp.sum(f(p, ids)[..., 3]))(params)["blocks"]
+    g = jax.jit(jax.grad(lambda p, f=apply_fn: jnp.sum(f(p, ids)[..., 3])))(params)["blocks"]
     scale = g[1]["post_feedforward_layernorm"]["scale"] if not scan else None
     grads[scan] = scale if not scan else g["post_feedforward_layernorm"]["scale"][1]
   assert_close(grads[True], grads[False], terms=TERMS)

@@ -1,9 +1,13 @@
-"""metrics.jsonl / eval.jsonl: reading back, and what a resumed run keeps of them."""
+"""metrics.jsonl / eval.jsonl: reading back, what a resumed run keeps of them, and records that
+average the updates since the one before."""
 
 import json
 
+import numpy as np
+import pytest
+
 from jaxstep.trainer.store.records import read_records
-from jaxstep.trainer.tracking.metrics import MetricsSink
+from jaxstep.trainer.tracking.metrics import MetricsSink, Window
 
 
 def write_lines(path, *lines):
@@ -25,3 +29,36 @@ def test_a_resumed_run_drops_lines_past_the_restored_step_and_a_cut_line(tmp_pat
   assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [2, 4]
   assert (tmp_path / "metrics.jsonl").read_text() == "".join(line + "\n" for line in lines[:2])
   assert [r["step"] for r in read_records(tmp_path / "eval.jsonl")] == [4]
+
+
+def test_a_record_every_n_updates_averages_them_and_keeps_the_last_lr(tmp_path):
+  """Two runs of the same 6 updates, logged every update and every 4: the second's record
+  at 4 holds the first's mean over updates 1-4 (loss, gradient norm, tokens) with the last
+  lr and step, and its end, between two records, the mean of updates 5-6."""
+  from conftest import make_cfg, read_lines
+
+  from jaxstep.trainer import config_run
+
+  every = {}
+  for n in (1, 4):
+    cfg = make_cfg(tmp_path / f"every{n}", f"train.log_every={n}", "train.max_steps=6",
+                   "optim.warmup_steps=4")  # fmt: skip
+    config_run.train(cfg)
+    every[n] = read_lines(tmp_path / f"every{n}" / "run" / "metrics.jsonl")
+  one, four = every[1], every[4]
+  assert [r["step"] for r in four] == [4, 6]
+  for record, updates in ((four[0], one[:4]), (four[1], one[4:])):
+    for key in ("loss", "grad_norm"):
+      assert record[key] == pytest.approx(np.mean([u[key] for u in updates]), rel=1e-6), key
+    assert record["lr"] == updates[-1]["lr"] and record["step"] == updates[-1]["step"]
+    assert record["tokens"] == round(np.mean([u["tokens"] for u in updates]))
+  assert len({r["lr"] for r in one[:4]}) == 4  # the warm-up: the last lr is not the mean
+
+
+def test_a_window_leaves_skipped_updates_out_of_its_means():
+  window = Window()
+  for loss, updated in ((2.0, True), (float("nan"), False), (4.0, True)):
+    window.add({"step": 1, "loss": loss, "lr": loss, "updated": updated, "tokens": 3})
+  assert window.mean() == {"step": 1, "loss": 3.0, "lr": 4.0, "updated": True, "tokens": 3}
+  window.clear()
+  assert window.mean() is None

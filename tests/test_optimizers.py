@@ -166,7 +166,12 @@ def test_jaxstep_train_runs_each_optimizer_and_reports_its_lr(tmp_path, name):
   np.testing.assert_allclose(lrs, [0.01, 0.01, 0.01, 0.0055], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(  # one factored, one of a single moment fast; the rest slow
+  "name",
+  [
+    n if n in ("adafactor", "lion") else pytest.param(n, marks=pytest.mark.slow) for n in OPTIMIZERS
+  ],
+)
 def test_the_memory_ledger_shows_each_optimizers_own_state(name, monkeypatch):
   """The ledger's optimizer row is the state's bytes as the optimizer lays it out: Adam's
   two moments, one for Lion and SGD, Muon's one on matrices, Adafactor's factored rows.

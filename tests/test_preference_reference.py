@@ -66,6 +66,7 @@ def test_precomputed_log_probs_are_the_starting_weights_and_train_as_a_live_copy
       np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_lora_run_precomputes_with_the_adapters_off_and_k_micro_batches_agree(tmp_path):
   """On a LoRA run the reference is the base: the first loss is ln 2 (the policy is its
   reference), and K = 2 and 4 train as K = 1 with a padded last batch."""

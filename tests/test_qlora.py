@@ -117,7 +117,11 @@ def _trained_adapters(params, seed=3):
 
 @pytest.mark.parametrize(
   "qtype,scan,remat,moe",
-  [("nf4", True, "block", False), ("int8", False, "none", False), ("nf4", True, "none", True)],
+  [
+    pytest.param("nf4", True, "block", False, marks=pytest.mark.slow),
+    ("int8", False, "none", False),
+    ("nf4", True, "none", True),
+  ],
 )
 def test_a_quantized_base_computes_what_its_dequantized_weights_compute(qtype, scan, remat, moe):
   """The logits equal, bitwise, those of the same model holding the dequantized weights as

@@ -335,7 +335,7 @@ def test_loss_spike_guard_skips_outliers_only_when_enabled():
     assert bool(metrics["updated"])
 
 
-@pytest.mark.parametrize("k", [3, 4])
+@pytest.mark.parametrize("k", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_scan_unroll_changes_speed_not_results(np_rng, k):
   batch = lm_batch(np_rng, 12, 5, vocab=11)
   state = TrainState.create(params=tiny_lm_params(), optimizer=OPTIMIZER, rng=0)

@@ -92,7 +92,7 @@ def assemble(
     )
     opened(sink)
     builtin = standard_hooks(train, run_dir, evaluation, checkpoint_every, callbacks, writer)
-    tracked = trackers_hook(train, run_dir, tracking, total_steps=total_steps, writer=writer)
+    tracked = trackers_hook(train, run_dir, tracking, writer=writer)
     return Loop(
       state=state,
       step_fn=step_fn,

@@ -167,9 +167,8 @@ class TrackersHook(Hook):
   ``artifacts()`` (the loss plot, the config) and a close. Their run ids go into every
   checkpoint's run state, so a resumed run continues the same tracker runs."""
 
-  def __init__(self, trackers, *, log_every: int, total_steps: int, artifacts: Callable):
-    self.trackers, self.log_every, self.total = trackers, log_every, total_steps
-    self.artifacts, self.sent = artifacts, None
+  def __init__(self, trackers, *, artifacts: Callable):
+    self.trackers, self.artifacts, self.sent = trackers, artifacts, None
 
   def on_start(self, loop):
     loop.run_info["trackers"] = dict(self.trackers.ids)
@@ -180,8 +179,8 @@ class TrackersHook(Hook):
     loop.run_info["trackers"] = dict(self.trackers.ids)  # a tracker slow to start
 
   def on_metrics(self, loop, reported):
-    if reported.step % self.log_every == 0 or reported.step == self.total:
-      self._send(loop, reported.record)
+    if reported.logged is not None:
+      self._send(loop, reported.logged)
 
   def on_eval(self, loop, name, record):
     values = {k: v for k, v in record.items() if k not in ("step", "set")}
@@ -196,7 +195,7 @@ class TrackersHook(Hook):
     self.trackers.text(loop.step, "samples", text)
 
   def on_end(self, loop):
-    last = loop.last_record
+    last = loop.late.unlogged()  # the updates since the last record, as metrics.jsonl has it
     if last and last["step"] != self.sent:  # a run stopped between two logged steps
       self._send(loop, last)
 
@@ -234,7 +233,7 @@ class Evaluation:
 
 
 def trackers_hook(
-  train_cfg, run_dir: pathlib.Path, tracking: Tracking, *, total_steps: int, writer: bool
+  train_cfg, run_dir: pathlib.Path, tracking: Tracking, *, writer: bool
 ) -> TrackersHook | None:
   """The external trackers ``train.trackers`` names (process 0 only), continuing the
   tracker runs of ``tracking.ids`` when ``tracking.resumed``; None when there are none."""
@@ -247,8 +246,6 @@ def trackers_hook(
   )  # fmt: skip
   return TrackersHook(
     trackers,
-    log_every=t.log_every,
-    total_steps=total_steps,
     artifacts=lambda: [plot_quietly(run_dir), run_dir / "config.yaml"],
   )
 

@@ -41,6 +41,46 @@ TRAIN_FIELDS = (
 )
 
 
+# What a written record gives as the last update's value; every other number an update
+# reports is the mean over the updates since the record before (``Window``)
+LAST_VALUE = frozenset(
+  {"step", "epoch", "lr", "loss_scale", "spikes_total", "nonfinite_total", "rl_pass"}
+)
+
+
+class Window:
+  """The updates since the last written record: a record written every ``train.log_every``
+  updates carries each per-update number's mean over them (the HF Trainer and TRL average
+  the loss they log the same way), so a logged reward or loss is not one update's noise.
+  Updates the step skipped (a non-finite or spiking loss) are left out of the means; the
+  values in ``LAST_VALUE`` and the flags are the last update's."""
+
+  def __init__(self):
+    self.sums: dict[str, float] = {}
+    self.counts: dict[str, int] = {}
+    self.last: dict | None = None
+
+  def add(self, record: dict) -> None:
+    self.last = record
+    if not record["updated"]:
+      return
+    for k, v in record.items():
+      if k not in LAST_VALUE and isinstance(v, int | float) and not isinstance(v, bool):
+        self.sums[k] = self.sums.get(k, 0.0) + v
+        self.counts[k] = self.counts.get(k, 0) + 1
+
+  def mean(self) -> dict | None:
+    """The last update's record with its numbers averaged over the window; None if empty."""
+    if self.last is None:
+      return None
+    means = {k: self.sums[k] / self.counts[k] for k in self.sums}
+    out = {k: means.get(k, v) for k, v in self.last.items()}
+    return {**out, "tokens": int(round(out["tokens"]))} if "tokens" in out else out
+
+  def clear(self) -> None:
+    self.sums, self.counts, self.last = {}, {}, None
+
+
 def is_spike_skip(record: dict) -> bool:
   """Was this skipped update a loss spike, not a non-finite one? True when the step flagged
   a spike and its loss, extra loss and gradient norm are all finite (a spike flag on an
@@ -184,6 +224,7 @@ class Reported:
   record: dict
   batch: dict
   position: dict
+  logged: dict | None = None  # the record written at this step (a window's means), if any
 
 
 class LateMetrics:
@@ -227,6 +268,7 @@ class LateMetrics:
     self.pending = None
     self.last_record: dict = {}
     self.logged_step: int | None = None
+    self.window = Window()
     self.clock = time.perf_counter()
 
   def submit(self, step: int, metrics: dict, batch: dict, position: dict) -> Reported | None:
@@ -273,10 +315,18 @@ class LateMetrics:
     }
     self.last_record = record
     self.sink.advance(record)
+    self.window.add(record)
+    logged = None
     if step % self.log_every == 0 or step == self.total_steps:
-      self.sink.train(record)
+      logged = self.unlogged()
+      self.sink.train(logged)
       self.logged_step = step
-    return Reported(step, record, batch, position)
+      self.window.clear()
+    return Reported(step, record, batch, position, logged)
+
+  def unlogged(self) -> dict | None:
+    """The record of the updates since the last written one (``Window.mean``), or None."""
+    return self.window.mean()
 
   def log_last(self) -> None:
     """At the end of a run that stopped between two logged steps (a hook's stop, a signal,
@@ -284,7 +334,7 @@ class LateMetrics:
     step the final checkpoint holds."""
     step = self.last_record.get("step")
     if step is not None and step != self.logged_step:
-      self.sink.train(self.last_record)
+      self.sink.train(self.unlogged())
       self.logged_step = step
 
 
