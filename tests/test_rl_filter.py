@@ -30,7 +30,7 @@ def fake_draw(total: np.ndarray, first_row: int) -> rollout.Draw:
     "inputs": np.arange(first_row, first_row + n, dtype=np.int32)[:, None].repeat(3, 1),
     "targets": np.zeros((n, 3), np.int32),
     "completion_mask": np.ones((n, 3), np.int32),
-    "old_logps": np.zeros((n, 3), np.float32),
+    "old_logps": np.full((n, 3), -1.5, np.float32),
   }
   return rollout.Draw(rows, total, total[None], np.ones(n), np.zeros(n, bool), 0.1)
 
@@ -70,10 +70,11 @@ def test_the_update_trains_on_exactly_the_groups_a_filter_by_hand_keeps(rewards)
   np.testing.assert_array_equal(out.batch["inputs"][:, 0], rows)
   mask = np.repeat(counts, G)[:, None] * np.ones((1, 3), np.int32)
   np.testing.assert_array_equal(out.batch["completion_mask"], mask)
+  assert not out.batch["old_logps"][mask == 0].any()  # rows that count for nothing: padding
   every = np.concatenate(totals)
   advantages = np.concatenate([rl.group_advantages(t.reshape(-1, G)).reshape(-1) for t in totals])
   position = (rows // 100) * per_draw * G + rows % 100  # in the draws laid end to end
-  np.testing.assert_array_equal(out.batch["advantages"], advantages[position])
+  np.testing.assert_array_equal(out.batch["advantages"], advantages[position] * mask[:, 0])
   informative = [len(set(every[i : i + G].tolist())) > 1 for i in range(0, every.size, G)]
   assert out.metrics["groups_drawn"] == len(informative) == p * len(draws)
   assert out.metrics["groups_kept"] == min(sum(informative), p)
@@ -166,4 +167,6 @@ def test_a_run_stopped_in_the_middle_of_an_updates_draws_resumes_to_the_bit(tmp_
 def test_filter_settings_are_checked():
   with pytest.raises(Exception, match="rl.max_draws must be >= 1"):
     rl.RLConfig(rewards=("x",), filter_groups=True, max_draws=0)
+  with pytest.raises(Exception, match="needs rl.num_generations >= 2"):
+    rl.RLConfig(rewards=("x",), filter_groups=True, num_generations=1, advantage="dr_grpo")
   assert ROWS  # the prompts the runs above draw from

@@ -118,6 +118,7 @@ def test_the_rows_hold_prompt_and_completion_with_the_sampler_log_probs():
     ([f"rl.rewards=[{__name__}:broken]"], 1, "raised ZeroDivisionError on completion"),
     (["rl.num_generations=3"], 2, "multiple of 3"),
     (["rl.advantage=ppo"], 2, "rl.advantage"),
+    (["rl.filter_groups=true", "train.epochs=1"], 2, "give train.max_steps (update steps)"),
   ],
 )
 def test_what_cannot_run_is_one_line(tmp_path, capsys, overrides, code, words):

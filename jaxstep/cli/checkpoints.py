@@ -3,7 +3,8 @@
 Every checkpoint is read back the way a resume reads it: its arrays and its run state
 checked against the checksums saved with them (and for NaN/inf), so "ok" means a resume
 would restore it. A step orbax is still writing (a save under way) is "in progress". The
-loss is the logged ``metrics.jsonl`` loss of that update step ("-" if it was not logged).
+loss is the ``metrics.jsonl`` line of that update step (the mean over the updates since the
+line before; "-" if none was written at that step).
 """
 
 from __future__ import annotations

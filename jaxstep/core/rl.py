@@ -334,6 +334,11 @@ class RLConfig:
         f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
         f"got {self.num_generations}"
       )
+    if self.filter_groups and self.num_generations < 2:
+      raise ConfigError(
+        "rl.filter_groups needs rl.num_generations >= 2: a group of one completion never "
+        "holds rewards that differ"
+      )
     for name in ("iterations", "max_new_tokens", "num_generations", "max_draws"):
       if getattr(self, name) < 1:
         raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")

@@ -52,7 +52,7 @@ log = logging.getLogger("jaxstep")
 class TrainResult:
   state: TrainState
   run_state: RunState
-  last_metrics: dict
+  last_metrics: dict  # the last line of metrics.jsonl (means over its log_every updates)
   last_eval: dict | None  # the first eval set's (the held-out split's) last record
   stop_reason: str
   evals: dict = dataclasses.field(default_factory=dict)  # set name -> its last record

@@ -58,7 +58,7 @@ class LoopResult:
   state: Any
   step: int  # update steps done
   position: dict  # the data position after them (what the last checkpoint records)
-  last_record: dict  # the last update's metrics record
+  last_record: dict  # the last metrics line written (the means of its window)
   evals: dict  # set name -> its last evaluation record
   stop_reason: str
   run_info: dict = dataclasses.field(default_factory=dict)  # what checkpoints kept besides
@@ -230,7 +230,7 @@ class Loop:
       self.state,
       self.step,
       self.source.position(self._mark),
-      self.last_record,
+      self.late.last_logged or self.last_record,
       self.evals,
       reason,
       dict(self.run_info),

@@ -146,6 +146,11 @@ def rl_steps_per_epoch(cfg: config_lib.Config, prompts: int) -> int:
   rollout per ``global_batch_size / num_generations`` prompts (a last partial batch of
   prompts is left for the next epoch's order)."""
   per_rollout = cfg.train.global_batch_size // cfg.rl.num_generations
+  if cfg.rl.filter_groups and cfg.train.epochs:
+    raise ConfigError(
+      "train.epochs counts passes over the prompts, and rl.filter_groups draws them at a rate "
+      "no one knows in advance; give train.max_steps (update steps) instead"
+    )
   if prompts < per_rollout:
     raise DataError(
       f"{prompts} training prompts, but one rollout takes {per_rollout} "

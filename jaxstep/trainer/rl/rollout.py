@@ -135,7 +135,8 @@ def draw(
 def informative(total: np.ndarray, g: int) -> np.ndarray:
   """bool[P]: the groups (``g`` consecutive completions of ``total``) whose rewards are not
   all equal, the only ones whose advantages are not exactly 0 (DAPO's dynamic sampling
-  keeps these; verl's ``filter_groups`` tests std > 0, the same thing)."""
+  keeps these; verl's ``filter_groups`` tests std > 0, which a float std of equal rewards
+  can pass by rounding: here equal means equal bits)."""
   grouped = total.reshape(-1, g)
   return np.any(grouped != grouped[:, :1], axis=1)
 
@@ -197,7 +198,10 @@ def assemble(draws: list[Draw], cfg: rl.RLConfig, rewards: list, *, sharding=Non
            for d in draws]  # fmt: skip
   batch = {k: np.concatenate([w[k] for w in whole])[picked] for k in whole[0]}
   batch["advantages"] = adv[picked].astype(np.float32)
-  batch["completion_mask"] = batch["completion_mask"] * trained[:, None].astype(np.int32)
+  weights = trained[:, None].astype(np.int32)  # rows that count for nothing are padding
+  batch["completion_mask"] = batch["completion_mask"] * weights
+  batch["old_logps"] = batch["old_logps"] * weights
+  batch["advantages"] = batch["advantages"] * trained
   metrics["advantage_std"] = float(batch["advantages"][trained].std())
   mine = _index(sharding, n)
   return Rollout({k: v[mine] for k, v in batch.items()}, metrics)

@@ -268,6 +268,7 @@ class LateMetrics:
     self.pending = None
     self.last_record: dict = {}
     self.logged_step: int | None = None
+    self.last_logged: dict = {}  # the last line written: its window's means
     self.window = Window()
     self.clock = time.perf_counter()
 
@@ -318,7 +319,7 @@ class LateMetrics:
     self.window.add(record)
     logged = None
     if step % self.log_every == 0 or step == self.total_steps:
-      logged = self.unlogged()
+      logged = self.last_logged = self.unlogged()
       self.sink.train(logged)
       self.logged_step = step
       self.window.clear()
@@ -334,7 +335,8 @@ class LateMetrics:
     step the final checkpoint holds."""
     step = self.last_record.get("step")
     if step is not None and step != self.logged_step:
-      self.sink.train(self.unlogged())
+      self.last_logged = self.unlogged()
+      self.sink.train(self.last_logged)
       self.logged_step = step
 
 
