@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxstep.trainer.store.records import read_records
-from jaxstep.trainer.tracking.metrics import MetricsSink, Window
+from jaxstep.trainer.tracking.metrics import MetricsSink
+from jaxstep.trainer.tracking.window import Window
 
 
 def write_lines(path, *lines):
@@ -62,3 +63,25 @@ def test_a_window_leaves_skipped_updates_out_of_its_means():
   assert window.mean() == {"step": 1, "loss": 3.0, "lr": 4.0, "updated": True, "tokens": 3}
   window.clear()
   assert window.mean() is None
+
+
+def test_a_run_dir_replaced_under_the_sink_gets_no_line(tmp_path):
+  """A run dir removed and made again (a save still under way re-creates its parents) is not
+  the run's: the sink refuses to start a history there and names the removal."""
+  import shutil
+
+  from jaxstep.trainer.store.run_dir import RemovedError
+
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  sink = MetricsSink(run_dir, start_step=0, total_steps=2, progress=False, tensorboard=False)
+  record = {"step": 1, "epoch": 0, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_sec": 1}
+  sink.train(record)
+  shutil.rmtree(run_dir)
+  (run_dir / "checkpoints").mkdir(parents=True)
+  with pytest.raises(RemovedError, match="was removed or replaced during the run"):
+    sink.train({**record, "step": 2})
+  with pytest.raises(RemovedError):
+    sink.eval({"step": 2, "set": "heldout", "eval_loss": 1.0})
+  sink.close()
+  assert [p.name for p in run_dir.iterdir()] == ["checkpoints"]

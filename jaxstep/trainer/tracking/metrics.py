@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import pathlib
 import sys
 import time
@@ -20,8 +21,10 @@ import tqdm
 
 from jaxstep.trainer.config.eval_section import HARNESS_SET
 from jaxstep.trainer.store import records
+from jaxstep.trainer.store import run_dir as run_dir_lib
 from jaxstep.trainer.tracking import tensorboard_events
 from jaxstep.trainer.tracking.mfu import mfu
+from jaxstep.trainer.tracking.window import Window
 
 log = logging.getLogger("jaxstep")
 
@@ -39,46 +42,6 @@ TRAIN_FIELDS = (
   "mfu",
   "step_time",
 )
-
-
-# What a written record gives as the last update's value; every other number an update
-# reports is the mean over the updates since the record before (``Window``)
-LAST_VALUE = frozenset(
-  {"step", "epoch", "lr", "loss_scale", "spikes_total", "nonfinite_total", "rl_pass"}
-)
-
-
-class Window:
-  """The updates since the last written record: a record written every ``train.log_every``
-  updates carries each per-update number's mean over them (the HF Trainer and TRL average
-  the loss they log the same way), so a logged reward or loss is not one update's noise.
-  Updates the step skipped (a non-finite or spiking loss) are left out of the means; the
-  values in ``LAST_VALUE`` and the flags are the last update's."""
-
-  def __init__(self):
-    self.sums: dict[str, float] = {}
-    self.counts: dict[str, int] = {}
-    self.last: dict | None = None
-
-  def add(self, record: dict) -> None:
-    self.last = record
-    if not record["updated"]:
-      return
-    for k, v in record.items():
-      if k not in LAST_VALUE and isinstance(v, int | float) and not isinstance(v, bool):
-        self.sums[k] = self.sums.get(k, 0.0) + v
-        self.counts[k] = self.counts.get(k, 0) + 1
-
-  def mean(self) -> dict | None:
-    """The last update's record with its numbers averaged over the window; None if empty."""
-    if self.last is None:
-      return None
-    means = {k: self.sums[k] / self.counts[k] for k in self.sums}
-    out = {k: means.get(k, v) for k, v in self.last.items()}
-    return {**out, "tokens": int(round(out["tokens"]))} if "tokens" in out else out
-
-  def clear(self) -> None:
-    self.sums, self.counts, self.last = {}, {}, None
 
 
 def is_spike_skip(record: dict) -> bool:
@@ -117,6 +80,9 @@ class MetricsSink:
     self.samples_path = run_dir / "samples.jsonl"
     for path in (self.train_path, self.eval_path, self.samples_path):
       records.truncate_records(path, start_step)
+    # held open for the run: the directory's inode cannot be freed and given to a new
+    # directory of the same name, so the identity check below cannot be fooled
+    self.held = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     self.tb = (
       tensorboard_events.open_events(run_dir / "tensorboard", purge_step=start_step + 1)
       if tensorboard
@@ -130,6 +96,13 @@ class MetricsSink:
       disable=not (progress and sys.stderr.isatty()),
     )
 
+  def _append(self, path: pathlib.Path, record: dict) -> None:
+    """One line, unless ``run_dir`` is no longer the directory the run started in
+    (``run_dir.RemovedError``): a line appended to a run dir that something else re-created
+    (a save still under way makes its missing parents) would start a half-run's history."""
+    run_dir_lib.check_still_there(self.run_dir, os.fstat(self.held).st_ino)
+    records.append(path, record)
+
   def advance(self, record: dict) -> None:
     """Every update step: move the bar; show the latest loss and throughput."""
     self.bar.update(1)
@@ -139,7 +112,7 @@ class MetricsSink:
 
   def train(self, record: dict) -> None:
     """A logged update step (fields: ``TRAIN_FIELDS`` plus aux such as ``skipped``)."""
-    records.append(self.train_path, record)
+    self._append(self.train_path, record)
     for key, value in record.items():
       if key not in ("step", "epoch"):
         self.tb.add_scalar(f"train/{key}", float(value), record["step"])
@@ -159,7 +132,7 @@ class MetricsSink:
     TensorBoard ``eval/<key>`` for the held-out split, ``eval/<set>/<key>`` for the others.
     Keys other than ``eval_loss``/``eval_ppl``/``eval_bpb`` (a ``Trainer``'s sums) go to
     TensorBoard under their own names."""
-    records.append(self.eval_path, record)
+    self._append(self.eval_path, record)
     name = record.get("set", "heldout")
     tag = "eval" if name == "heldout" else f"eval/{name}"
     for key, value in record.items():
@@ -179,7 +152,7 @@ class MetricsSink:
     """Generated samples of update ``step``: one ``samples.jsonl`` line each, TensorBoard
     text per prompt, and the greedy ones in the log."""
     for i, record in enumerate(samples):
-      records.append(self.samples_path, record)
+      self._append(self.samples_path, record)
       text = f"**{record['mode']}** `{record['prompt']}` → `{record['text']}`"
       self.tb.add_text(f"samples/{i}", text, step)
       if record["mode"] == "greedy":
@@ -198,6 +171,9 @@ class MetricsSink:
     try:
       self.bar.close()
     finally:
+      if self.held is not None:
+        os.close(self.held)
+        self.held = None
       tensorboard_events.close_events(self.tb)
 
 
