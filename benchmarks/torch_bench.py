@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from benchmarks.step_bench import make_batch
+from benchmarks.step_bench import make_batch, mean_seconds
 
 
 def _model(cfg: dict):
@@ -98,14 +98,8 @@ def torch_contender(spec):
   once()
   first = time.perf_counter() - t
   once()
-
-  def run():
-    t = time.perf_counter()
-    for _ in range(spec.get("repeats", 2)):
-      once()
-    return {"seconds": (time.perf_counter() - t) / spec.get("repeats", 2)}
-
-  return {"threads": torch.get_num_threads(), "first_call_s": first}, run
+  info = {"threads": torch.get_num_threads(), "first_call_s": first}
+  return info, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 def _ddp_rank(rank, world, spec, port, commands, results):
@@ -198,17 +192,9 @@ def torch_llama_contender(spec):
   once()
   first = time.perf_counter() - t
   once()
-  repeats = spec.get("repeats", 2)
-
-  def run():
-    t = time.perf_counter()
-    for _ in range(repeats):
-      once()
-    return {"seconds": (time.perf_counter() - t) / repeats}
-
   info = {"threads": torch.get_num_threads(), "first_call_s": first}
   info["attention"] = model.llama.config._attn_implementation
-  return info, run
+  return info, lambda: mean_seconds(once, spec.get("repeats", 2))
 
 
 CONTENDERS["torch_llama"] = torch_llama_contender
@@ -236,12 +222,5 @@ def transformers_contender(spec, make_model):
   batch = make_batch(spec["g"], spec["model"]["max_seq_len"], spec["model"]["vocab_size"])
   once = _update_fn(model, batch, spec["k"])
   once()
-  repeats = spec.get("repeats", 2)
-
-  def run():
-    t = time.perf_counter()
-    for _ in range(repeats):
-      once()
-    return {"seconds": (time.perf_counter() - t) / repeats}
-
-  return {"threads": torch.get_num_threads(), "attention": lm.config._attn_implementation}, run
+  info = {"threads": torch.get_num_threads(), "attention": lm.config._attn_implementation}
+  return info, lambda: mean_seconds(once, spec.get("repeats", 2))
