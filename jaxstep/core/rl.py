@@ -7,7 +7,8 @@ K micro-batches and any number of devices give one big batch's update.
 - ``inputs``, ``targets``: int32[B, S], prompt + completion shifted as a supervised window
   (``targets[t] = inputs[t + 1]``); ``completion_mask``: 1 where the target is a completion
   token (never a prompt token, never padding);
-- ``advantages``: float32[B], the completion's advantage (``group_advantages``);
+- ``advantages``: float32[B], the completion's advantage (``group_advantages``), or
+  float32[B, S], one per target (on-policy distillation's per-token advantages);
 - ``old_logps``: float32[B, S], each target's log-prob under the policy that sampled it
   (θ_old of the μ optimizer passes over one rollout), at the same temperature;
 - optional ``ref_logps``: float32[B, S], the reference's (β > 0 without a ``reference=``).
@@ -162,8 +163,11 @@ def check_rl_batch(batch: Mapping[str, jax.Array], beta: float, has_reference: b
   for name in ("targets", "completion_mask", "old_logps", "ref_logps"):
     if name in batch and batch[name].shape != shape:
       raise BatchError(f"{name} has shape {batch[name].shape}; inputs have {shape}")
-  if batch["advantages"].shape != shape[:1]:
-    raise BatchError(f"advantages must be float32[{shape[0]}], got {batch['advantages'].shape}")
+  if batch["advantages"].shape not in (shape[:1], shape):
+    raise BatchError(
+      f"advantages must be float32[{shape[0]}] (one per row) or {list(shape)} (one per "
+      f"target), got {batch['advantages'].shape}"
+    )
   if beta and "ref_logps" not in batch and not has_reference:
     raise BatchError(
       f"beta={beta} weighs a KL to the reference: give the batch ref_logps or "
@@ -174,9 +178,10 @@ def check_rl_batch(batch: Mapping[str, jax.Array], beta: float, has_reference: b
 
 def per_token_terms(logps, old_logps, advantages, ref_logps, *, epsilon_low, epsilon_high, beta):
   """``(l_t, kl_t, low_clipped_t, high_clipped_t)``, each [B, S] (unmasked): the module
-  docstring's per-token loss and TRL's clip indicators."""
+  docstring's per-token loss and TRL's clip indicators; ``advantages`` one per row [B] or
+  one per target [B, S]."""
   ratio = jnp.exp(logps - old_logps)
-  adv = advantages[:, None]
+  adv = advantages[:, None] if advantages.ndim == 1 else advantages
   clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
   loss = -jnp.minimum(ratio * adv, clipped * adv)
   kl = jnp.zeros_like(logps)

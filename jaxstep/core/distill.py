@@ -1,0 +1,178 @@
+"""Distillation from a frozen teacher with the student's vocabulary: the per-token divergences
+and the step losses built on them, in the step's contract (sums over loss-masked tokens, the
+step divides by their global count), so K micro-batches and any number of devices give one
+big batch's update.
+
+Modes (``DistillConfig.mode``), with ``p_S``, ``p_T`` the student's and teacher's next-token
+distributions at a position:
+
+- ``logits`` (offline KD, Hinton et al.; MaxText/Tunix): on supervised windows,
+  ``l_t = α·τ²·KL(p_T^τ ‖ p_S^τ) + (1 − α)·NLL_t``, ``p^τ = softmax(logits / τ)``; τ² keeps
+  the soft term's gradient on the scale of the hard one's as τ grows.
+- ``gkd`` (Agarwal et al. 2024; TRL ``GKDTrainer.generalized_jsd_loss``): on supervised
+  windows, the generalized Jensen-Shannon divergence ``JSD_β = β·KL(p_T ‖ M) + (1 − β)·
+  KL(p_S ‖ M)``, ``M = β·p_T + (1 − β)·p_S``, logits ÷ τ; β = 0 is the forward
+  ``KL(p_T ‖ p_S)``, β = 1 the reverse ``KL(p_S ‖ p_T)`` (TRL computes both ends exactly
+  so; so does this).
+- ``on_policy`` (Thinking Machines 2025, Qwen3's small models): on the student's own
+  samples (an RL run's rollouts), the reverse KL ``KL(π ‖ π_T)`` per completion token. With
+  ``estimator: sampled`` (the default) it is the policy gradient with the per-token
+  advantage ``A_t = −coef·(log π_old(y_t) − log π_T(y_t))`` at the sampled token, through
+  the RL loss's importance ratio and clip (``jaxstep.core.rl``): its expectation is the
+  reverse KL's gradient, one teacher log-prob per token is all it needs, and it shares the
+  RL step's program. ``estimator: full`` differentiates the whole reverse KL over the
+  vocabulary at every completion position, ``coef·Σ_v π(v)(log π(v) − log π_T(v))``:
+  lower variance, one more ``[tokens × V]`` softmax product. Both use the sampler's
+  temperature and allowed ids for student and teacher alike (no top-k / top-p on the
+  teacher, whose log-prob of a sampled token then stays finite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxstep.core import rl
+from jaxstep.core.losses import document_fields, masked_nll
+from jaxstep.core.sampling import sampling_logits
+from jaxstep.errors import ConfigError
+
+MODES = ("auto", "logits", "gkd", "on_policy")
+ESTIMATORS = ("sampled", "full")
+TEACHER = "teacher"  # the teacher's params' key in the train state's model_state
+# the sums the losses report, shown as means over the step's units (loss-masked tokens, or
+# an RL run's completion tokens)
+SFT_METRICS = ("distill/nll", "distill/divergence")
+ON_POLICY_METRIC = "distill/reverse_kl"  # Σ mask·(log π_old − log π_T): the sampled estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """Distillation from ``teacher`` (a model folder or a run directory with the student's
+  vocabulary; empty: none). ``docs/distill.md`` says when each mode fits."""
+
+  teacher: str = ""
+  mode: str = "auto"  # auto (on_policy in an RL run, logits otherwise) | logits | gkd | on_policy
+  alpha: float = 0.5  # logits: weight of the soft term (1 − alpha on the NLL)
+  temperature: float = 1.0  # logits, gkd: τ of both distributions
+  beta: float = 0.5  # gkd: β of the generalized JSD (0 forward KL, 1 reverse KL)
+  estimator: str = "sampled"  # on_policy: sampled (per-token advantage) | full (over the vocab)
+  coef: float = 1.0  # on_policy: weight of the reverse KL
+  teacher_dtype: str = "fp32"  # fp32 | bf16 (half the teacher's bytes)
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ConfigError(f"distill.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+    if self.estimator not in ESTIMATORS:
+      raise ConfigError(
+        f"distill.estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}"
+      )
+    if self.teacher_dtype not in ("fp32", "bf16"):
+      raise ConfigError(f"distill.teacher_dtype must be fp32 or bf16, got {self.teacher_dtype!r}")
+    if not 0.0 <= self.alpha <= 1.0 or not 0.0 <= self.beta <= 1.0:
+      raise ConfigError(
+        f"distill.alpha and distill.beta are weights in [0, 1], got {self.alpha}, {self.beta}"
+      )
+    if not (math.isfinite(self.temperature) and self.temperature > 0):
+      raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
+    if not (math.isfinite(self.coef) and self.coef > 0):
+      raise ConfigError(f"distill.coef must be > 0, got {self.coef}")
+
+  def resolved_mode(self, rl_run: bool) -> str:
+    """The mode a run uses: ``auto`` is ``on_policy`` in an RL run, ``logits`` otherwise."""
+    if self.mode == "auto":
+      return "on_policy" if rl_run else "logits"
+    return self.mode
+
+
+def kl(p_logp, q_logp):
+  """``KL(p ‖ q) = Σ_v p(v)·(log p(v) − log q(v))`` over the last axis (0 where p is)."""
+  p = jnp.exp(p_logp)
+  return jnp.sum(jnp.where(p > 0, p * (p_logp - q_logp), 0.0), axis=-1)
+
+
+def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: float = 1.0):
+  """TRL's generalized JSD per position (module docstring), fp32; ``[..., V]`` → ``[...]``."""
+  s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+  if beta == 0:
+    return kl(t, s)
+  if beta == 1:
+    return kl(s, t)
+  mixture = jnp.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+  return beta * kl(t, mixture) + (1 - beta) * kl(s, mixture)
+
+
+def soft_kl(student_logits, teacher_logits, temperature: float = 1.0):
+  """``τ²·KL(p_T^τ ‖ p_S^τ)`` per position, fp32: offline KD's soft term."""
+  s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+  return temperature**2 * kl(t, s)
+
+
+def supervised_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, mode: str):
+  """The step ``loss_fn(params, batch, rng) -> (Σ mask·l_t, aux)`` of ``logits`` or ``gkd``
+  on a supervised batch (``inputs``, ``targets``, ``loss_mask``; document fields go to both
+  models). ``teacher(inputs, **fields) -> logits``, frozen. ``aux``: ``correct``, and the
+  sums ``distill/nll`` and ``distill/divergence`` (the soft term before its weights)."""
+
+  def loss_fn(params, batch, rng):
+    fields = document_fields(batch)
+    logits = apply_fn(params, batch["inputs"], rng=rng, train=True, **fields)
+    target = jax.lax.stop_gradient(teacher(batch["inputs"], **fields))
+    mask = batch["loss_mask"].astype(jnp.float32)
+    nll, aux = masked_nll(logits, batch["targets"], batch["loss_mask"])
+    if mode == "logits":
+      div = jnp.sum(mask * soft_kl(logits, target, d.temperature))
+      total = d.alpha * div + (1 - d.alpha) * nll
+    else:
+      div = jnp.sum(mask * generalized_jsd(logits, target, d.beta, d.temperature))
+      total = div
+    return total, {**aux, "distill/nll": nll, "distill/divergence": div}
+
+  return loss_fn
+
+
+def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **options) -> Callable:
+  """The step ``loss_fn(params, batch, rng)`` of on-policy distillation on an RL batch
+  (``jaxstep.core.rl``'s fields; its ``advantages`` are not read): ``options`` are
+  ``rl.grpo_loss``'s (the clip, β, the sampler's settings, ``loss_norm``). ``aux`` adds
+  ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled tokens."""
+  dist = dict(temperature=options.get("temperature", 1.0), allowed=options.get("allowed"))
+
+  def loss_fn(params, batch, rng):
+    mask = batch["completion_mask"].astype(jnp.float32)
+    logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
+    target = jax.lax.stop_gradient(teacher(batch["inputs"]))
+    teacher_logps = rl.token_logps(target, batch["targets"], **dist)[0]
+    gap = jnp.where(mask > 0, batch["old_logps"] - teacher_logps, 0.0)
+    given = lambda *_, **__: logits  # noqa: E731 - the policy's logits, computed once
+    policy = rl.grpo_loss(given, **options)
+    if d.estimator == "sampled":
+      total, aux = policy(params, {**batch, "advantages": -d.coef * gap}, rng)
+    else:  # the policy term is 0 (no advantage); β's KL to the reference stays
+      zero = jnp.zeros(mask.shape[:1], jnp.float32)
+      total, aux = policy(params, {**batch, "advantages": zero}, rng)
+      student = jax.nn.log_softmax(_scaled(logits, dist), axis=-1)
+      teacher_dist = jax.nn.log_softmax(_scaled(target, dist), axis=-1)
+      total = total + d.coef * _normed(kl(student, teacher_dist), mask, options)
+    return total, {**aux, ON_POLICY_METRIC: jnp.sum(gap)}
+
+  return loss_fn
+
+
+def _scaled(logits, dist: dict):
+  return sampling_logits(logits, dist["allowed"], dist["temperature"], 0, 1.0)
+
+
+def _normed(per_token, mask, options: dict):
+  """``Σ mask·per_token`` as the RL loss sums for its ``loss_norm`` (``sequences``: each
+  row's token mean)."""
+  if options.get("loss_norm", "tokens") == "sequences":
+    lengths = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+    return jnp.sum(jnp.sum(per_token * mask, axis=-1) / lengths)
+  return jnp.sum(per_token * mask)

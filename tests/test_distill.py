@@ -1,0 +1,165 @@
+"""The distillation core (``jaxstep.core.distill``): GKD's divergence against TRL's
+``GKDTrainer.generalized_jsd_loss``, offline KD against float64 numpy, on-policy
+distillation's loss and gradient on a fixed rollout against a hand-written reference, and
+every mode's K micro-batches equal to one big batch."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import tiny_lm_apply, tiny_lm_params
+from test_rl_losses import SEQ, VOCAB, rl_batch
+from tolerance import assert_close
+
+from jaxstep.core import distill, rl
+from jaxstep.core.step import make_train_step
+from jaxstep.errors import BatchError, ConfigError
+
+TEACHER = tiny_lm_params(vocab=VOCAB, dim=8, seed=7)
+
+
+def teacher(inputs, **_):
+  return tiny_lm_apply(TEACHER, inputs)
+
+
+def sft_batch(seed=0, rows=8):
+  """Windows whose loss masks cover 0 to all of their targets, unevenly."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, VOCAB, (rows, SEQ + 1)).astype(np.int32)
+  mask = (rng.random((rows, SEQ)) < np.linspace(0.0, 1.0, rows)[:, None]).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+
+
+def log_softmax64(logits, temperature=1.0):
+  z = np.asarray(logits, np.float64) / temperature
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("trl"), reason="trl: the test extra")
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_gkd_equals_trls_generalized_jsd(beta):
+  import torch
+  from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+  d = distill.DistillConfig(mode="gkd", beta=beta, temperature=0.8)
+  batch, params = sft_batch(), tiny_lm_params(vocab=VOCAB)
+  total, aux = jax.jit(distill.supervised_loss(tiny_lm_apply, teacher, d, "gkd"))(
+    params, batch, None
+  )
+  labels = np.where(batch["loss_mask"] > 0, batch["targets"], -100)
+  student = torch.tensor(np.asarray(tiny_lm_apply(params, batch["inputs"])))
+  want = GKDTrainer.generalized_jsd_loss(
+    student,
+    torch.tensor(np.asarray(teacher(batch["inputs"]))),
+    labels=torch.tensor(labels),
+    beta=beta,
+    temperature=0.8,
+    num_items_in_batch=int(batch["loss_mask"].sum()),
+  )
+  assert_close(float(total) / batch["loss_mask"].sum(), float(want), terms=VOCAB)
+  assert float(aux["distill/divergence"]) == float(total)
+
+
+def test_offline_kd_equals_a_numpy_computation():
+  d = distill.DistillConfig(mode="logits", alpha=0.3, temperature=2.0)
+  batch, params = sft_batch(1), tiny_lm_params(vocab=VOCAB)
+  total, aux = jax.jit(distill.supervised_loss(tiny_lm_apply, teacher, d, "logits"))(
+    params, batch, None
+  )
+  s, t = tiny_lm_apply(params, batch["inputs"]), teacher(batch["inputs"])
+  s_soft, t_soft = log_softmax64(s, 2.0), log_softmax64(t, 2.0)
+  kl = np.sum(np.exp(t_soft) * (t_soft - s_soft), -1)
+  nll = -np.take_along_axis(log_softmax64(s), batch["targets"][..., None], -1)[..., 0]
+  mask = batch["loss_mask"]
+  want = np.sum(mask * (0.3 * 4.0 * kl + 0.7 * nll))
+  assert_close(float(total), want, terms=VOCAB * SEQ)
+  assert_close(float(aux["distill/nll"]), np.sum(mask * nll), terms=VOCAB * SEQ)
+
+
+def reference_on_policy(params, batch, coef, estimator, temperature, eps=0.2):
+  """The on-policy objective written out in jnp: the clipped importance-sampled loss with
+  the per-token advantage −coef·(log π_old − log π_T) at the sampled token, or the reverse
+  KL summed over the vocabulary; the sum over completion tokens."""
+  mask = batch["completion_mask"].astype(jnp.float32)
+  logp_all = jax.nn.log_softmax(tiny_lm_apply(params, batch["inputs"]) / temperature, -1)
+  t_all = jax.nn.log_softmax(teacher(batch["inputs"]) / temperature, -1)
+  pick = lambda a: jnp.take_along_axis(a, batch["targets"][..., None], -1)[..., 0]  # noqa: E731
+  if estimator == "full":
+    return coef * jnp.sum(mask * jnp.sum(jnp.exp(logp_all) * (logp_all - t_all), -1))
+  adv = -coef * (batch["old_logps"] - pick(t_all))
+  ratio = jnp.exp(pick(logp_all) - batch["old_logps"])
+  per = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - eps, 1 + eps) * adv)
+  return jnp.sum(mask * per)
+
+
+@pytest.mark.parametrize("estimator", distill.ESTIMATORS)
+def test_on_policy_loss_and_gradient_equal_a_hand_written_reference(estimator):
+  batch = {k: v for k, v in rl_batch(3).items() if k != "ref_logps"}
+  d = distill.DistillConfig(mode="on_policy", estimator=estimator, coef=0.7)
+  loss_fn = distill.on_policy_loss(tiny_lm_apply, teacher, d, temperature=0.9)
+  params = tiny_lm_params(vocab=VOCAB)
+  (total, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch, None)
+  want, want_grads = jax.jit(jax.value_and_grad(reference_on_policy), static_argnums=(2, 3, 4))(
+    params, batch, 0.7, estimator, 0.9
+  )
+  assert_close((total, grads), (want, want_grads), terms=VOCAB * SEQ)
+  t_logp = log_softmax64(teacher(batch["inputs"]), 0.9)
+  t_pick = np.take_along_axis(t_logp, batch["targets"][..., None], -1)[..., 0]
+  gap = np.sum(batch["completion_mask"] * (batch["old_logps"] - t_pick))
+  assert_close(float(aux[distill.ON_POLICY_METRIC]), gap, terms=VOCAB * SEQ)
+
+
+LOSSES = {
+  "logits": lambda: distill.supervised_loss(
+    tiny_lm_apply, teacher, distill.DistillConfig(alpha=0.4, temperature=1.5), "logits"
+  ),
+  "gkd": lambda: distill.supervised_loss(
+    tiny_lm_apply, teacher, distill.DistillConfig(beta=0.3), "gkd"
+  ),
+  "on_policy": lambda: distill.on_policy_loss(
+    tiny_lm_apply, teacher, distill.DistillConfig(), temperature=0.9
+  ),
+  "on_policy_full": lambda: distill.on_policy_loss(
+    tiny_lm_apply, teacher, distill.DistillConfig(estimator="full"), loss_norm="sequences"
+  ),
+}
+
+
+@pytest.mark.parametrize("mode", list(LOSSES))
+def test_k_micro_batches_equal_one_big_batch_for_every_mode(mode):
+  """K = 4 against K = 1, one AdamW update, masks and completions of uneven lengths (and
+  padding rows): the same loss, metrics and new params."""
+  on_policy = mode.startswith("on_policy")
+  batch = rl_batch() if on_policy else sft_batch(2)
+  units = rl.units_fn("sequences" if mode == "on_policy_full" else "tokens") if on_policy else None
+  params, out = tiny_lm_params(vocab=VOCAB), {}
+  for k in (1, 4):
+    step = make_train_step(LOSSES[mode](), optax.adamw(1e-2), grad_accum_steps=k, units_fn=units)
+    state, metrics = jax.jit(step)(step.init(params, 0), batch)
+    sums = [n for n in (*distill.SFT_METRICS, distill.ON_POLICY_METRIC) if n in metrics]
+    out[k] = (state.params, metrics["loss"], [metrics[n] for n in sums])
+  assert_close(out[4], out[1], terms=8 * SEQ * VOCAB)
+
+
+def test_bad_settings_and_batches_are_one_line():
+  for bad, words in (
+    ({"mode": "kd"}, "distill.mode must be one of"),
+    ({"estimator": "exact"}, "distill.estimator"),
+    ({"alpha": 1.5}, "weights in [0, 1]"),
+    ({"temperature": 0.0}, "distill.temperature must be > 0"),
+    ({"coef": float("nan")}, "distill.coef must be > 0"),
+    ({"teacher_dtype": "fp16"}, "fp32 or bf16"),
+  ):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+      distill.DistillConfig(**bad)
+  assert distill.DistillConfig().resolved_mode(rl_run=True) == "on_policy"
+  assert distill.DistillConfig().resolved_mode(rl_run=False) == "logits"
+  batch = rl_batch()
+  batch["advantages"] = np.zeros((3, 3), np.float32)
+  loss_fn = rl.grpo_loss(tiny_lm_apply)
+  with pytest.raises(BatchError, match="one per row"):
+    loss_fn(tiny_lm_params(vocab=VOCAB), batch, None)
