@@ -1,6 +1,6 @@
 """RL (GRPO): the rollout sampler against transformers, and what a whole update costs besides
 its sampling and its train step. Headline keys (goals in the rows): ``rl_rollout_tokens_vs_hf``
-(≥ 1.5) and ``rl_update_overhead`` (≤ 0.05).
+(≥ 1.5) and ``rl_update_overhead`` (≤ 0.05); ``distill_bench`` adds ``distill_step_over_grpo``.
 
 - Sampling (``rl_sample_jax`` / ``rl_sample_hf``): ``ROLLOUT_MODEL`` (``hf_bench.TRAIN_MODEL``,
   a d 256, 4-layer Llama with a vocabulary of 8,192, 256 positions), random weights, fp32;
@@ -310,12 +310,17 @@ def _overhead_rows(quick: bool) -> tuple[dict, list, dict]:
 
 
 def suite_rl(quick: bool) -> dict:
-  """RL rollout sampling against transformers, and a whole update's overhead."""
+  """RL rollout sampling against transformers, a whole update's overhead, and on-policy
+  distillation's update against GRPO's (``distill_bench``)."""
+  from benchmarks.distill_bench import distill_rows
+
   sampling, rows, summary = _sampling_rows(quick)
   overhead, more_rows, more = _overhead_rows(quick)
+  taught, distill, distill_summary = distill_rows(quick)
   return {
     "sampling": sampling,
     "update": overhead,
-    "rows": rows + more_rows,
-    "summary": summary | more,
+    "distill": taught,
+    "rows": rows + more_rows + distill,
+    "summary": summary | more | distill_summary,
   }

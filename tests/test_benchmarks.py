@@ -34,6 +34,7 @@ SUMMARY_KEYS = {  # the step suite's headline figures, then the other suites'
   "prefill_tokens_per_s_b8",
   "ttft_ms_b8",
   "samples_over_step",
+  "distill_step_over_grpo",  # the rl suite's on-policy distillation against GRPO
   "muon_steps_to_loss_over_adamw",  # the optim suite's training comparisons
   "wsd_final_loss_over_cosine",
   "step_time_over_adamw_muon",
@@ -151,3 +152,31 @@ def test_gpu_smoke_runs_on_tiny_shapes_and_round_trips_bitwise(tmp_path):
     assert case["tokens_per_s"] > 0 and 0 < case["mfu"] < 1 and case["auto_table_gib"]
     assert case["grad_accum_steps"] in {int(k) for k in case["auto_table_gib"]}
   assert len(result["skipped"]) == 7  # GPTs: 2 models × 2 kernels × 2 remat, one measured
+
+
+def test_demo_gains_reads_the_demo_runs(tmp_path):
+  """``benchmarks.demo_gains`` from three run directories' records: gains in the first 100
+  updates, their ratio only where GRPO gained, the filter's sampling time over plain's."""
+  from benchmarks import demo_gains
+
+  def run(name, exact, rollout_s):
+    d = tmp_path / name
+    d.mkdir()
+    evals = [
+      {"step": s, "eval_rewards/exact_answer": v} for s, v in zip((0, 100), exact, strict=True)
+    ]
+    d.joinpath("eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    lines = [{"step": i, "rollout_s": rollout_s} for i in range(1, 10)]
+    d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return ["--" + name, str(d)]
+
+  args = [*run("grpo", (0.1, 0.15), 0.5), *run("filter", (0.1, 0.2), 1.5)]
+  args += [*run("distill", (0.1, 0.35), 0.4), "--out", str(tmp_path / "out")]
+  assert demo_gains.main(args) == 0
+  summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert summary["distill_vs_grpo_accuracy_gain_100"] == pytest.approx(5.0)
+  assert summary["rl_filter_overhead"] == pytest.approx(3.0)
+  run("falling", (0.1, 0.05), 0.5)  # a GRPO run that lost accuracy: no ratio to record
+  found = demo_gains.gains(tmp_path / "falling", tmp_path / "filter", tmp_path / "distill")
+  assert "distill_vs_grpo_accuracy_gain_100" not in found
+  assert found["grpo_accuracy_gain_100"] == pytest.approx(-0.05)

@@ -163,3 +163,27 @@ def test_bad_settings_and_batches_are_one_line():
   loss_fn = rl.grpo_loss(tiny_lm_apply)
   with pytest.raises(BatchError, match="one per row"):
     loss_fn(tiny_lm_params(vocab=VOCAB), batch, None)
+
+
+def test_the_full_reverse_kl_over_allowed_ids_has_a_finite_gradient():
+  """Ids the sampler may not draw are −inf for student and teacher alike: they add nothing
+  to the KL and nothing (not NaN) to its gradient."""
+  allowed = np.ones(VOCAB, bool)
+  allowed[[0, 5]] = False
+  batch = {k: v for k, v in rl_batch(4).items() if k != "ref_logps"}
+  batch["targets"] = np.where(np.isin(batch["targets"], [0, 5]), 1, batch["targets"])
+  d = distill.DistillConfig(estimator="full")
+  loss_fn = distill.on_policy_loss(tiny_lm_apply, teacher, d, allowed=jnp.asarray(allowed))
+  params = tiny_lm_params(vocab=VOCAB)
+  total, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0])(params)
+
+  def restricted(p):  # the same KL on the allowed ids' logits alone
+    keep = np.flatnonzero(allowed)
+    s = jax.nn.log_softmax(tiny_lm_apply(p, batch["inputs"])[..., keep], -1)
+    t = jax.nn.log_softmax(teacher(batch["inputs"])[..., keep], -1)
+    mask = batch["completion_mask"]
+    return jnp.sum(mask * jnp.sum(jnp.exp(s) * (s - t), -1))
+
+  want, want_grads = jax.value_and_grad(restricted)(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  assert_close((total, grads), (want, want_grads), terms=VOCAB * SEQ)

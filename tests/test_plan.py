@@ -185,14 +185,20 @@ def test_a_setting_the_rest_of_the_config_switches_off_is_one_warning(
     (
       ["preference.reference=precompute", "rl.beta=0.1"],
       "preference.reference=precompute, rl.beta=0.1 have no effect: this run is supervised "
-      "(preference.loss makes a preference run, rl.rewards an RL run); drop them",
+      "(preference.loss makes a preference run, rl.rewards an RL run, distill.teacher names a "
+      "teacher); drop them",
     ),
     (
       ["preference.loss=dpo", "preference.beta=0.2", "rl.top_k=5"],
       "rl.top_k=5 has no effect: this run is a preference run (preference.loss makes a "
-      "preference run, rl.rewards an RL run); drop it",
+      "preference run, rl.rewards an RL run, distill.teacher names a teacher); drop it",
     ),
     (["preference.loss=dpo", "preference.reference=precompute"], None),
+    (
+      ["distill.mode=gkd"],
+      "distill.mode=gkd has no effect: this run is supervised (preference.loss makes a "
+      "preference run, rl.rewards an RL run, distill.teacher names a teacher); drop it",
+    ),
   ],
 )
 def test_keys_of_another_kind_of_run_are_one_warning_naming_them(caplog, overrides, warned):

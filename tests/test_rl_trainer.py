@@ -170,3 +170,29 @@ def test_the_docs_example_runs(tmp_path):
   exec(code.replace('"runs/grpo-python"', repr(str(tmp_path / "run"))), {})
   assert [r["step"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")][-1] == 20
   assert [e["step"] for e in read_lines(tmp_path / "run" / "eval.jsonl")] == [10, 20]
+
+
+def test_a_teacher_turns_the_trainer_into_on_policy_distillation(tmp_path):
+  """``teacher=(model, params)``: the first update's loss is coef × the sampled reverse KL
+  against the teacher; the teacher is in the state, not in the checkpoint; a teacher of
+  another vocabulary, or a supervised mode, is one line."""
+  _, teacher_params = models.build(CFG, 9)
+  run = trainer(
+    tmp_path / "run",
+    train={"max_steps": 2},
+    teacher=(CFG, teacher_params),
+    distill={"coef": 0.5, "teacher_dtype": "bf16"},
+  )
+  run.fit()
+  first = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
+  assert first["distill/reverse_kl"] > 0
+  assert first["loss"] == pytest.approx(0.5 * first["distill/reverse_kl"], rel=1e-4, abs=1e-6)
+  from conftest import restore_state_arrays
+
+  _, state = restore_state_arrays(tmp_path / "run")
+  assert state["model_state"] == {"teacher": None}
+  other = models.GPTConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+  with pytest.raises(ConfigError, match="student's vocabulary"):
+    trainer(tmp_path / "x", teacher=(other, models.build(other, 0)[1]))
+  with pytest.raises(ConfigError, match="distills on-policy"):
+    trainer(tmp_path / "y", teacher=(CFG, teacher_params), distill={"mode": "logits"})

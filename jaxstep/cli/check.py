@@ -46,8 +46,9 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   from jaxstep.core import preference, router_loss
   from jaxstep.core.losses import next_token_loss
   from jaxstep.core.optim import make_optimizer
-  from jaxstep.trainer.plan import preference_plan
+  from jaxstep.trainer.plan import preference_plan, teacher
   from jaxstep.trainer.plan.numbers import make_plan
+  from jaxstep.trainer.saved_run import teacher as saved_teacher
 
   # one device compares K micro-batches with one batch: a tensor split does not apply here
   # (tests/test_tensor_parallel.py compares tensor meshes with one device)
@@ -75,6 +76,9 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     loss_fn = build(apply_fn)
     if getattr(model_cfg, "num_experts", 0):  # an MoE model's router losses too
       loss_fn = router_loss.with_router_losses(build, apply_fn, model_cfg, rows)
+    if cfg.distill.teacher:  # against the teacher, which the state carries
+      loss_fn = teacher.loss_fn(cfg, apply_fn)
+  reference = preference_plan.reference_state(cfg, params) if pairs else None
   return check_accumulation(
     loss_fn,
     params,
@@ -84,7 +88,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     apply_fn=None if pairs else apply_fn,  # the logits stage reads single sequences
     units_fn=preference.pair_units if pairs else None,
     precision=t.precision,
-    model_state=preference_plan.reference_state(cfg, params) if pairs else None,
+    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)),
   )
 
 
@@ -92,9 +96,10 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   """K micro-batches against one on the RL run's first rollout (its first prompts, its
   rewards and advantages), with its loss and normalization count."""
   from jaxstep.generation import Generator
-  from jaxstep.trainer.plan import rl_plan
+  from jaxstep.trainer.plan import rl_plan, teacher
   from jaxstep.trainer.rl import rewards, rollout
   from jaxstep.trainer.rl.source import rollout_seed
+  from jaxstep.trainer.saved_run import teacher as saved_teacher
 
   t, r = cfg.train, cfg.rl
   prompts = rollout.prompt_batch(
@@ -106,15 +111,20 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
     generator, params, prompts, r, loaded, seq_len=t.seq_len,
     seed=rollout_seed(t.seed, 0),
   )  # fmt: skip
+  allowed = rl_plan.sampler_allowed(cfg)
+  loss_fn = rl_plan.loss_fn(cfg, apply_fn, allowed)
+  if cfg.distill.teacher:  # on-policy distillation: the teacher scores the rollout
+    loss_fn = teacher.loss_fn(cfg, apply_fn, allowed)
+  reference = rl_plan.reference_state(cfg, params)
   return check_accumulation(
-    rl_plan.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg)),
+    loss_fn,
     params,
     jax.tree.map(jnp.asarray, first.batch),
     optimizer,
     _compared_k(t.grad_accum_steps, t.global_batch_size),
     units_fn=rl_plan.units_fn(cfg),
     precision=t.precision,
-    model_state=rl_plan.reference_state(cfg, params),
+    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)),
   )
 
 

@@ -71,6 +71,8 @@ def report(cfg) -> str:
     lines += ["", preference_line(c["cfg"])]
   if cfg.rl.rewards:
     lines += ["", rl_line(c["cfg"])]
+  if cfg.distill.teacher:
+    lines += ["", distill_line(c["cfg"])]
   if getattr(cfg.model, "num_experts", 0):
     lines += ["", moe_line(c["cfg"], c["expert_params"], c["expert"])]
   if c["auto_table"]:
@@ -142,6 +144,23 @@ def moe_line(cfg, expert_params: int, expert: int) -> str:
     f"mixture of experts: the routed experts hold {expert_params:,} of the parameters{split}; "
     f"a micro-step routes {tokens:,} tokens × {m.experts_per_token} experts per MoE layer "
     f"(sorted rows of width {m.d_model}, padded to whole tiles on CPU){moved}"
+  )
+
+
+def distill_line(cfg) -> str:
+  """What a distillation run holds for its teacher, in the ledger's words."""
+  import jax
+
+  from jaxstep.trainer.plan import teacher
+
+  leaves = jax.tree.leaves(teacher.abstract_params(cfg))
+  count, nbytes = sum(x.size for x in leaves), sum(x.size * x.dtype.itemsize for x in leaves)
+  d = cfg.distill
+  return (
+    f"distill: the teacher {d.teacher} holds {count:,} parameters in {d.teacher_dtype} "
+    f"({_size(nbytes)} in all, split over the mesh like the params), part of the compiled "
+    f"step's arguments above and never of a checkpoint; its forward keeps no activations "
+    f"but adds its logits per micro-step"
   )
 
 

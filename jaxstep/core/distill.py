@@ -15,16 +15,16 @@ distributions at a position:
   ``KL(p_T ‖ p_S)``, β = 1 the reverse ``KL(p_S ‖ p_T)`` (TRL computes both ends exactly
   so; so does this).
 - ``on_policy`` (Thinking Machines 2025, Qwen3's small models): on the student's own
-  samples (an RL run's rollouts), the reverse KL ``KL(π ‖ π_T)`` per completion token. With
-  ``estimator: sampled`` (the default) it is the policy gradient with the per-token
-  advantage ``A_t = −coef·(log π_old(y_t) − log π_T(y_t))`` at the sampled token, through
-  the RL loss's importance ratio and clip (``jaxstep.core.rl``): its expectation is the
-  reverse KL's gradient, one teacher log-prob per token is all it needs, and it shares the
-  RL step's program. ``estimator: full`` differentiates the whole reverse KL over the
-  vocabulary at every completion position, ``coef·Σ_v π(v)(log π(v) − log π_T(v))``:
-  lower variance, one more ``[tokens × V]`` softmax product. Both use the sampler's
-  temperature and allowed ids for student and teacher alike (no top-k / top-p on the
-  teacher, whose log-prob of a sampled token then stays finite).
+  samples (an RL run's rollouts), the reverse KL ``KL(π ‖ π_T)`` at each completion
+  position. ``estimator: full`` (the default) differentiates it whole, over the vocabulary,
+  ``coef·Σ_v π(v)(log π(v) − log π_T(v))``: no sampling noise beyond the completions
+  themselves. ``estimator: sampled`` is the policy gradient with the per-token advantage
+  ``A_t = −coef·(log π_old(y_t) − log π_T(y_t))`` at the sampled token, through the RL
+  loss's importance ratio and clip (``jaxstep.core.rl``; the Thinking Machines recipe): its
+  expectation is the reverse KL's gradient, and its advantages are nearly all negative
+  where the student is often wrong, a high-variance signal (docs/distill.md measures both).
+  Both use the sampler's temperature and allowed ids for student and teacher alike (no
+  top-k / top-p on the teacher, whose log-prob of a sampled token then stays finite).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class DistillConfig:
   alpha: float = 0.5  # logits: weight of the soft term (1 − alpha on the NLL)
   temperature: float = 1.0  # logits, gkd: τ of both distributions
   beta: float = 0.5  # gkd: β of the generalized JSD (0 forward KL, 1 reverse KL)
-  estimator: str = "sampled"  # on_policy: sampled (per-token advantage) | full (over the vocab)
+  estimator: str = "full"  # on_policy: full (the KL over the vocab) | sampled (per token)
   coef: float = 1.0  # on_policy: weight of the reverse KL
   teacher_dtype: str = "fp32"  # fp32 | bf16 (half the teacher's bytes)
 
@@ -90,9 +90,11 @@ class DistillConfig:
 
 
 def kl(p_logp, q_logp):
-  """``KL(p ‖ q) = Σ_v p(v)·(log p(v) − log q(v))`` over the last axis (0 where p is)."""
+  """``KL(p ‖ q) = Σ_v p(v)·(log p(v) − log q(v))`` over the last axis (0 where p is, even
+  where both are −inf: ids outside the sampler's allowed ones; the difference is masked
+  before the product, so its gradient there is 0, not 0·inf = NaN)."""
   p = jnp.exp(p_logp)
-  return jnp.sum(jnp.where(p > 0, p * (p_logp - q_logp), 0.0), axis=-1)
+  return jnp.sum(p * jnp.where(p > 0, p_logp - q_logp, 0.0), axis=-1)
 
 
 def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: float = 1.0):

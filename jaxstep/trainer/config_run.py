@@ -38,6 +38,7 @@ from jaxstep.trainer.rl.logp_check import LogpCheck, gap_cause
 from jaxstep.trainer.rl.rewards import load_rewards
 from jaxstep.trainer.rl.source import HOST as ROLLOUT_METRICS
 from jaxstep.trainer.rl.source import RolloutSource
+from jaxstep.trainer.saved_run import teacher
 from jaxstep.trainer.saved_run.load import save_base_config, save_tokenizer
 from jaxstep.trainer.store import resume as resume_lib
 from jaxstep.trainer.store import run_dir as run_dir_lib
@@ -160,7 +161,7 @@ def train(
   SIGTERM/SIGINT save a checkpoint at the update boundary, then raise ``Interrupted``.
   ``hooks`` (``jaxstep.trainer.loop.hooks``) run after the built-in ones.
   """
-  run, state, rs = build(cfg)
+  run, state, rs = build(cfg, teacher.load)
   cfg = run.cfg  # resolved: the model's vocabulary follows the tokenizer
   if cfg.rl.rewards:  # a reward that does not import: before anything is written
     load_rewards(cfg.rl.rewards, cfg.rl.reward_weights)

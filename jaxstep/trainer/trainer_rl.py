@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstep import models, parallel
+from jaxstep.core import distill as distill_core
 from jaxstep.core import rl as rl_core
 from jaxstep.data.prompt_rows import PromptSet, prompt_set
 from jaxstep.errors import ConfigError
@@ -31,7 +32,7 @@ from jaxstep.generation.sampling import allowed_ids
 from jaxstep.trainer import trainer_data
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.loop import assembly
-from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference
+from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference, loss_with_teacher
 from jaxstep.trainer.plan.rl_plan import grpo_options, with_token_means
 from jaxstep.trainer.rl import evaluate as rl_evaluate
 from jaxstep.trainer.rl.logp_check import LogpCheck
@@ -68,6 +69,13 @@ class RLTrainer(Trainer):
     max_seq_len: the longest input an ``apply_fn`` takes.
     run_dir, train, checkpoint, mesh, trainable, mlflow, wandb, hparams, callbacks: as for
       ``Trainer``; ``train.global_batch_size`` counts completions.
+    teacher: ``(model, params)`` of a frozen teacher with the policy's vocabulary (a config
+      or an ``apply_fn``): on-policy distillation (``docs/distill.md``) replaces the reward
+      advantages by the teacher's per-token reverse KL; the rewards still score the
+      samples and the held-out prompts. The teacher rides in the state's ``model_state``
+      and never in a checkpoint (give it again to resume).
+    distill: ``DistillConfig`` or a dict of its keys (``estimator``, ``coef``,
+      ``teacher_dtype``).
 
   Example:
     >>> trainer = RLTrainer(cfg, params, OptimConfig(lr=1e-4), prompts=rows,
@@ -99,6 +107,8 @@ class RLTrainer(Trainer):
     wandb=None,
     hparams: Mapping | None = None,
     callbacks: Sequence = (),
+    teacher: tuple | None = None,
+    distill: distill_core.DistillConfig | Mapping | None = None,
   ):
     r = _rl_config(rl)
     self.r, self.tokenizer = r, tokenizer
@@ -115,9 +125,16 @@ class RLTrainer(Trainer):
       raise ConfigError("rl.reference=adapters needs jaxstep train's LoRA; use live or none")
     vocab = _vocab(model, apply_fn, params)
     options = grpo_options(r, jnp.asarray(allowed_ids(vocab, tokenizer)))
-    loss_fn = loss_with_reference(
-      kind, apply_fn, lambda ref: rl_core.grpo_loss(apply_fn, reference=ref, **options)
-    )
+    frozen = frozen_copy(params, r.reference_dtype) if kind == "live" else None
+    self.distill = None if teacher is None else _distill_config(distill)
+    if teacher is None:
+      if distill is not None:
+        raise ConfigError("distill settings need a teacher=(model, params) to distill from")
+      loss_fn = loss_with_reference(
+        kind, apply_fn, lambda ref: rl_core.grpo_loss(apply_fn, reference=ref, **options)
+      )
+    else:  # on-policy distillation: the teacher rides in the state, never checkpointed
+      loss_fn, frozen = self._with_teacher(teacher, vocab, kind, apply_fn, options, frozen)
     self.rollouts = None  # made once train settings are read (super().__init__)
     super().__init__(
       loss_fn,
@@ -127,7 +144,7 @@ class RLTrainer(Trainer):
       run_dir=run_dir,
       train=train,
       checkpoint=checkpoint,
-      model_state=frozen_copy(params, r.reference_dtype) if kind == "live" else None,
+      model_state=frozen,
       units_fn=rl_core.units_fn(r.loss_norm, r.max_new_tokens),
       mesh=mesh,
       trainable=trainable,
@@ -156,9 +173,32 @@ class RLTrainer(Trainer):
     )
     self.train_data = self.rollouts
 
+  def _with_teacher(self, teacher, vocab: int, kind: str, apply_fn, options, frozen):
+    """The on-policy distillation loss against ``teacher = (model, params)`` and the model
+    state that carries the teacher's params (in ``distill.teacher_dtype``)."""
+    model, params = teacher
+    d = self.distill
+    teacher_apply = models.build(model, 0, abstract=True)[0] if _is_config(model) else model
+    if _vocab(model, teacher_apply, params) != vocab:
+      raise ConfigError(
+        f"the teacher has {_vocab(model, teacher_apply, params)} logits, the policy {vocab}: "
+        f"a teacher needs the student's vocabulary"
+      )
+
+    def build(reference, teacher):
+      return distill_core.on_policy_loss(apply_fn, teacher, d, reference=reference, **options)
+
+    if d.teacher_dtype == "bf16":
+      params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    loss_fn = loss_with_teacher(kind, apply_fn, teacher_apply, build)
+    return loss_fn, {**(frozen or {}), distill_core.TEACHER: params}
+
   def config(self) -> dict:
     rewards = {"rewards": [x.name for x in self.rewards]}
-    return {**super().config(), "rl": {**config_lib.to_dict(self.r), **rewards}}
+    out = {**super().config(), "rl": {**config_lib.to_dict(self.r), **rewards}}
+    if self.distill is not None:
+      out["distill"] = config_lib.to_dict(self.distill)
+    return out
 
   def _model_section(self) -> dict | None:
     return None if self.model_cfg is None else config_lib.to_dict(self.model_cfg)
@@ -208,6 +248,22 @@ def _rl_config(value) -> rl_core.RLConfig:
       raise ConfigError("give RLTrainer's rewards and reward_weights as its own arguments")
     return config_lib.build_section(rl_core.RLConfig(), dict(value), "rl.")
   raise ConfigError(f"rl must be an RLConfig or a dict of its keys, got {value!r}")
+
+
+def _distill_config(value) -> distill_core.DistillConfig:
+  """On-policy distillation's settings (``mode`` on_policy or auto)."""
+  if value is None:
+    value = distill_core.DistillConfig()
+  elif isinstance(value, Mapping):
+    value = config_lib.build_section(distill_core.DistillConfig(), dict(value), "distill.")
+  elif not isinstance(value, distill_core.DistillConfig):
+    raise ConfigError(f"distill must be a DistillConfig or a dict of its keys, got {value!r}")
+  if value.resolved_mode(rl_run=True) != "on_policy":
+    raise ConfigError(
+      f"RLTrainer distills on-policy (its own samples); distill.mode={value.mode} trains on "
+      f"supervised windows: build distill.supervised_loss into a jaxstep.Trainer"
+    )
+  return value
 
 
 def _prompts(value, tokenizer, name: str) -> PromptSet:

@@ -289,6 +289,9 @@ def _expand_paths(cfg: Config) -> Config:
     data=data,
     model=model,
     eval=dataclasses.replace(cfg.eval, sets=sets),
+    distill=dataclasses.replace(
+      cfg.distill, teacher=expand_path("distill.teacher", cfg.distill.teacher)
+    ),
   )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxstep.core import geometry
+from jaxstep.core.distill import DistillConfig
 from jaxstep.core.optim import OptimConfig
 from jaxstep.core.precision import PRECISIONS
 from jaxstep.core.preference import REFERENCE_FREE, PreferenceConfig
@@ -21,6 +22,7 @@ from jaxstep.core.rl import RLConfig
 from jaxstep.data import DataConfig
 from jaxstep.errors import ConfigError
 from jaxstep.models import GPTConfig, LlamaConfig
+from jaxstep.trainer.config.distill_section import check_distill_run
 from jaxstep.trainer.config.eval_section import (  # noqa: F401 - the section, and its names
   HARNESS_SET,
   HELDOUT,
@@ -282,6 +284,7 @@ class Config:
   eval: EvalConfig = EvalConfig()
   preference: PreferenceConfig = PreferenceConfig()
   rl: RLConfig = RLConfig()
+  distill: DistillConfig = DistillConfig()
   mlflow: MlflowConfig = MlflowConfig()
   wandb: WandbConfig = WandbConfig()
   run_dir: str = "runs/default"  # outputs: metrics, TensorBoard events, config.yaml
@@ -298,6 +301,8 @@ class Config:
       check_preference_run(self)
     if self.rl.rewards:
       check_rl_run(self)
+    if self.distill.teacher:
+      check_distill_run(self)
     if self.data.sources and self.train.epochs:
       raise ConfigError(
         "train.epochs has no meaning for a mixture (data.sources): its sources cycle at their "

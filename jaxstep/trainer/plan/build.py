@@ -19,7 +19,7 @@ from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.evaluation import eval_sets, harness_tasks, text_samples
-from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps
+from jaxstep.trainer.plan import init_from, preference_plan, reference_logps, steps, teacher
 from jaxstep.trainer.plan.numbers import make_plan
 from jaxstep.trainer.store.run_state import RunState, optimizer_of
 from jaxstep.trainer.tracking import trackers
@@ -59,13 +59,17 @@ def _base_identity(cfg: config_lib.Config, fingerprint: str) -> dict:
   return {"path": cfg.model.init_from, "fingerprint": fingerprint}
 
 
-def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
+def build(
+  cfg: config_lib.Config, load_teacher: Callable | None = None
+) -> tuple[Run, TrainState, RunState]:
   """Loads data (all data errors surface here), resolves the plan, checks the sample prompts
   against the tokenizer and the model, builds the jitted steps.
 
   With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
   ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
+  ``load_teacher(cfg, tokenizer) -> params`` reads ``distill.teacher``'s params
+  (``saved_run.teacher.load``, a room above this one).
   """
   trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
   harness_tasks.check_tasks(cfg.eval)
@@ -96,9 +100,9 @@ def build(cfg: config_lib.Config) -> tuple[Run, TrainState, RunState]:
   params = steps.frozen_cast(cfg, params)
   step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
   reference = steps.reference_state(cfg, params)  # a live reference: a copy, frozen
-  state = step.init(
-    params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=reference
-  )
+  taught = load_teacher(cfg, dataset.tokenizer) if cfg.distill.teacher else None
+  frozen = teacher.model_state(cfg, reference, taught)
+  state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=frozen)
   state_sh = parallel.tree_shardings(state, mesh)
   state = jax.device_put(state, state_sh)
   if cfg.rl.rewards:

@@ -143,3 +143,30 @@ def read_base(model_cfg, mesh: Mesh, seed: int = 0, convert=None) -> tuple[dict,
   if layout.has_tensor(mesh):  # the tensor split goes by each leaf's path: placed once named
     params = jax.device_put(params, layout.tree_shardings(params, mesh))
   return params, loaded.fingerprint
+
+
+def folder_config(folder: pathlib.Path) -> config_lib.Config:
+  """The config of a run started from the model folder ``folder`` (``model.init_from``
+  resolved; ``data.tokenizer`` the folder; ``train`` at its defaults, ``train.seq_len`` at
+  most the positions the model takes), read from its ``config.json`` alone: what a model
+  folder read back for use (``jaxstep generate``, a teacher) runs as."""
+  hf = hf_config.read_config(folder)
+  longest = _usable_positions(hf, hf_config.model_config(hf, str(folder / hf_config.CONFIG)))
+  cfg = config_lib.load(None)
+  train = dataclasses.replace(cfg.train, seq_len=min(cfg.train.seq_len, longest))
+  model = dataclasses.replace(cfg.model, init_from=str(folder))
+  cfg = resolve(dataclasses.replace(cfg, model=model, train=train))
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=longest))
+
+
+def _usable_positions(hf: dict, model_cfg) -> int:
+  """The longest sequence the model attends over exactly: ``max_position_embeddings``, or a
+  shorter sliding window it uses where jaxstep does not read it (a mixture of experts')."""
+  from jaxstep.models import hf_config, hf_dense
+
+  window = hf.get("sliding_window")
+  if hf_config.architecture(hf) in hf_dense.READS_WINDOWS:
+    return model_cfg.max_seq_len  # the model computes its window
+  if window is not None and hf.get("use_sliding_window", True):
+    return min(model_cfg.max_seq_len, int(window))
+  return model_cfg.max_seq_len

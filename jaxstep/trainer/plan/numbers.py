@@ -294,12 +294,14 @@ def _warn_settings_without_effect(cfg: config_lib.Config) -> None:
 
 
 def _warn_other_objectives(cfg: config_lib.Config) -> None:
-  """One line naming the ``preference.*`` and ``rl.*`` keys set away from their defaults in
-  a run of another kind: a run is a preference run only with ``preference.loss`` and an RL
-  run only with ``rl.rewards``, so ``preference.reference=precompute`` alone trains a plain
-  language model, and nothing else would say so."""
+  """One line naming the ``preference.*``, ``rl.*`` and ``distill.*`` keys set away from
+  their defaults in a run of another kind: a run is a preference run only with
+  ``preference.loss``, an RL run only with ``rl.rewards``, and distills only from a
+  ``distill.teacher``, so ``preference.reference=precompute`` alone trains a plain language
+  model, and nothing else would say so."""
   ignored = []
-  for section, on in (("preference", cfg.preference.loss), ("rl", cfg.rl.rewards)):
+  sections = ("preference", cfg.preference.loss), ("rl", cfg.rl.rewards)
+  for section, on in (*sections, ("distill", cfg.distill.teacher)):
     if on:
       continue
     given = getattr(cfg, section)
@@ -314,7 +316,7 @@ def _warn_other_objectives(cfg: config_lib.Config) -> None:
   )
   log.warning(
     "%s %s no effect: this run is %s (preference.loss makes a preference run, rl.rewards an "
-    "RL run); drop %s",
+    "RL run, distill.teacher names a teacher); drop %s",
     ", ".join(ignored),
     "has" if len(ignored) == 1 else "have",
     run,

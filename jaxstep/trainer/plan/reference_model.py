@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep.core import chunked_loss
+from jaxstep.core.distill import TEACHER
 from jaxstep.core.trees import is_stored_weight
 from jaxstep.models import lora
 
@@ -57,3 +58,28 @@ def frozen_copy(params, dtype: str = "fp32") -> dict:
     return x.astype(cast) if cast and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
 
   return {REFERENCE: jax.tree.map(copy, params, is_leaf=is_stored_weight)}
+
+
+def loss_with_teacher(kind: str, apply_fn: Callable, teacher_apply: Callable, build: Callable):
+  """The step's 4-argument ``loss_fn`` from ``build(reference, teacher) -> loss_fn(params,
+  batch, rng)``: ``teacher(inputs, **fields) -> logits`` runs ``teacher_apply`` on the
+  frozen params the state's ``model_state`` carries under ``distill.TEACHER`` (without
+  dropout), and ``reference`` is ``loss_with_reference``'s of ``kind``. The state comes
+  back unchanged."""
+
+  def with_teacher(params, batch, rng, model_state):
+    frozen = model_state[TEACHER]
+
+    def teacher(inputs, **kw):
+      return teacher_apply(frozen, inputs, rng=None, train=False, **kw)
+
+    reference = None
+    if kind == "live":
+      copy = model_state[REFERENCE]
+      reference = _like(apply_fn, lambda _, inputs, **kw: apply_fn(copy, inputs, **kw))
+    elif kind == "adapters":
+      off = lambda params, inputs, **kw: apply_fn(lora.adapters_off(params), inputs, **kw)  # noqa: E731
+      reference = _like(apply_fn, off)
+    return (*build(reference, teacher)(params, batch, rng), model_state)
+
+  return with_teacher

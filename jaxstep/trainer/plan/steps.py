@@ -21,7 +21,7 @@ from jaxstep.core.step import make_train_step
 from jaxstep.models import lora, quant
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import TrainConfig
-from jaxstep.trainer.plan import preference_plan, rl_plan
+from jaxstep.trainer.plan import preference_plan, rl_plan, teacher
 
 
 def loss_scaler(t: TrainConfig) -> DynamicLossScale | None:
@@ -63,7 +63,9 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
   else:
     build = functools.partial(next_token_loss, chunk=cfg.model.loss_chunk)
     rows, units = router_loss.sft_rows, None
-  if sparse(cfg):  # an MoE model: its router losses, exact over the global batch
+  if cfg.distill.teacher:  # a frozen teacher in the state's model_state
+    loss_fn = teacher.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg) if rl else None)
+  elif sparse(cfg):  # an MoE model: its router losses, exact over the global batch
     loss_fn = router_loss.with_router_losses(build, apply_fn, cfg.model, rows)
   else:
     loss_fn = build(apply_fn)
@@ -85,6 +87,8 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     step = rl_plan.with_token_means(step)
   elif pairs:
     step = preference_plan.with_pair_means(step)
+  elif cfg.distill.teacher:
+    step = teacher.with_token_means(step)
   if sparse(cfg):
     terms = k * (parallel.batch_shards(mesh) if sharded else 1)
     step = router_loss.with_router_metrics(step, cfg.model, terms)
@@ -196,10 +200,11 @@ def abstract_state(cfg: config_lib.Config, mesh: Mesh, schedule_steps: int):
   params = frozen_cast(cfg, params)
   step = train_step(cfg, apply_fn, mesh, schedule_steps, 1)
 
-  def init(params, rng):
-    return step.init(params, rng, model_state=reference_state(cfg, params))
+  def init(params, rng, frozen_teacher):
+    state = teacher.model_state(cfg, reference_state(cfg, params), frozen_teacher)
+    return step.init(params, rng, model_state=state)
 
-  state = jax.eval_shape(init, params, jax.random.PRNGKey(0))
+  state = jax.eval_shape(init, params, jax.random.PRNGKey(0), teacher.abstract_params(cfg))
   return apply_fn, with_shardings(state, parallel.tree_shardings(state, mesh))
 
 

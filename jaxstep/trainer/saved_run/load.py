@@ -194,19 +194,12 @@ def load_model_folder(path: str | pathlib.Path, *, tensor: int = 1) -> SavedRun:
   this process's first device (step 0; or each tensor split over ``tensor`` devices as it
   is read), its tokenizer and chat template. ``ConfigError`` for a folder
   ``load_pretrained`` refuses (no config.json, another architecture, …)."""
-  from jaxstep.models import hf_config
   from jaxstep.models.pretrained import load_pretrained
   from jaxstep.trainer.plan import init_from
 
   folder = pathlib.Path(path)
-  hf = hf_config.read_config(folder)
-  longest = _usable_positions(hf, hf_config.model_config(hf, str(folder / hf_config.CONFIG)))
-  cfg = config_lib.load(None)
-  train = dataclasses.replace(cfg.train, seq_len=min(cfg.train.seq_len, longest))
-  model = dataclasses.replace(cfg.model, init_from=str(folder))
-  cfg = init_from.resolve(dataclasses.replace(cfg, model=model, train=train))
-  model = dataclasses.replace(cfg.model, max_seq_len=longest)
-  cfg = dataclasses.replace(cfg, model=model)
+  cfg = init_from.folder_config(folder)
+  model, longest = cfg.model, cfg.model.max_seq_len
   mesh, device = tensor_mesh(model, tensor), jax.local_devices()[0]
 
   def place(path, array):
@@ -221,19 +214,6 @@ def load_model_folder(path: str | pathlib.Path, *, tensor: int = 1) -> SavedRun:
     attention=model.attention,
   )
   return SavedRun(cfg, pre.tokenizer, pre.params, 0, pre.chat_template, model_folder=True)
-
-
-def _usable_positions(hf: dict, model_cfg) -> int:
-  """The longest sequence the model attends over exactly: ``max_position_embeddings``, or a
-  shorter sliding window it uses where jaxstep does not read it (a mixture of experts')."""
-  from jaxstep.models import hf_config, hf_dense
-
-  window = hf.get("sliding_window")
-  if hf_config.architecture(hf) in hf_dense.READS_WINDOWS:
-    return model_cfg.max_seq_len  # the model computes its window
-  if window is not None and hf.get("use_sliding_window", True):
-    return min(model_cfg.max_seq_len, int(window))
-  return model_cfg.max_seq_len
 
 
 def with_base(cfg, params, kept, run: dict | None, mesh: Mesh | None = None):

@@ -9,7 +9,7 @@ temporary directory and renames it when complete, so a killed process leaves at 
 A run that reloads its frozen parameters from elsewhere (a LoRA run's base model, read
 from ``model.init_from`` at every start) stores only the parameters that train
 (``stored``): the frozen leaves are left out of every save and filled back in from the
-target at restore.
+target at restore; so is a distillation teacher in the state's ``model_state``.
 
 Reading is ``checkpoint_read``'s: restore takes the newest step that verifies. A newer one
 that does not is reported loudly and moved to ``run_dir/checkpoints.corrupt/`` (never
@@ -33,6 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxstep.core import freeze
+from jaxstep.core.distill import TEACHER
 from jaxstep.errors import CheckpointError, RunDirError, RunIOError, first_line
 from jaxstep.trainer.store import checkpoint_read, integrity
 from jaxstep.trainer.store.checkpoint_read import RUN, STATE, VERIFY, step_dirs
@@ -192,7 +193,11 @@ class Checkpointer:
     self._check_room("a checkpoint", self._stored_part(state))
 
   def _stored_part(self, state):
-    """``state`` with the params leaves that are not stored set to None."""
+    """``state`` with the params leaves that are not stored set to None, and without a
+    distillation teacher (read again at every start)."""
+    frozen = getattr(state, "model_state", None)
+    if isinstance(frozen, dict) and TEACHER in frozen:
+      state = state.replace(model_state={**frozen, TEACHER: None})
     if self.stored is None:
       return state
     return state.replace(params=freeze.partition(state.params, self.stored)[0])
@@ -254,6 +259,9 @@ class Checkpointer:
       if self.stored is not None:  # the frozen leaves: the target's own
         frozen = freeze.partition(target.params, self.stored)[1]
         state = state.replace(params=freeze.combine(state.params, frozen))
+      if isinstance(target.model_state, dict) and TEACHER in target.model_state:
+        teacher = target.model_state[TEACHER]
+        state = state.replace(model_state={**state.model_state, TEACHER: teacher})
       return Restored(state, read.run, read.step)
     if not skipped:
       return None

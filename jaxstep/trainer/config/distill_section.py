@@ -1,0 +1,38 @@
+"""The ``distill`` section's fit with the rest of a run's config (the section itself is
+``jaxstep.core.distill.DistillConfig``)."""
+
+from __future__ import annotations
+
+from jaxstep.errors import ConfigError
+
+
+def check_distill_run(cfg) -> None:
+  """Which runs a teacher (``distill.teacher``) fits: ``on_policy`` an RL run's rollouts,
+  ``logits`` and ``gkd`` a supervised run's windows."""
+  d, rl_run = cfg.distill, bool(cfg.rl.rewards)
+  mode = d.resolved_mode(rl_run)
+  if cfg.preference.loss:
+    raise ConfigError(
+      "a run is either preference (preference.loss) or distillation (distill.teacher); pick one"
+    )
+  if mode == "on_policy" and not rl_run:
+    raise ConfigError(
+      "distill.mode=on_policy trains on the student's own samples of prompts: name rl.rewards "
+      "(they score the samples and the held-out prompts) and give prompts as data.path, or "
+      "use distill.mode=logits or gkd on supervised data"
+    )
+  if mode != "on_policy" and rl_run:
+    raise ConfigError(
+      f"distill.mode={mode} distills on supervised windows, but rl.rewards makes this an RL "
+      f"run: use distill.mode=on_policy, or drop rl.rewards"
+    )
+  if rl_run and cfg.rl.filter_groups:
+    raise ConfigError(
+      "rl.filter_groups keeps groups whose rewards differ, but on-policy distillation learns "
+      "from the teacher, not the rewards: drop rl.filter_groups"
+    )
+  if getattr(cfg.model, "num_experts", 0):
+    raise ConfigError(
+      "distill.teacher with a mixture-of-experts student is not supported yet: distill into "
+      "a dense model"
+    )

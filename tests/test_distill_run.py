@@ -1,0 +1,182 @@
+"""Distillation through ``jaxstep train`` (``distill.teacher``): a teacher run directory or
+exported model folder scores the student's windows (``logits``, ``gkd``) or its rollouts
+(``on_policy``); the teacher rides in the train state, never in a checkpoint, and a killed
+run resumes bitwise; settings that do not fit are one line."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL, read_lines, restore_state_arrays
+from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
+from test_pretrained import folder  # noqa: F401 - fixture
+
+from jaxstep.errors import ConfigError
+from jaxstep.trainer import config_run
+from jaxstep.trainer.config import loading as config_lib
+
+COMMON = [
+  *SMALL_MODEL,
+  "train.global_batch_size=16",
+  "train.log_every=1",
+  "train.eval_every=0",
+  "train.sample_every=0",
+  "model.dropout=0",
+  "optim.warmup_steps=0",
+]
+SFT = [*COMMON, "data.path=bundled:sum-docs", "data.pack=false", "data.eval_fraction=0.05"]
+RL = [
+  *COMMON,
+  "data.path=bundled:sums",
+  "data.eval_fraction=0.02",
+  "rl.rewards=[exact_answer]",
+  "rl.num_generations=4",
+  "rl.max_new_tokens=5",
+]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> pathlib.Path:
+  """A run directory trained for 6 updates on the sums (another seed than the students')."""
+  run_dir = tmp_path_factory.mktemp("teacher") / "run"
+  cfg = config_lib.load(None, [*SFT, "train.max_steps=6", "train.seed=5", f"run_dir={run_dir}"])
+  config_run.train(cfg)
+  return run_dir
+
+
+def test_a_logits_run_weighs_its_two_terms_and_stores_no_teacher(tmp_path, teacher):
+  args = [*SFT, "train.max_steps=2", "checkpoint.every=1", f"run_dir={tmp_path / 'run'}"]
+  args += [f"distill.teacher={teacher}", "distill.alpha=0.3", "distill.temperature=2.0"]
+  config_run.train(config_lib.load(None, args))
+  for line in read_lines(tmp_path / "run" / "metrics.jsonl"):
+    soft, nll = line["distill/divergence"], line["distill/nll"]
+    assert soft > 0 and nll > 0
+    assert line["loss"] == pytest.approx(0.3 * soft + 0.7 * nll, rel=1e-5)
+  _, state = restore_state_arrays(tmp_path / "run")
+  assert state["model_state"] == {"teacher": None}  # read again at every start, never stored
+
+
+def test_an_exported_teacher_in_bf16_drives_gkd(tmp_path, teacher):
+  from jaxstep.cli import export as export_cli
+
+  assert export_cli.main([str(teacher), "--out", str(tmp_path / "teacher-hf")]) == 0
+  args = [*SFT, "train.max_steps=2", f"run_dir={tmp_path / 'run'}", "distill.mode=gkd"]
+  args += [f"distill.teacher={tmp_path / 'teacher-hf'}", "distill.teacher_dtype=bf16"]
+  result = config_run.train(config_lib.load(None, args))
+  teacher_leaves = jax.tree.leaves(result.state.model_state["teacher"])
+  assert teacher_leaves and all(x.dtype == jax.numpy.bfloat16 for x in teacher_leaves)
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert all(r["loss"] == pytest.approx(r["distill/divergence"], rel=1e-6) for r in lines)
+
+
+def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
+  """On the first pass over a rollout the importance ratio is 1, so the loss is coef × the
+  sampled reverse KL against the teacher, which the record reports."""
+  args = [*RL, "train.max_steps=2", "train.grad_accum_steps=2", f"run_dir={tmp_path / 'run'}"]
+  args += [f"distill.teacher={teacher}", "distill.coef=0.5", "train.eval_every=2"]
+  config_run.train(config_lib.load(None, args))
+  first = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
+  assert first["distill/reverse_kl"] > 0
+  assert first["loss"] == pytest.approx(0.5 * first["distill/reverse_kl"], rel=1e-4, abs=1e-6)
+  evals = read_lines(tmp_path / "run" / "eval.jsonl")
+  assert "eval_rewards/exact_answer" in evals[-1]
+
+
+def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
+  given = [f"distill.teacher={teacher}", f"run_dir={tmp_path / 'run'}"]
+  for args, words in (
+    ([*SFT, *given, "distill.mode=on_policy"], "name rl.rewards"),
+    ([*RL, *given, "distill.mode=gkd"], "use distill.mode=on_policy"),
+    ([*RL, *given, "rl.filter_groups=true"], "drop rl.filter_groups"),
+    ([*SFT, *given, "distill.beta=2"], "weights in"),
+  ):
+    with pytest.raises(ConfigError, match=words):
+      config_lib.load(None, args)
+  gone = [*SFT, f"distill.teacher={tmp_path / 'nowhere'}", f"run_dir={tmp_path / 'run'}"]
+  with pytest.raises(ConfigError, match="neither a model folder"):
+    config_run.train(config_lib.load(None, gone))
+  assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, folder):  # noqa: F811
+  """A Qwen3 folder of 320 ids against the bytes' 259 (padded to 264)."""
+  args = [*SFT, f"distill.teacher={folder[0]}", f"run_dir={tmp_path / 'run'}"]
+  with pytest.raises(ConfigError, match="student's vocabulary"):
+    config_run.train(config_lib.load(None, args))
+
+
+@pytest.mark.slow
+def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher):
+  from conftest import bitwise_same_checkpoints, straight_and_killed
+
+  args = [*SFT, "train.max_steps=6", "checkpoint.every=1", "train.grad_accum_steps=2"]
+  args += [f"distill.teacher={teacher}", "distill.mode=gkd", "mesh.cpu_devices=1"]
+  straight, killed = straight_and_killed(tmp_path, args, kill_at=3)
+  step, _ = bitwise_same_checkpoints(straight, killed)
+  assert step == 6
+  a, b = (read_lines(d / "metrics.jsonl") for d in (straight, killed))
+  assert [r["loss"] for r in a] == [r["loss"] for r in b[-len(a) :]]
+
+
+@pytest.mark.slow
+def test_distillation_on_four_devices_equals_one_device(tmp_path, teacher):
+  """The teacher sharded like the student (fsdp) and the batch over data: the same losses
+  and gradient norms as one device, for a supervised and an on-policy run."""
+  for kind, base in (("logits", SFT), ("on_policy", RL)):
+    runs = {}
+    for name, mesh in {
+      "one": ["mesh.cpu_devices=1"],
+      "data": ["mesh.cpu_devices=4", "mesh.data=4"],
+      "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4", "mesh.data=1"],
+    }.items():
+      run_dir = tmp_path / f"{kind}-{name}"
+      args = [*base, "train.max_steps=3", f"run_dir={run_dir}", f"distill.teacher={teacher}"]
+      done = subprocess.run(
+        [sys.executable, "-m", "jaxstep.train", *args, *mesh], capture_output=True
+      )
+      assert done.returncode == 0, done.stderr.decode()[-2000:]
+      runs[name] = read_lines(run_dir / "metrics.jsonl")
+    for name in ("data", "fsdp"):
+      for a, b in zip(runs["one"], runs[name], strict=True):
+        for key in ("loss", "grad_norm"):
+          np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{kind} {key}")
+
+
+def test_the_memory_ledger_counts_the_teacher(tmp_path, teacher):
+  from jaxstep.cli import memory as memory_cli
+  from jaxstep.trainer.plan.memory import compiled_memory
+
+  args = [*SFT, f"run_dir={tmp_path / 'run'}", "mesh.cpu_devices=1"]
+  alone = compiled_memory(config_lib.load(None, args))
+  cfg = config_lib.load(None, [*args, f"distill.teacher={teacher}", "distill.teacher_dtype=bf16"])
+  taught = compiled_memory(cfg)
+  _, state = restore_state_arrays(teacher)
+  params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  assert taught["argument_bytes"] - alone["argument_bytes"] == 2 * params  # bf16
+  assert f"the teacher {teacher} holds {params:,} parameters in bf16" in memory_cli.report(cfg)
+
+
+def test_the_demo_config_distills_from_folders(tmp_path, teacher, monkeypatch):
+  """``configs/distill-arith.yaml`` as the demo runs it, on small stand-ins: the teacher's
+  export as the teacher and, for its shape, as the student's start too (2 updates)."""
+  from jaxstep.cli import export as export_cli
+
+  exported = tmp_path / "teacher-hf"
+  assert export_cli.main([str(teacher), "--out", str(exported)]) == 0
+  monkeypatch.chdir(pathlib.Path(__file__).parents[1])
+  small = ["train.max_steps=2", "train.global_batch_size=16", "train.grad_accum_steps=2"]
+  small += ["train.eval_every=2", "train.progress=false", f"run_dir={tmp_path / 'run'}"]
+  paths = [f"model.init_from={exported}", f"distill.teacher={exported}"]
+  cfg = config_lib.load("configs/distill-arith.yaml", [*paths, *small])
+  assert (cfg.distill.mode, cfg.distill.estimator, cfg.rl.num_generations) == (
+    "on_policy",
+    "full",
+    1,
+  )
+  config_run.train(cfg)
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert lines[0]["loss"] == pytest.approx(0.0, abs=1e-5)  # the student is its own teacher
+  assert "eval_rewards/exact_answer" in read_lines(tmp_path / "run" / "eval.jsonl")[-1]
