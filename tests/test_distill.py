@@ -121,7 +121,7 @@ LOSSES = {
     tiny_lm_apply, teacher, distill.DistillConfig(beta=0.3), "gkd"
   ),
   "on_policy": lambda: distill.on_policy_loss(
-    tiny_lm_apply, teacher, distill.DistillConfig(), temperature=0.9
+    tiny_lm_apply, teacher, distill.DistillConfig(estimator="sampled"), temperature=0.9
   ),
   "on_policy_full": lambda: distill.on_policy_loss(
     tiny_lm_apply, teacher, distill.DistillConfig(estimator="full"), loss_norm="sequences"
@@ -187,3 +187,47 @@ def test_the_full_reverse_kl_over_allowed_ids_has_a_finite_gradient():
   want, want_grads = jax.value_and_grad(restricted)(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert_close((total, grads), (want, want_grads), terms=VOCAB * SEQ)
+
+
+READ_ONLY_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jaxstep import parallel
+from jaxstep.core.step import make_train_step
+
+def loss_fn(params, batch, rng, model_state):
+  pred = batch["x"] * params["w"] + jnp.sum(model_state["teacher"]) * 0.0
+  stats = model_state["stats"] + jnp.mean(batch["x"])  # differs per device: averaged
+  loss = jnp.sum(batch["loss_mask"] * (pred - batch["y"]) ** 2)
+  return loss, {}, {"teacher": model_state["teacher"], "stats": stats}
+
+mesh = parallel.make_mesh(3, 1)
+rng = np.random.default_rng(0)
+teacher = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32) / 3.0
+batch = {"x": rng.normal(size=(6, 4)).astype(np.float32), "y": np.zeros((6, 4), np.float32),
+         "loss_mask": np.ones((6, 4), np.int32)}
+step = make_train_step(loss_fn, optax.sgd(0.1), grad_accum_steps=2, mesh=mesh)
+state = step.init({"w": jnp.ones(4)}, 0, model_state={"teacher": teacher, "stats": jnp.zeros(())})
+before = np.asarray(state.model_state["teacher"]).copy()
+for _ in range(3):
+  state, _ = jax.jit(step)(state, parallel.put_batch(batch, parallel.batch_sharding(mesh)))
+after = np.asarray(state.model_state["teacher"])
+assert np.array_equal(before.view(np.uint32), after.view(np.uint32)), "the teacher drifted"
+assert float(state.model_state["stats"]) != 0.0
+print("READ-ONLY OK")
+"""
+
+
+def test_a_teacher_in_the_state_is_never_averaged_over_devices():
+  """Three devices (averaging three equal floats is not exact): after updates the teacher
+  is the same bits; a model-state leaf that differs per device is still averaged."""
+  import os
+  import subprocess
+  import sys
+
+  from conftest import xla_flags
+
+  env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=3")}
+  done = subprocess.run(
+    [sys.executable, "-c", READ_ONLY_SCRIPT], env=env, capture_output=True, text=True
+  )
+  assert "READ-ONLY OK" in done.stdout, done.stderr[-2000:]

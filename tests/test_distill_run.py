@@ -56,7 +56,7 @@ def test_a_logits_run_weighs_its_two_terms_and_stores_no_teacher(tmp_path, teach
     assert soft > 0 and nll > 0
     assert line["loss"] == pytest.approx(0.3 * soft + 0.7 * nll, rel=1e-5)
   _, state = restore_state_arrays(tmp_path / "run")
-  assert state["model_state"] == {"teacher": None}  # read again at every start, never stored
+  assert state["model_state"] is None  # read again at every start, never stored
 
 
 def test_an_exported_teacher_in_bf16_drives_gkd(tmp_path, teacher):
@@ -73,10 +73,12 @@ def test_an_exported_teacher_in_bf16_drives_gkd(tmp_path, teacher):
 
 
 def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
-  """On the first pass over a rollout the importance ratio is 1, so the loss is coef × the
-  sampled reverse KL against the teacher, which the record reports."""
+  """With the sampled estimator, on the first pass over a rollout the importance ratio is
+  1, so the loss is coef × the sampled reverse KL against the teacher, which the record
+  reports."""
   args = [*RL, "train.max_steps=2", "train.grad_accum_steps=2", f"run_dir={tmp_path / 'run'}"]
   args += [f"distill.teacher={teacher}", "distill.coef=0.5", "train.eval_every=2"]
+  args += ["distill.estimator=sampled"]
   config_run.train(config_lib.load(None, args))
   first = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
   assert first["distill/reverse_kl"] > 0
@@ -180,3 +182,24 @@ def test_the_demo_config_distills_from_folders(tmp_path, teacher, monkeypatch):
   lines = read_lines(tmp_path / "run" / "metrics.jsonl")
   assert lines[0]["loss"] == pytest.approx(0.0, abs=1e-5)  # the student is its own teacher
   assert "eval_rewards/exact_answer" in read_lines(tmp_path / "run" / "eval.jsonl")[-1]
+
+
+def test_a_resume_against_another_teacher_is_refused(tmp_path, teacher):
+  """The run records its teacher; a folder whose weights changed since is one line."""
+  from jaxstep.cli import export as export_cli
+  from jaxstep.errors import CheckpointError
+
+  exported = tmp_path / "teacher-hf"
+  assert export_cli.main([str(teacher), "--out", str(exported)]) == 0
+  args = [*SFT, "train.schedule_steps=4", f"run_dir={tmp_path / 'run'}"]
+  args += [f"distill.teacher={exported}"]
+  config_run.train(config_lib.load(None, [*args, "train.max_steps=2"]))
+  assert export_cli.main([str(tmp_path / "run"), "--out", str(exported)]) == 0  # another model
+  with pytest.raises(CheckpointError, match="the distillation teacher changed since"):
+    config_run.train(config_lib.load(None, [*args, "train.max_steps=4"]))
+
+
+def test_a_teacher_shorter_than_the_windows_is_one_line(tmp_path, teacher):
+  args = [*SFT, "model.max_seq_len=32", "train.seq_len=24", f"run_dir={tmp_path / 'run'}"]
+  with pytest.raises(ConfigError, match="takes 16 positions, the student's windows"):
+    config_run.train(config_lib.load(None, [*args, f"distill.teacher={teacher}"]))

@@ -88,7 +88,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
     apply_fn=None if pairs else apply_fn,  # the logits stage reads single sequences
     units_fn=preference.pair_units if pairs else None,
     precision=t.precision,
-    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)),
+    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)[0]),
   )
 
 
@@ -124,7 +124,7 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
     _compared_k(t.grad_accum_steps, t.global_batch_size),
     units_fn=rl_plan.units_fn(cfg),
     precision=t.precision,
-    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)),
+    model_state=teacher.model_state(cfg, reference, saved_teacher.load(cfg, dataset.tokenizer)[0]),
   )
 
 

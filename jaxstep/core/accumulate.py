@@ -31,6 +31,7 @@ from jaxstep.core.layout import (
   tree_specs,
 )
 from jaxstep.core.precision import cast_floating
+from jaxstep.core.state import READ_ONLY_STATE
 
 # (params, micro_batch, rng) -> (loss_sum, aux); with model state:
 # (params, micro_batch, rng, model_state) -> (loss_sum, aux, new_model_state)
@@ -211,6 +212,19 @@ def accumulate(
   return grads, loss, extra, summed_over_steps(auxes), model_state
 
 
+def _averaged(after, before, specs, axes):
+  """The model state a device hands back: its ``READ_ONLY_STATE`` entries as they came in
+  (``before``, its shard), every other leaf of ``after`` averaged over the devices
+  (``collectives.average``)."""
+  average = functools.partial(collectives.average, axes=axes)
+  if not isinstance(after, dict):
+    return jax.tree.map(average, after, specs)
+  return {
+    k: before[k] if k in READ_ONLY_STATE else jax.tree.map(average, v, specs[k])
+    for k, v in after.items()
+  }
+
+
 def _as_fp32(tree):
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
@@ -276,7 +290,8 @@ def sharded_accumulate(
   The model state is laid out like params; each device threads it through its own rows'
   micro-steps, and after the scan its floating leaves are averaged over all devices (other
   leaves take the maximum), the way data-parallel BatchNorm without cross-device
-  statistics ends up when the replicas' buffers are averaged.
+  statistics ends up when the replicas' buffers are averaged; its read-only entries (a
+  live reference, a teacher: ``state.READ_ONLY_STATE``) come back as they went in.
 
   Args:
     batch: the global batch, leaves ``[G, ...]`` sharded ``P(("data", "fsdp"))``.
@@ -297,7 +312,7 @@ def sharded_accumulate(
       return _local_sums(full, batch, units, step_rng, loss_scale, model_state, frozen)
 
   def _local_sums(full, batch, units, step_rng, loss_scale, model_state, frozen):
-    grads, loss, extra, aux, model_state = accumulate(
+    grads, loss, extra, aux, after = accumulate(
       loss_fn,
       full,
       split_micro_batches(batch, grad_accum_steps),
@@ -311,8 +326,7 @@ def sharded_accumulate(
       frozen=jax.tree.map(collectives.gather, frozen, frozen_specs),
     )
     grads, loss, extra, aux = collectives.reduce(grads, (loss, extra, aux), param_specs, axes)
-    average = functools.partial(collectives.average, axes=axes)
-    return grads, loss, extra, aux, jax.tree.map(average, model_state, state_specs)
+    return grads, loss, extra, aux, _averaged(after, model_state, state_specs, axes)
 
   axes = batch_axes(mesh)
   specs = (manual(param_specs), P(axes), P(), P(), P(), manual(state_specs), manual(frozen_specs))

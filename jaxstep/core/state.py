@@ -14,6 +14,12 @@ from jaxstep.core import freeze
 from jaxstep.core.loss_scale import LossScaleState, fixed_state
 from jaxstep.errors import ConfigError
 
+# ``model_state`` entries a loss reads and never changes: a live reference's frozen copy and
+# a distillation teacher. Each device hands them back as they came (no average over the
+# devices: an all-reduce of a whole model per update, and rounding drift on device counts
+# that are not powers of two).
+READ_ONLY_STATE = ("reference", "teacher")
+
 
 def raw_key(rng) -> jax.Array:
   """``rng`` as the one form the state stores: a raw threefry key, ``uint32[2]``.

@@ -188,8 +188,18 @@ class RLTrainer(Trainer):
     def build(reference, teacher):
       return distill_core.on_policy_loss(apply_fn, teacher, d, reference=reference, **options)
 
-    if d.teacher_dtype == "bf16":
-      params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    if self.r.filter_groups:
+      raise ConfigError(
+        "rl.filter_groups keeps groups whose rewards differ, but on-policy distillation "
+        "learns from the teacher, not the rewards: drop it"
+      )
+    if _is_config(model) and model.max_seq_len < self.seq_len:
+      raise ConfigError(
+        f"the teacher takes {model.max_seq_len} positions, the rollouts' rows {self.seq_len}"
+      )
+    if d.teacher_dtype == "bf16":  # floating leaves only (a quantized weight stays as it is)
+      low = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+      params = jax.tree.map(low, params)
     loss_fn = loss_with_teacher(kind, apply_fn, teacher_apply, build)
     return loss_fn, {**(frozen or {}), distill_core.TEACHER: params}
 
@@ -255,6 +265,8 @@ def _distill_config(value) -> distill_core.DistillConfig:
   if value is None:
     value = distill_core.DistillConfig()
   elif isinstance(value, Mapping):
+    if "teacher" in value:
+      raise ConfigError("give RLTrainer's teacher as its teacher=(model, params) argument")
     value = config_lib.build_section(distill_core.DistillConfig(), dict(value), "distill.")
   elif not isinstance(value, distill_core.DistillConfig):
     raise ConfigError(f"distill must be a DistillConfig or a dict of its keys, got {value!r}")

@@ -68,7 +68,7 @@ def build(
   With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
   ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
-  ``load_teacher(cfg, tokenizer) -> params`` reads ``distill.teacher``'s params
+  ``load_teacher(cfg, tokenizer) -> (params, identity)`` reads ``distill.teacher``
   (``saved_run.teacher.load``, a room above this one).
   """
   trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
@@ -100,7 +100,13 @@ def build(
   params = steps.frozen_cast(cfg, params)
   step = steps.train_step(cfg, apply_fn, mesh, plan.schedule_steps, t.grad_accum_steps)
   reference = steps.reference_state(cfg, params)  # a live reference: a copy, frozen
-  taught = load_teacher(cfg, dataset.tokenizer) if cfg.distill.teacher else None
+  taught, teacher_id = None, {}
+  if cfg.distill.teacher:
+    if load_teacher is None:
+      raise ConfigError(
+        "distill.teacher needs build(cfg, load_teacher=jaxstep.trainer.saved_run.teacher.load)"
+      )
+    taught, teacher_id = load_teacher(cfg, dataset.tokenizer)
   frozen = teacher.model_state(cfg, reference, taught)
   state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=frozen)
   state_sh = parallel.tree_shardings(state, mesh)
@@ -151,6 +157,7 @@ def build(
     trainable=list(cfg.optim.trainable),
     base=_base_identity(cfg, base_fingerprint),
     optim=optimizer_of(cfg.optim),
+    teacher=teacher_id,
   )
   return run, state, run_state
 

@@ -196,8 +196,9 @@ class Checkpointer:
     """``state`` with the params leaves that are not stored set to None, and without a
     distillation teacher (read again at every start)."""
     frozen = getattr(state, "model_state", None)
-    if isinstance(frozen, dict) and TEACHER in frozen:
-      state = state.replace(model_state={**frozen, TEACHER: None})
+    if isinstance(frozen, dict) and TEACHER in frozen:  # saved as a run without one saves
+      rest = {k: v for k, v in frozen.items() if k != TEACHER}
+      state = state.replace(model_state=rest or None)
     if self.stored is None:
       return state
     return state.replace(params=freeze.partition(state.params, self.stored)[0])
@@ -261,7 +262,7 @@ class Checkpointer:
         state = state.replace(params=freeze.combine(state.params, frozen))
       if isinstance(target.model_state, dict) and TEACHER in target.model_state:
         teacher = target.model_state[TEACHER]
-        state = state.replace(model_state={**state.model_state, TEACHER: teacher})
+        state = state.replace(model_state={**(state.model_state or {}), TEACHER: teacher})
       return Restored(state, read.run, read.step)
     if not skipped:
       return None

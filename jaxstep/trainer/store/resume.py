@@ -25,7 +25,12 @@ from jaxstep.trainer.store import checkpoint_read
 from jaxstep.trainer.store.checkpoint import Checkpointer, Restored, list_checkpoints, step_dirs
 from jaxstep.trainer.store.records import read_records
 from jaxstep.trainer.store.run_dir import archive_previous
-from jaxstep.trainer.store.run_state import RunState, optimizer_change, saved_optimizer
+from jaxstep.trainer.store.run_state import (
+  RunState,
+  optimizer_change,
+  saved_optimizer,
+  teacher_change,
+)
 
 log = logging.getLogger("jaxstep")
 
@@ -93,6 +98,9 @@ def _check_same_run(
         f"{old.get('fingerprint')} → {now}); its checkpoints hold the trained parameters "
         f"only and need the base they were trained on: put it back or start a new run_dir"
       )
+  changed = teacher_change(saved.get("teacher") or {}, current.teacher)
+  if changed:
+    raise CheckpointError(changed)
   refuse_a_different_run(
     saved, dataclasses.asdict(current), allow_schedule_change=allow_schedule_change,
     way_out=", or start a new run_dir", step=step, stable_end=stable_end,

@@ -38,6 +38,9 @@ class RunState:
       run state without it: 1, read by ``param_layout.upgrade``).
     optim: ``{"name", "groups"}``: ``optim.name`` and ``optim.groups``, which lay out the
       optimizer state (``optimizer_of``), so a resume that changes them is named as such.
+    teacher: ``{"path", "step", "fingerprint"}`` of a distillation run's teacher, read again
+      at every start (a run directory's checkpoint step; a model folder's weights'
+      fingerprint), so a resume from another teacher is refused; else {}.
   """
 
   step: int = 0
@@ -57,6 +60,7 @@ class RunState:
   trackers: dict = dataclasses.field(default_factory=dict)
   param_layout: int = PARAM_LAYOUT
   optim: dict = dataclasses.field(default_factory=dict)
+  teacher: dict = dataclasses.field(default_factory=dict)
 
   def advanced(self, *, steps_per_epoch: int) -> RunState:
     """The position after consuming one global batch (one update step)."""
@@ -113,3 +117,20 @@ def optimizer_change(old: dict, new: dict) -> tuple[str, str]:
 def _flow(groups: list) -> str:
   """Groups as one line of YAML, as a ``key=value`` override takes them."""
   return yaml.safe_dump(groups, default_flow_style=True, sort_keys=False, width=10**6).strip()
+
+
+def teacher_change(old: dict, new: dict) -> str:
+  """Why a distillation run cannot resume against this teacher (``RunState.teacher`` of the
+  checkpoint and of this run): another path, checkpoint step or folder fingerprint; "" when
+  it can (the same teacher, or one added to or dropped from the run: a change of objective
+  the config says)."""
+  if not (old and new) or old == new:
+    return ""
+  what = " and ".join(
+    f"{k} {old.get(k)} → {new.get(k)}" for k in ("path", "step", "fingerprint")
+    if old.get(k) != new.get(k)
+  )  # fmt: skip
+  return (
+    f"the distillation teacher changed since the checkpoint ({what}); put it back (a run "
+    f"directory's teacher is its newest checkpoint), or start a new run_dir"
+  )
