@@ -203,3 +203,67 @@ def test_a_teacher_shorter_than_the_windows_is_one_line(tmp_path, teacher):
   args = [*SFT, "model.max_seq_len=32", "train.seq_len=24", f"run_dir={tmp_path / 'run'}"]
   with pytest.raises(ConfigError, match="takes 16 positions, the student's windows"):
     config_run.train(config_lib.load(None, [*args, f"distill.teacher={teacher}"]))
+
+
+def test_a_packed_run_gives_the_teacher_its_documents(tmp_path, teacher):
+  """Self-distillation on packed windows with document masks: the student starts as the
+  teacher, so the KL is 0 at the first update only if the teacher sees the same document
+  boundaries and positions as the student."""
+  from jaxstep.cli import export as export_cli
+
+  exported = tmp_path / "teacher-hf"
+  assert export_cli.main([str(teacher), "--out", str(exported)]) == 0
+  args = [*SFT, "data.pack=true", "data.document_mask=true", "train.max_steps=1"]
+  args += [f"model.init_from={exported}", f"distill.teacher={exported}", "distill.alpha=1.0"]
+  config_run.train(config_lib.load(None, [*args, f"run_dir={tmp_path / 'run'}"]))
+  first = read_lines(tmp_path / "run" / "metrics.jsonl")[0]
+  assert first["distill/divergence"] == pytest.approx(0.0, abs=1e-6)
+  assert first["distill/nll"] > 0.1
+
+
+def test_a_lora_student_distills_on_policy_with_its_base_as_reference(tmp_path, teacher):
+  """LoRA adapters train against the teacher; ``rl.beta`` > 0 takes the LoRA base as the
+  KL's reference (its KL is 0 before the first update); checkpoints hold neither."""
+  args = [*RL, "model.lora.rank=4", "rl.beta=0.1", "train.max_steps=2", "checkpoint.every=1"]
+  args += [f"distill.teacher={teacher}", f"run_dir={tmp_path / 'run'}", "optim.lr=1e-2"]
+  config_run.train(config_lib.load(None, args))
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert lines[0]["kl"] == 0.0 and lines[0]["loss"] > 0 and lines[1]["kl"] > 0
+  _, state = restore_state_arrays(tmp_path / "run")
+  assert state["model_state"] is None
+
+
+def test_a_trainer_of_your_own_distills_with_the_teacher_in_its_state(tmp_path):
+  """``jaxstep.Trainer`` with ``distill.teacher_loss`` and the teacher's params in the
+  model state: offline KD of your own model; its checkpoints hold no teacher."""
+  import jax.numpy as jnp
+  from conftest import tiny_lm_apply, tiny_lm_params
+
+  import jaxstep
+  from jaxstep.core import distill
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 11, (40, 8, 9)).astype(np.int32)
+  data = [{"inputs": t[:, :-1], "targets": t[:, 1:], "loss_mask": np.ones((8, 8), np.int32)}
+          for t in tokens]  # fmt: skip
+  d = distill.DistillConfig(alpha=1.0)
+  build = lambda teacher: distill.supervised_loss(tiny_lm_apply, teacher, d, "logits")  # noqa: E731
+  teacher_params = tiny_lm_params(vocab=11, seed=3)
+  train = {"global_batch_size": 8, "grad_accum_steps": 2, "max_steps": 30, "progress": False}
+  result = jaxstep.Trainer(
+    distill.teacher_loss(build, tiny_lm_apply),
+    tiny_lm_params(vocab=11),
+    jaxstep.OptimConfig(lr=3e-2, warmup_steps=0),
+    train_data=data,
+    run_dir=tmp_path / "run",
+    model_state={distill.TEACHER: teacher_params},
+    train={**train, "log_every": 1},
+  ).fit()
+  kl = [r["loss"] for r in read_lines(tmp_path / "run" / "metrics.jsonl")]
+  assert kl[-1] < 0.5 * kl[0]  # the student moves to the teacher's distributions
+  held = result.state.model_state[distill.TEACHER]
+  assert all(
+    jnp.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(teacher_params), strict=True)
+  )
+  assert restore_state_arrays(tmp_path / "run")[1]["model_state"] is None

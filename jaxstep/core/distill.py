@@ -116,6 +116,25 @@ def soft_kl(student_logits, teacher_logits, temperature: float = 1.0):
   return temperature**2 * kl(t, s)
 
 
+def teacher_loss(build: Callable, teacher_apply: Callable) -> Callable:
+  """The step's 4-argument ``loss_fn(params, batch, rng, model_state)`` from
+  ``build(teacher) -> loss_fn(params, batch, rng)``, where ``teacher(inputs, **fields) ->
+  logits`` runs ``teacher_apply`` without dropout on the frozen params the train state's
+  ``model_state`` carries under ``TEACHER`` (the state comes back unchanged): the form a
+  ``jaxstep.Trainer`` of your own takes, with ``model_state={TEACHER: teacher_params}``;
+  its checkpoints leave the teacher out, so give it again to resume."""
+
+  def loss_fn(params, batch, rng, model_state):
+    frozen = model_state[TEACHER]
+
+    def teacher(inputs, **fields):
+      return teacher_apply(frozen, inputs, rng=None, train=False, **fields)
+
+    return (*build(teacher)(params, batch, rng), model_state)
+
+  return loss_fn
+
+
 def supervised_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, mode: str):
   """The step ``loss_fn(params, batch, rng) -> (Σ mask·l_t, aux)`` of ``logits`` or ``gkd``
   on a supervised batch (``inputs``, ``targets``, ``loss_mask``; document fields go to both
