@@ -125,15 +125,15 @@ def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher):
 
 @pytest.mark.slow
 def test_distillation_on_four_devices_equals_one_device(tmp_path, teacher):
-  """The teacher sharded like the student (fsdp) and the batch over data: the same losses
-  and gradient norms as one device, for a supervised and an on-policy run."""
-  for kind, base in (("logits", SFT), ("on_policy", RL)):
+  """The teacher sharded like the student (fsdp 4, a supervised run) and the batch over
+  data (4 devices, an on-policy run): the same losses and gradient norms as one device."""
+  meshes = {
+    "data": ["mesh.cpu_devices=4", "mesh.data=4"],
+    "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4", "mesh.data=1"],
+  }
+  for kind, base, split in (("logits", SFT, "fsdp"), ("on_policy", RL, "data")):
     runs = {}
-    for name, mesh in {
-      "one": ["mesh.cpu_devices=1"],
-      "data": ["mesh.cpu_devices=4", "mesh.data=4"],
-      "fsdp": ["mesh.cpu_devices=4", "mesh.fsdp=4", "mesh.data=1"],
-    }.items():
+    for name, mesh in {"one": ["mesh.cpu_devices=1"], split: meshes[split]}.items():
       run_dir = tmp_path / f"{kind}-{name}"
       args = [*base, "train.max_steps=3", f"run_dir={run_dir}", f"distill.teacher={teacher}"]
       done = subprocess.run(
@@ -141,10 +141,9 @@ def test_distillation_on_four_devices_equals_one_device(tmp_path, teacher):
       )
       assert done.returncode == 0, done.stderr.decode()[-2000:]
       runs[name] = read_lines(run_dir / "metrics.jsonl")
-    for name in ("data", "fsdp"):
-      for a, b in zip(runs["one"], runs[name], strict=True):
-        for key in ("loss", "grad_norm"):
-          np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{kind} {key}")
+    for a, b in zip(runs["one"], runs[split], strict=True):
+      for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{kind} {key}")
 
 
 def test_the_memory_ledger_counts_the_teacher(tmp_path, teacher):
