@@ -94,9 +94,11 @@ def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
     ([*RL, *given, "distill.mode=gkd"], "use distill.mode=on_policy"),
     ([*RL, *given, "rl.filter_groups=true"], "drop rl.filter_groups"),
     ([*SFT, *given, "distill.beta=2"], "weights in"),
+    ([*RL, f"run_dir={tmp_path / 'run'}", "rl.num_generations=1"], "must be >= 2 for advantage"),
   ):
     with pytest.raises(ConfigError, match=words):
       config_lib.load(None, args)
+  assert config_lib.load(None, [*RL, *given, "rl.num_generations=1"]).rl.num_generations == 1
   gone = [*SFT, f"distill.teacher={tmp_path / 'nowhere'}", f"run_dir={tmp_path / 'run'}"]
   with pytest.raises(ConfigError, match="neither a model folder"):
     config_run.train(config_lib.load(None, gone))
@@ -196,6 +198,14 @@ def test_a_resume_against_another_teacher_is_refused(tmp_path, teacher):
   assert export_cli.main([str(tmp_path / "run"), "--out", str(exported)]) == 0  # another model
   with pytest.raises(CheckpointError, match="the distillation teacher changed since"):
     config_run.train(config_lib.load(None, [*args, "train.max_steps=4"]))
+
+
+def test_a_poisoned_update_of_a_distillation_run_is_skipped(tmp_path, teacher):
+  """``train.debug_nan_step`` reaches a loss that carries the teacher (4 arguments)."""
+  args = [*SFT, "train.max_steps=3", "train.debug_nan_step=2", f"run_dir={tmp_path / 'run'}"]
+  config_run.train(config_lib.load(None, [*args, f"distill.teacher={teacher}"]))
+  lines = read_lines(tmp_path / "run" / "metrics.jsonl")
+  assert [r["updated"] for r in lines] == [True, False, True]
 
 
 def test_a_teacher_shorter_than_the_windows_is_one_line(tmp_path, teacher):

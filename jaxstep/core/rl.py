@@ -77,7 +77,8 @@ def group_advantages(rewards, kind: str = "grpo") -> np.ndarray:
   - ``rloo``: ``r − mean of the other G − 1`` (leave-one-out baseline, TRL's RLOO).
 
   A group whose rewards are all equal gets advantage exactly 0 under every kind: the
-  deviations are taken from the group's first reward, which they share.
+  deviations are taken from the group's first reward, which they share; so does a group of
+  one completion (a run that needs groups refuses G < 2 when it starts).
   """
   rewards = np.asarray(rewards, np.float64)
   if rewards.ndim != 2:
@@ -85,8 +86,8 @@ def group_advantages(rewards, kind: str = "grpo") -> np.ndarray:
   if kind not in ADVANTAGES:
     raise ConfigError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {kind!r}")
   g = rewards.shape[1]
-  if g < 2 and kind != "dr_grpo":
-    raise ConfigError(f"advantage={kind!r} needs at least 2 completions per prompt, got {g}")
+  if g < 2:  # a group of one has nothing to compare with (on-policy distillation's rollouts)
+    return np.zeros(rewards.shape, np.float32)
   shifted = rewards - rewards[:, :1]  # all-equal groups: exact zeros from here on
   centred = shifted - shifted.mean(axis=1, keepdims=True)
   if kind == "dr_grpo":
@@ -317,6 +318,15 @@ class RLConfig:
   filter_groups: bool = False  # dynamic sampling: train only on groups whose rewards differ
   max_draws: int = 4  # with filter_groups: at most this many rollouts sampled per update
 
+  def check_groups(self, distilling: bool) -> None:
+    """``ConfigError`` for groups of one completion where the advantage compares a group's
+    completions (a distillation run learns from its teacher and takes G = 1)."""
+    if self.num_generations < 2 and self.advantage != "dr_grpo" and not distilling:
+      raise ConfigError(
+        f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
+        f"got {self.num_generations}"
+      )
+
   def __post_init__(self):
     object.__setattr__(self, "rewards", tuple(self.rewards))
     object.__setattr__(self, "reward_weights", tuple(float(w) for w in self.reward_weights))
@@ -334,11 +344,6 @@ class RLConfig:
       )
     if self.reference_dtype not in ("fp32", "bf16"):
       raise ConfigError(f"rl.reference_dtype must be fp32 or bf16, got {self.reference_dtype!r}")
-    if self.num_generations < 2 and self.advantage != "dr_grpo":
-      raise ConfigError(
-        f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
-        f"got {self.num_generations}"
-      )
     if self.filter_groups and self.num_generations < 2:
       raise ConfigError(
         "rl.filter_groups needs rl.num_generations >= 2: a group of one completion never "

@@ -111,6 +111,7 @@ class RLTrainer(Trainer):
     distill: distill_core.DistillConfig | Mapping | None = None,
   ):
     r = _rl_config(rl)
+    r.check_groups(distilling=teacher is not None)
     self.r, self.tokenizer = r, tokenizer
     self.model_cfg = model if _is_config(model) else None
     self.rewards = load_rewards(list(rewards), reward_weights)

@@ -318,6 +318,7 @@ class Config:
 def check_rl_run(cfg: Config) -> None:
   """What an RL run (``rl.rewards`` named) cannot combine with, and its batch arithmetic."""
   r, t = cfg.rl, cfg.train
+  r.check_groups(distilling=bool(cfg.distill.teacher))
   if cfg.preference.loss:
     raise ConfigError("a run is either preference (preference.loss) or RL (rl.rewards); pick one")
   if cfg.data.sources or cfg.eval.sets:

@@ -36,11 +36,11 @@ def loss_scaler(t: TrainConfig) -> DynamicLossScale | None:
 def _poisonable(loss_fn):
   """Fault injection for ``train.debug_nan_step``: adds ``Σ batch["poison"]`` to the loss."""
 
-  def poisoned(params, batch, rng):
+  def poisoned(params, batch, rng, *model_state):  # a live reference or a teacher: 4 args
     batch = dict(batch)
     poison = batch.pop("poison")
-    loss_sum, aux = loss_fn(params, batch, rng)
-    return loss_sum + jnp.sum(poison), aux
+    loss_sum, *rest = loss_fn(params, batch, rng, *model_state)
+    return (loss_sum + jnp.sum(poison), *rest)
 
   if hasattr(loss_fn, "global_sums"):  # an MoE model's routing pass reads no poison
     poisoned.global_sums = lambda params, batch, rng: loss_fn.global_sums(
