@@ -68,8 +68,8 @@ def build(
   With more than one device, the state is sharded by ``jaxstep.parallel`` rules and the
   step accumulates device-locally under ``shard_map`` (one gradient reduction per update).
   ``run.cfg`` is the plan's: ``model.vocab_size`` and ``train.grad_accum_steps`` resolved.
-  ``load_teacher(cfg, tokenizer) -> (params, identity)`` reads ``distill.teacher``
-  (``saved_run.teacher.load``, a room above this one).
+  ``load_teacher(cfg, tokenizer, mesh) -> (params, identity)`` reads ``distill.teacher``
+  onto the mesh (``saved_run.teacher.load``, a room above this one).
   """
   trackers.check_available(cfg.train.trackers)  # a missing extra: before any work
   harness_tasks.check_tasks(cfg.eval)
@@ -106,7 +106,7 @@ def build(
       raise ConfigError(
         "distill.teacher needs build(cfg, load_teacher=jaxstep.trainer.saved_run.teacher.load)"
       )
-    taught, teacher_id = load_teacher(cfg, dataset.tokenizer)
+    taught, teacher_id = load_teacher(cfg, dataset.tokenizer, mesh)  # onto the mesh
   frozen = teacher.model_state(cfg, reference, taught)
   state = step.init(params, jax.random.fold_in(jax.random.PRNGKey(t.seed), 1), model_state=frozen)
   state_sh = parallel.tree_shardings(state, mesh)

@@ -1,49 +1,88 @@
 """A distillation run's teacher read back (``distill.teacher``: a model folder or a run
-directory, as ``jaxstep generate`` reads either): its params in ``distill.teacher_dtype``,
-once its vocabulary is checked against the student's (``plan.teacher``)."""
+directory): its params in ``distill.teacher_dtype``, each tensor onto the run's mesh as it
+is read (the layout rules the student's params follow), once its vocabulary is checked
+against the student's (``plan.teacher``)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import pathlib
 
 import jax
+import jax.numpy as jnp
 
+from jaxstep import data, parallel
 from jaxstep.errors import ConfigError
-from jaxstep.models import hf_weights
 from jaxstep.trainer.config import loading as config_lib
-from jaxstep.trainer.plan import teacher
+from jaxstep.trainer.plan import init_from, steps, teacher
 from jaxstep.trainer.saved_run import load as saved_run
 
 log = logging.getLogger("jaxstep")
 
 
-def load(cfg: config_lib.Config, tokenizer) -> tuple:
-  """``(params, identity)`` of the teacher: its params (on this process's first device, in
-  ``distill.teacher_dtype``) for a student whose data ``tokenizer`` gives
-  ``cfg.model.vocab_size`` logits, and ``RunState.teacher`` (``{"path", "step",
+def load(cfg: config_lib.Config, tokenizer, mesh=None) -> tuple:
+  """``(params, identity)`` of the teacher: its params in ``distill.teacher_dtype`` on
+  ``mesh`` (None: this process's first device), for a student whose data ``tokenizer``
+  gives ``cfg.model.vocab_size`` logits, and ``RunState.teacher`` (``{"path", "step",
   "fingerprint"}``); ``(None, {})`` without a teacher. ``ConfigError`` for a path that is
   neither kind, another vocabulary, or fewer positions than ``train.seq_len``."""
   path = cfg.distill.teacher
   if not path:
     return None, {}
-  teacher.teacher_config(path)  # a path that is neither kind: one line naming the key
-  saved = saved_run.load_run(path)
-  teacher.check_vocabulary(cfg, saved.cfg.model.vocab_size, saved.tokenizer, tokenizer)
-  if saved.cfg.model.max_seq_len < cfg.train.seq_len:
-    raise ConfigError(
-      f"distill.teacher {path} takes {saved.cfg.model.max_seq_len} positions, the student's "
-      f"windows train.seq_len {cfg.train.seq_len}: lower train.seq_len or use a teacher of "
-      f"a longer context"
-    )
-  identity = {"path": str(path), "step": saved.step}
-  if saved.model_folder:
-    identity["fingerprint"] = hf_weights.fingerprint(path)
+  own = teacher.teacher_config(path)  # a path that is neither kind: one line naming the key
+  mesh = mesh or parallel.make_mesh(1, 1, devices=jax.local_devices()[:1])
+  if saved_run.is_model_folder(path):
+    tok = data.load_tokenizer(path)
+    check(cfg, own, tok, tokenizer)
+    low = functools.partial(_leaf, cfg.distill.teacher_dtype)
+    params, fingerprint = init_from.read_base(own.model, mesh, 0, lambda _, a: low(a))
+    identity, where = {"path": str(path), "step": 0, "fingerprint": fingerprint}, "model folder"
+  else:
+    run_dir = pathlib.Path(path)
+    tok = saved_run.run_tokenizer(run_dir, own)
+    check(cfg, own, tok, tokenizer)
+    params, step = _run_params(run_dir, own, mesh)
+    params = teacher.cast(cfg, params)
+    identity, where = {"path": str(path), "step": step}, f"run directory, update step {step}"
   log.info(
     "distill: teacher %s (%s, %s parameters, %s), mode %s",
     path,
-    "model folder" if saved.model_folder else f"run directory, update step {saved.step}",
-    f"{sum(x.size for x in jax.tree.leaves(saved.params)):,}",
+    where,
+    f"{sum(x.size for x in jax.tree.leaves(params)):,}",
     cfg.distill.teacher_dtype,
     cfg.distill.resolved_mode(bool(cfg.rl.rewards)),
   )
-  return teacher.cast(cfg, saved.params), identity
+  return params, identity
+
+
+def check(cfg: config_lib.Config, own: config_lib.Config, teacher_tok, student_tok) -> None:
+  """The teacher scores the student's windows: its vocabulary (``plan.teacher``) and its
+  positions (at least ``train.seq_len``)."""
+  teacher.check_vocabulary(cfg, own.model.vocab_size, teacher_tok, student_tok)
+  if own.model.max_seq_len < cfg.train.seq_len:
+    raise ConfigError(
+      f"distill.teacher {cfg.distill.teacher} takes {own.model.max_seq_len} positions, the "
+      f"student's windows train.seq_len {cfg.train.seq_len}: lower train.seq_len or use a "
+      f"teacher of a longer context"
+    )
+
+
+def _leaf(dtype: str, array):
+  """A tensor of the teacher as it is kept: floating ones in bf16 when asked."""
+  if dtype == "bf16" and jnp.issubdtype(array.dtype, jnp.floating):
+    return array.astype(jnp.bfloat16)
+  return array
+
+
+def _run_params(run_dir: pathlib.Path, own: config_lib.Config, mesh) -> tuple:
+  """A run directory's params of its newest checkpoint that restores, on ``mesh`` (a LoRA
+  run's base read from its folder onto it too), and the checkpoint's update step."""
+  kept = steps.stored(own)
+  cast = functools.partial(steps.frozen_cast, own)
+  params, step, run = saved_run.restore_params(
+    run_dir / "checkpoints", own.model, stored=kept, cast=cast, mesh=mesh
+  )
+  if kept is not None:
+    params = saved_run.with_base(own, params, kept, run, mesh)
+  return params, step
