@@ -14,7 +14,7 @@ from conftest import SMALL_MODEL, read_lines, restore_state_arrays
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_pretrained import folder  # noqa: F401 - fixture
 
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, RunDirError
 from jaxstep.trainer import config_run
 from jaxstep.trainer.config import loading as config_lib
 
@@ -99,6 +99,11 @@ def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
     with pytest.raises(ConfigError, match=words):
       config_lib.load(None, args)
   assert config_lib.load(None, [*RL, *given, "rl.num_generations=1"]).rl.num_generations == 1
+  (tmp_path / "untrained").mkdir()  # a run directory with a config and no checkpoint
+  (tmp_path / "untrained" / "config.yaml").write_text((teacher / "config.yaml").read_text())
+  empty = [*SFT, f"distill.teacher={tmp_path / 'untrained'}", f"run_dir={tmp_path / 'run'}"]
+  with pytest.raises(RunDirError, match="distill.teacher .*untrained: .* holds no checkpoint"):
+    config_run.train(config_lib.load(None, empty))
   gone = [*SFT, f"distill.teacher={tmp_path / 'nowhere'}", f"run_dir={tmp_path / 'run'}"]
   with pytest.raises(ConfigError, match="neither a model folder"):
     config_run.train(config_lib.load(None, gone))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep import data, parallel
-from jaxstep.errors import ConfigError
+from jaxstep.errors import CheckpointError, ConfigError, RunDirError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan import init_from, steps, teacher
 from jaxstep.trainer.saved_run import load as saved_run
@@ -42,7 +42,10 @@ def load(cfg: config_lib.Config, tokenizer, mesh=None) -> tuple:
     run_dir = pathlib.Path(path)
     tok = saved_run.run_tokenizer(run_dir, own)
     check(cfg, own, tok, tokenizer)
-    params, step = _run_params(run_dir, own, mesh)
+    try:
+      params, step = _run_params(run_dir, own, mesh)
+    except (RunDirError, CheckpointError) as e:  # named as the key that points there
+      raise type(e)(f"distill.teacher {path}: {e}") from None
     params = teacher.cast(cfg, params)
     identity, where = {"path": str(path), "step": step}, f"run directory, update step {step}"
   log.info(
