@@ -231,3 +231,43 @@ def test_a_teacher_in_the_state_is_never_averaged_over_devices():
     [sys.executable, "-c", READ_ONLY_SCRIPT], env=env, capture_output=True, text=True
   )
   assert "READ-ONLY OK" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_read_only_entry_the_loss_changes_is_kept_on_one_device():
+  """Whatever a loss returns for ``"teacher"`` / ``"reference"``, the step keeps them as
+  they came (as on many devices); another entry takes what the loss returns."""
+  import optax as _optax
+
+  from jaxstep.core.step import make_train_step
+
+  def loss_fn(params, batch, rng, model_state):
+    changed = {k: v + 1.0 for k, v in model_state.items()}
+    return jnp.sum(batch["x"] * params["w"]), {}, changed
+
+  batch = {"x": np.ones((4, 3), np.float32), "loss_mask": np.ones((4, 3), np.int32)}
+  step = make_train_step(loss_fn, _optax.sgd(0.1), grad_accum_steps=2)
+  zeros = {k: jnp.zeros(2) for k in ("teacher", "reference", "stats")}
+  state, _ = jax.jit(step)(step.init({"w": jnp.ones(3)}, 0, model_state=zeros), batch)
+  assert [float(state.model_state[k][0]) for k in ("teacher", "reference", "stats")] == [0, 0, 2]
+
+
+def test_a_teachers_identity_is_its_weights_when_a_folder():
+  from jaxstep.trainer.store.run_state import teacher_change
+
+  a = {"path": "runs/t-hf", "step": 0, "fingerprint": "xxh3:1"}
+  assert teacher_change(a, {**a, "path": "/moved/t-hf"}) == ""  # the same weights, moved
+  assert "fingerprint xxh3:1 → xxh3:2" in teacher_change(a, {**a, "fingerprint": "xxh3:2"})
+  run = {"path": "runs/t", "step": 6}
+  assert "step 6 → 9" in teacher_change(run, {**run, "step": 9})
+  assert teacher_change({}, run) == teacher_change(run, {}) == ""  # added or dropped
+
+
+def test_bf16_leaves_a_quantized_teacher_weight_as_stored():
+  from types import SimpleNamespace
+
+  from jaxstep.trainer.plan.teacher import low_precision
+
+  stored = SimpleNamespace(codes=np.zeros(4, np.uint8), scales=np.ones(2, np.float32))
+  assert low_precision(stored) is stored
+  assert low_precision(jnp.ones(2)).dtype == jnp.bfloat16
+  assert low_precision(jnp.ones(2, jnp.int32)).dtype == jnp.int32

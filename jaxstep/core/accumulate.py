@@ -206,10 +206,16 @@ def accumulate(
     jnp.zeros((), jnp.float32),
     model_state,
   )
-  (grads, loss, extra, model_state), auxes = jax.lax.scan(
-    body, init, jnp.arange(k_steps), unroll=unroll
-  )
-  return grads, loss, extra, summed_over_steps(auxes), model_state
+  (grads, loss, extra, after), auxes = jax.lax.scan(body, init, jnp.arange(k_steps), unroll=unroll)
+  return grads, loss, extra, summed_over_steps(auxes), _read_only_kept(after, model_state)
+
+
+def _read_only_kept(after, before):
+  """``after`` with its ``READ_ONLY_STATE`` entries as they were ``before`` the scan: what a
+  loss returns for them is not kept, on one device as on many (``_averaged``)."""
+  if not isinstance(after, dict):
+    return after
+  return {k: before[k] if k in READ_ONLY_STATE and k in before else v for k, v in after.items()}
 
 
 def _averaged(after, before, specs, axes):

@@ -15,9 +15,11 @@ from jaxstep.core.loss_scale import LossScaleState, fixed_state
 from jaxstep.errors import ConfigError
 
 # ``model_state`` entries a loss reads and never changes: a live reference's frozen copy and
-# a distillation teacher. Each device hands them back as they came (no average over the
-# devices: an all-reduce of a whole model per update, and rounding drift on device counts
-# that are not powers of two).
+# a distillation teacher. The step keeps them as they came, whatever the loss returns for
+# them, on one device as on many (no average over the devices: an all-reduce of a whole
+# model per update, and rounding drift on device counts that are not powers of two); a
+# checkpoint leaves the teacher out. Reserved names: a state of your own that changes
+# (an EMA teacher) takes another key.
 READ_ONLY_STATE = ("reference", "teacher")
 
 

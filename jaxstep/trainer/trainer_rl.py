@@ -25,6 +25,7 @@ import numpy as np
 from jaxstep import models, parallel
 from jaxstep.core import distill as distill_core
 from jaxstep.core import rl as rl_core
+from jaxstep.core.trees import is_stored_weight
 from jaxstep.data.prompt_rows import PromptSet, prompt_set
 from jaxstep.errors import ConfigError
 from jaxstep.generation import Generator
@@ -34,6 +35,7 @@ from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.loop import assembly
 from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference, loss_with_teacher
 from jaxstep.trainer.plan.rl_plan import grpo_options, with_token_means
+from jaxstep.trainer.plan.teacher import low_precision
 from jaxstep.trainer.rl import evaluate as rl_evaluate
 from jaxstep.trainer.rl.logp_check import LogpCheck
 from jaxstep.trainer.rl.rewards import load_rewards
@@ -199,8 +201,7 @@ class RLTrainer(Trainer):
         f"the teacher takes {model.max_seq_len} positions, the rollouts' rows {self.seq_len}"
       )
     if d.teacher_dtype == "bf16":  # floating leaves only (a quantized weight stays as it is)
-      low = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-      params = jax.tree.map(low, params)
+      params = jax.tree.map(low_precision, params, is_leaf=is_stored_weight)
     loss_fn = loss_with_teacher(kind, apply_fn, teacher_apply, build)
     return loss_fn, {**(frozen or {}), distill_core.TEACHER: params}
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxstep import models
 from jaxstep.core import distill
+from jaxstep.core.trees import is_stored_weight
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan import init_from, rl_plan
@@ -53,11 +54,18 @@ def teacher_apply(path: str) -> Callable:
 
 
 def cast(cfg: config_lib.Config, params):
-  """The teacher's floating leaves in ``distill.teacher_dtype``."""
+  """The teacher's floating leaves in ``distill.teacher_dtype`` (quantized weights as
+  stored)."""
   if cfg.distill.teacher_dtype != "bf16":
     return params
-  low = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-  return jax.tree.map(low, params)
+  return jax.tree.map(low_precision, params, is_leaf=is_stored_weight)
+
+
+def low_precision(x):
+  """A floating leaf in bf16; a quantized weight (its codes and fp32 scales) as stored."""
+  if is_stored_weight(x) or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return x.astype(jnp.bfloat16)
 
 
 def abstract_params(cfg: config_lib.Config):

@@ -183,11 +183,13 @@ def assemble(draws: list[Draw], cfg: rl.RLConfig, rewards: list, *, sharding=Non
     [rl.group_advantages(t.reshape(-1, g), cfg.advantage).reshape(-1) for t in every]
   )
   keep = np.concatenate([informative(t, g) for t in every])
-  metrics["frac_reward_zero_std"] = float(np.mean(~keep))
+  if g > 1:  # a group of one (on-policy distillation) has no spread to report
+    metrics["frac_reward_zero_std"] = float(np.mean(~keep))
   n = every[0].size
   if groups is None:
     batch = {**draws[0].rows, "advantages": adv[_index(sharding, n)].astype(np.float32)}
-    metrics["advantage_std"] = float(adv.std())
+    if g > 1:
+      metrics["advantage_std"] = float(adv.std())
     return Rollout(batch, metrics)
   chosen, counted = _chosen(keep, groups)
   metrics |= {"groups_drawn": int(keep.size), "groups_kept": int(keep[chosen].sum())}

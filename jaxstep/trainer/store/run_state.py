@@ -126,11 +126,14 @@ def teacher_change(old: dict, new: dict) -> str:
   the config says)."""
   if not (old and new) or old == new:
     return ""
+  if old.get("fingerprint") and old.get("fingerprint") == new.get("fingerprint"):
+    return ""  # the same folder weights, moved or named another way
   what = " and ".join(
     f"{k} {old.get(k)} → {new.get(k)}" for k in ("path", "step", "fingerprint")
     if old.get(k) != new.get(k)
   )  # fmt: skip
   return (
     f"the distillation teacher changed since the checkpoint ({what}); put it back (a run "
-    f"directory's teacher is its newest checkpoint), or start a new run_dir"
+    f"directory's teacher is its newest checkpoint: set newer ones of it aside), or start a "
+    f"new run_dir"
   )
