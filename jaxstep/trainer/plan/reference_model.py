@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstep.core import chunked_loss
-from jaxstep.core.distill import TEACHER
+from jaxstep.core.distill import teacher_loss
 from jaxstep.core.trees import is_stored_weight
 from jaxstep.models import lora
 
@@ -25,16 +25,23 @@ def loss_with_reference(kind: str, apply_fn: Callable, build: Callable) -> Calla
   if kind == "live":
 
     def with_reference(params, batch, rng, model_state):
-      frozen = model_state[REFERENCE]
-      reference = _like(apply_fn, lambda _, inputs, **kw: apply_fn(frozen, inputs, **kw))
-      loss = build(reference)
+      loss = build(_reference(kind, apply_fn, model_state))
       return (*loss(params, batch, rng), model_state)
 
     return with_reference
+  return build(_reference(kind, apply_fn))
+
+
+def _reference(kind: str, apply_fn: Callable, model_state=None) -> Callable | None:
+  """The reference of ``kind``: the live copy ``model_state`` holds, the params with their
+  LoRA adapters off, or None."""
+  if kind == "live":
+    frozen = model_state[REFERENCE]
+    return _like(apply_fn, lambda _, inputs, **kw: apply_fn(frozen, inputs, **kw))
   if kind == "adapters":
     off = lambda params, inputs, **kw: apply_fn(lora.adapters_off(params), inputs, **kw)  # noqa: E731
-    return build(_like(apply_fn, off))
-  return build(None)
+    return _like(apply_fn, off)
+  return None
 
 
 def _like(apply_fn: Callable, reference: Callable) -> Callable:
@@ -62,24 +69,14 @@ def frozen_copy(params, dtype: str = "fp32") -> dict:
 
 def loss_with_teacher(kind: str, apply_fn: Callable, teacher_apply: Callable, build: Callable):
   """The step's 4-argument ``loss_fn`` from ``build(reference, teacher) -> loss_fn(params,
-  batch, rng)``: ``teacher(inputs, **fields) -> logits`` runs ``teacher_apply`` on the
-  frozen params the state's ``model_state`` carries under ``distill.TEACHER`` (without
-  dropout), and ``reference`` is ``loss_with_reference``'s of ``kind``. The state comes
-  back unchanged."""
+  batch, rng)``: ``teacher`` is ``distill.teacher_loss``'s (``teacher_apply`` on the frozen
+  params the state's ``model_state`` carries under ``distill.TEACHER``, without dropout),
+  and ``reference`` is ``loss_with_reference``'s of ``kind``. The state comes back
+  unchanged."""
 
   def with_teacher(params, batch, rng, model_state):
-    frozen = model_state[TEACHER]
-
-    def teacher(inputs, **kw):
-      return teacher_apply(frozen, inputs, rng=None, train=False, **kw)
-
-    reference = None
-    if kind == "live":
-      copy = model_state[REFERENCE]
-      reference = _like(apply_fn, lambda _, inputs, **kw: apply_fn(copy, inputs, **kw))
-    elif kind == "adapters":
-      off = lambda params, inputs, **kw: apply_fn(lora.adapters_off(params), inputs, **kw)  # noqa: E731
-      reference = _like(apply_fn, off)
-    return (*build(reference, teacher)(params, batch, rng), model_state)
+    reference = _reference(kind, apply_fn, model_state)
+    loss = teacher_loss(lambda teacher: build(reference, teacher), teacher_apply)
+    return loss(params, batch, rng, model_state)
 
   return with_teacher
