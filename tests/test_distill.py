@@ -265,9 +265,10 @@ def test_a_teachers_identity_is_its_weights_when_a_folder():
 def test_bf16_leaves_a_quantized_teacher_weight_as_stored():
   from types import SimpleNamespace
 
-  from jaxstep.trainer.plan.teacher import low_precision
+  from jaxstep.trainer.plan.teacher import cast
 
   stored = SimpleNamespace(codes=np.zeros(4, np.uint8), scales=np.ones(2, np.float32))
-  assert low_precision(stored) is stored
-  assert low_precision(jnp.ones(2)).dtype == jnp.bfloat16
-  assert low_precision(jnp.ones(2, jnp.int32)).dtype == jnp.int32
+  assert cast(stored, "bf16") is stored
+  assert cast(jnp.ones(2), "bf16").dtype == jnp.bfloat16
+  assert cast(jnp.ones(2, jnp.int32), "bf16").dtype == jnp.int32
+  assert cast(np.ones(2, np.float32), "bf16").dtype == jnp.bfloat16  # a tensor as it is read

@@ -320,11 +320,17 @@ class RLConfig:
 
   def check_groups(self, distilling: bool) -> None:
     """``ConfigError`` for groups of one completion where the advantage compares a group's
-    completions (a distillation run learns from its teacher and takes G = 1)."""
+    completions (a distillation run learns from its teacher and takes G = 1), and for
+    dynamic sampling, which keeps groups by their rewards, in a distillation run."""
     if self.num_generations < 2 and self.advantage != "dr_grpo" and not distilling:
       raise ConfigError(
         f"rl.num_generations must be >= 2 for advantage={self.advantage} (a group's baseline), "
         f"got {self.num_generations}"
+      )
+    if distilling and self.filter_groups:
+      raise ConfigError(
+        "rl.filter_groups keeps groups whose rewards differ, but on-policy distillation learns "
+        "from the teacher, not the rewards: drop rl.filter_groups"
       )
 
   def __post_init__(self):

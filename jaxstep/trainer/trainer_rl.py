@@ -25,7 +25,6 @@ import numpy as np
 from jaxstep import models, parallel
 from jaxstep.core import distill as distill_core
 from jaxstep.core import rl as rl_core
-from jaxstep.core.trees import is_stored_weight
 from jaxstep.data.prompt_rows import PromptSet, prompt_set
 from jaxstep.errors import ConfigError
 from jaxstep.generation import Generator
@@ -35,7 +34,7 @@ from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.loop import assembly
 from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference, loss_with_teacher
 from jaxstep.trainer.plan.rl_plan import grpo_options, with_token_means
-from jaxstep.trainer.plan.teacher import low_precision
+from jaxstep.trainer.plan.teacher import cast
 from jaxstep.trainer.rl import evaluate as rl_evaluate
 from jaxstep.trainer.rl.logp_check import LogpCheck
 from jaxstep.trainer.rl.rewards import load_rewards
@@ -182,26 +181,21 @@ class RLTrainer(Trainer):
     model, params = teacher
     d = self.distill
     teacher_apply = models.build(model, 0, abstract=True)[0] if _is_config(model) else model
-    if _vocab(model, teacher_apply, params) != vocab:
+    logits = _vocab(model, teacher_apply, params)
+    if logits != vocab:
       raise ConfigError(
-        f"the teacher has {_vocab(model, teacher_apply, params)} logits, the policy {vocab}: "
-        f"a teacher needs the student's vocabulary"
+        f"the teacher has {logits} logits, the policy {vocab}: a teacher needs the student's "
+        f"vocabulary"
       )
 
     def build(reference, teacher):
       return distill_core.on_policy_loss(apply_fn, teacher, d, reference=reference, **options)
 
-    if self.r.filter_groups:
-      raise ConfigError(
-        "rl.filter_groups keeps groups whose rewards differ, but on-policy distillation "
-        "learns from the teacher, not the rewards: drop it"
-      )
     if _is_config(model) and model.max_seq_len < self.seq_len:
       raise ConfigError(
         f"the teacher takes {model.max_seq_len} positions, the rollouts' rows {self.seq_len}"
       )
-    if d.teacher_dtype == "bf16":  # floating leaves only (a quantized weight stays as it is)
-      params = jax.tree.map(low_precision, params, is_leaf=is_stored_weight)
+    params = cast(params, d.teacher_dtype)
     loss_fn = loss_with_teacher(kind, apply_fn, teacher_apply, build)
     return loss_fn, {**(frozen or {}), distill_core.TEACHER: params}
 

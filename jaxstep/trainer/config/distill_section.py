@@ -26,11 +26,6 @@ def check_distill_run(cfg) -> None:
       f"distill.mode={mode} distills on supervised windows, but rl.rewards makes this an RL "
       f"run: use distill.mode=on_policy, or drop rl.rewards"
     )
-  if rl_run and cfg.rl.filter_groups:
-    raise ConfigError(
-      "rl.filter_groups keeps groups whose rewards differ, but on-policy distillation learns "
-      "from the teacher, not the rewards: drop rl.filter_groups"
-    )
   if getattr(cfg.model, "num_experts", 0):
     raise ConfigError(
       "distill.teacher with a mixture-of-experts student is not supported yet: distill into "

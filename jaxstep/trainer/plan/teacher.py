@@ -53,16 +53,16 @@ def teacher_apply(path: str) -> Callable:
   return models.build(teacher_config(path).model, jax.random.PRNGKey(0), abstract=True)[0]
 
 
-def cast(cfg: config_lib.Config, params):
-  """The teacher's floating leaves in ``distill.teacher_dtype`` (quantized weights as
-  stored)."""
-  if cfg.distill.teacher_dtype != "bf16":
+def cast(params, dtype: str):
+  """The teacher's params (a tree, or one tensor as it is read) in ``distill.teacher_dtype``
+  ``dtype``: with ``bf16`` the floating leaves in bf16, a quantized weight (its codes and
+  fp32 scales) as stored."""
+  if dtype != "bf16":
     return params
-  return jax.tree.map(low_precision, params, is_leaf=is_stored_weight)
+  return jax.tree.map(_low_precision, params, is_leaf=is_stored_weight)
 
 
-def low_precision(x):
-  """A floating leaf in bf16; a quantized weight (its codes and fp32 scales) as stored."""
+def _low_precision(x):
   if is_stored_weight(x) or not jnp.issubdtype(x.dtype, jnp.floating):
     return x
   return x.astype(jnp.bfloat16)
@@ -74,7 +74,8 @@ def abstract_params(cfg: config_lib.Config):
   if not cfg.distill.teacher:
     return None
   model = teacher_config(cfg.distill.teacher).model
-  return jax.eval_shape(lambda: cast(cfg, models.build(model, jax.random.PRNGKey(0))[1]))
+  built = lambda: models.build(model, jax.random.PRNGKey(0))[1]  # noqa: E731
+  return jax.eval_shape(lambda: cast(built(), cfg.distill.teacher_dtype))
 
 
 def check_vocabulary(cfg: config_lib.Config, teacher_vocab: int, teacher_tok, student_tok):

@@ -10,7 +10,6 @@ import logging
 import pathlib
 
 import jax
-import jax.numpy as jnp
 
 from jaxstep import data, parallel
 from jaxstep.errors import CheckpointError, ConfigError, RunDirError
@@ -35,8 +34,10 @@ def load(cfg: config_lib.Config, tokenizer, mesh=None) -> tuple:
   if saved_run.is_model_folder(path):
     tok = data.load_tokenizer(path)
     check(cfg, own, tok, tokenizer)
-    low = functools.partial(_leaf, cfg.distill.teacher_dtype)
-    params, fingerprint = init_from.read_base(own.model, mesh, 0, lambda _, a: low(a))
+    dtype = cfg.distill.teacher_dtype
+    params, fingerprint = init_from.read_base(
+      own.model, mesh, 0, lambda _, a: teacher.cast(a, dtype)
+    )
     identity, where = {"path": str(path), "step": 0, "fingerprint": fingerprint}, "model folder"
   else:
     run_dir = pathlib.Path(path)
@@ -46,7 +47,7 @@ def load(cfg: config_lib.Config, tokenizer, mesh=None) -> tuple:
       params, step = _run_params(run_dir, own, mesh)
     except (RunDirError, CheckpointError) as e:  # named as the key that points there
       raise type(e)(f"distill.teacher {path}: {e}") from None
-    params = teacher.cast(cfg, params)
+    params = teacher.cast(params, cfg.distill.teacher_dtype)
     identity, where = {"path": str(path), "step": step}, f"run directory, update step {step}"
   log.info(
     "distill: teacher %s (%s, %s parameters, %s), mode %s",
@@ -69,13 +70,6 @@ def check(cfg: config_lib.Config, own: config_lib.Config, teacher_tok, student_t
       f"student's windows train.seq_len {cfg.train.seq_len}: lower train.seq_len or use a "
       f"teacher of a longer context"
     )
-
-
-def _leaf(dtype: str, array):
-  """A tensor of the teacher as it is kept: floating ones in bf16 when asked."""
-  if dtype == "bf16" and jnp.issubdtype(array.dtype, jnp.floating):
-    return array.astype(jnp.bfloat16)
-  return array
 
 
 def _run_params(run_dir: pathlib.Path, own: config_lib.Config, mesh) -> tuple:
