@@ -330,3 +330,17 @@ def make_train_step(
 
   train_step.init = init
   return train_step
+
+
+def with_means(step, names, count: str = "tokens"):
+  """``step`` (a ``make_train_step`` result) whose metrics ``names`` (sums over the global
+  batch, where present) are divided by ``metrics[count]`` (at least 1): the means a record
+  shows, e.g. per-pair or per-token ones, each over the whole global batch."""
+
+  def train_step(state, batch):
+    state, metrics = step(state, batch)
+    n = jnp.maximum(metrics[count].astype(jnp.float32), 1.0)
+    return state, {**metrics, **{k: metrics[k] / n for k in names if k in metrics}}
+
+  train_step.init = step.init
+  return train_step

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxstep import parallel
 from jaxstep.core import chunked_loss, preference
+from jaxstep.core.step import with_means
 from jaxstep.data.pair_dataset import PairDataset, PairSplit, load_pair_eval_set
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.config.schema import check_eval_sets
@@ -84,15 +85,7 @@ def with_pair_means(step):
   """``step`` (a ``make_train_step`` result) whose metrics hold ``MEAN_METRICS`` as means
   over the global batch's real pairs (the step's N, ``metrics["tokens"]``), as TRL logs
   them; the loss is such a mean already."""
-
-  def train_step(state, batch):
-    state, metrics = step(state, batch)
-    pairs = jnp.maximum(metrics["tokens"].astype(jnp.float32), 1.0)
-    means = {k: metrics[k] / pairs for k in MEAN_METRICS if k in metrics}
-    return state, {**metrics, **means}
-
-  train_step.init = step.init
-  return train_step
+  return with_means(step, MEAN_METRICS, "tokens")
 
 
 def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:

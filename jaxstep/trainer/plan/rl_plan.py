@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxstep import parallel
 from jaxstep.core import distill, rl
+from jaxstep.core.step import with_means
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan.reference_model import frozen_copy, loss_with_reference
 
@@ -86,15 +87,7 @@ def units_fn(cfg: config_lib.Config) -> Callable:
 def with_token_means(step):
   """``step`` whose metrics hold ``rl.METRIC_UNITS``' sums (and on-policy distillation's
   reverse KL) as means over the global batch's completion tokens, as TRL logs them."""
-
-  def train_step(state, batch):
-    state, metrics = step(state, batch)
-    tokens = jnp.maximum(metrics["completion_tokens"], 1.0)
-    means = [*rl.METRIC_UNITS, distill.ON_POLICY_METRIC]
-    return state, {**metrics, **{k: metrics[k] / tokens for k in means if k in metrics}}
-
-  train_step.init = step.init
-  return train_step
+  return with_means(step, (*rl.METRIC_UNITS, distill.ON_POLICY_METRIC), "completion_tokens")
 
 
 def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:

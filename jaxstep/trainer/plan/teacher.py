@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxstep import models
 from jaxstep.core import distill
+from jaxstep.core.step import with_means
 from jaxstep.core.trees import is_stored_weight
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
@@ -134,11 +135,4 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed=None) -> Callabl
 
 def with_token_means(step):
   """``step`` whose metrics hold ``distill.SFT_METRICS`` as means over the step's tokens."""
-
-  def train_step(state, batch):
-    state, metrics = step(state, batch)
-    tokens = jnp.maximum(metrics["tokens"].astype(jnp.float32), 1.0)
-    return state, {**metrics, **{k: metrics[k] / tokens for k in distill.SFT_METRICS}}
-
-  train_step.init = step.init
-  return train_step
+  return with_means(step, distill.SFT_METRICS, "tokens")
