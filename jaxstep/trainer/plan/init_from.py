@@ -145,6 +145,12 @@ def read_base(model_cfg, mesh: Mesh, seed: int = 0, convert=None) -> tuple[dict,
   return params, loaded.fingerprint
 
 
+def is_model_folder(path: str | pathlib.Path) -> bool:
+  """Whether ``path`` is a Hugging Face model folder: ``config.json`` and no ``config.yaml``."""
+  path = pathlib.Path(path)
+  return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+
+
 def folder_config(folder: pathlib.Path) -> config_lib.Config:
   """The config of a run started from the model folder ``folder`` (``model.init_from``
   resolved; ``data.tokenizer`` the folder; ``train`` at its defaults, ``train.seq_len`` at

@@ -35,7 +35,7 @@ def teacher_config(path: str) -> config_lib.Config:
   """The config of the teacher at ``path``: a run directory's ``config.yaml``, or what a
   model folder's ``config.json`` gives (``init_from.folder_config``; no weights read)."""
   folder = pathlib.Path(path)
-  if (folder / "config.json").is_file() and not (folder / "config.yaml").is_file():
+  if init_from.is_model_folder(folder):
     return init_from.folder_config(folder)
   if not (folder / "config.yaml").is_file():
     raise ConfigError(

@@ -33,6 +33,7 @@ from jaxstep.core import freeze, layout
 from jaxstep.errors import CheckpointError, ConfigError, RunDirError
 from jaxstep.trainer.config import loading as config_lib
 from jaxstep.trainer.plan import steps
+from jaxstep.trainer.plan.init_from import is_model_folder  # noqa: F401 - read as load's
 from jaxstep.trainer.store import checkpoint_read, records
 
 log = logging.getLogger("jaxstep")
@@ -117,12 +118,6 @@ def read_config(run_dir: str | pathlib.Path) -> config_lib.Config:
   if cfg.model.vocab_size == 0:
     raise RunDirError(f"{run_dir / 'config.yaml'} has no resolved model.vocab_size")
   return cfg
-
-
-def is_model_folder(path: str | pathlib.Path) -> bool:
-  """Whether ``path`` is a Hugging Face model folder: ``config.json`` and no ``config.yaml``."""
-  path = pathlib.Path(path)
-  return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
 
 
 def tensor_mesh(model_cfg, tensor: int) -> Mesh | None:
