@@ -115,6 +115,30 @@ def test_tiles_cover_uneven_groups_and_empty_experts():
   np.testing.assert_allclose(tiled(x, w, experts), expected, atol=1e-5)
 
 
+def test_take_rows_backward_is_autodiffs_scatter_in_both_directions():
+  """Tokens → expert-sorted rows and rows → assignments, some assignments dropped (expert id
+  6 of 6): the gather-based backward equals autodiff's scatter-add of plain indexing."""
+  experts = jax.random.randint(jax.random.key(0), (13, 3), 0, 7, jnp.int32)
+  plan = moe.dispatch(experts, 6, tile=4)
+  x = jax.random.normal(jax.random.key(1), (13, 5))
+  rows_cot = jax.random.normal(jax.random.key(2), (plan.row_token.shape[0], 5))
+  plain = lambda a, i: jnp.concatenate([a, jnp.zeros((1, 5))])[i]  # noqa: E731
+
+  def pair(take, reference, x, cot):
+    ours = jax.vjp(take, x)
+    theirs = jax.vjp(reference, x)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+    np.testing.assert_allclose(ours[1](cot)[0], theirs[1](cot)[0], rtol=1e-6, atol=1e-6)
+
+  pair(lambda a: grouped.take_rows(a, plan.row_token, plan.dest),
+       lambda a: plain(a, plan.row_token), x, rows_cot)  # fmt: skip
+  out_rows = jax.random.normal(jax.random.key(3), (plan.row_token.shape[0], 5))
+  flat, out_cot = plan.dest.reshape(-1), jax.random.normal(jax.random.key(4), (39, 5))
+  pair(lambda a: grouped.take_rows(a, flat, plan.row_assign[:, None]),
+       lambda a: plain(a, flat), out_rows, out_cot)  # fmt: skip
+  assert int(jnp.sum(experts == 6)) > 0  # some assignments were dropped
+
+
 def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
   """⌈c·S·k/E⌉ per expert and sequence (MaxText's rule), in token order; the same drops
   whichever rows share the call (micro-batch and mesh independent)."""

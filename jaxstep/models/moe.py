@@ -70,6 +70,7 @@ class Dispatch(NamedTuple):
   """Where each assignment's row goes in the expert-sorted layout (``R`` rows)."""
 
   row_token: jax.Array  # int32[R]: the token each row holds (T: an empty row)
+  row_assign: jax.Array  # int32[R]: the assignment t·k + j each row holds (T·k: none)
   dest: jax.Array  # int32[T, k]: the row of each assignment (R: dropped)
   group_sizes: jax.Array  # int32[E]: rows per expert, padded to whole tiles
   tile_groups: jax.Array  # int32[R / tile]: each tile's expert
@@ -115,12 +116,12 @@ def dispatch(experts: jax.Array, n_experts: int, tile: int) -> Dispatch:
   here = sorted_e < n_experts
   dest_sorted = jnp.where(here, starts[jnp.minimum(sorted_e, n_experts - 1)] + rank, rows)
   dest = jnp.zeros(t * k, jnp.int32).at[order].set(dest_sorted).reshape(t, k)
-  token_of = jnp.arange(t * k, dtype=jnp.int32) // k
-  row_token = jnp.full(rows, t, jnp.int32).at[dest.reshape(-1)].set(token_of, mode="drop")
+  assignment = jnp.arange(t * k, dtype=jnp.int32)
+  row_assign = jnp.full(rows, t * k, jnp.int32).at[dest.reshape(-1)].set(assignment, mode="drop")
   tile_start = jnp.arange(rows // tile, dtype=jnp.int32) * tile
   ends = jnp.cumsum(sizes)
   tile_groups = jnp.minimum(jnp.searchsorted(ends, tile_start, side="right"), n_experts - 1)
-  return Dispatch(row_token, dest, sizes, tile_groups.astype(jnp.int32))
+  return Dispatch(row_assign // k, row_assign, dest, sizes, tile_groups.astype(jnp.int32))
 
 
 class SwiGLU(nnx.Module):
@@ -217,7 +218,7 @@ class MoeMLP(nnx.Module):
     # the mean group: the n·k assignments over all E experts (n_here of them are here)
     tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, cfg.num_experts)
     plan = dispatch(experts, n_here, tile)
-    rows = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)])[plan.row_token]
+    rows = grouped.take_rows(tokens, plan.row_token, plan.dest)
     mm = functools.partial(
       grouped.grouped_matmul,
       group_sizes=plan.group_sizes,
@@ -231,8 +232,8 @@ class MoeMLP(nnx.Module):
     gate, up = jnp.split(gate_up, 2, axis=-1)
     hidden = jax.nn.silu(gate) * up
     out_rows = _adapted(mm(hidden, w(ex.down_proj)), hidden, ex.down, mm, w)
-    out_rows = jnp.concatenate([out_rows, jnp.zeros((1, d), out_rows.dtype)])
-    picked = out_rows[jnp.minimum(plan.dest, out_rows.shape[0] - 1)]  # [T, k, d]; not here: 0
+    picked = grouped.take_rows(out_rows, plan.dest.reshape(-1), plan.row_assign[:, None])
+    picked = picked.reshape(*plan.dest.shape, d)  # [T, k, d]; not here: 0
     out = jnp.einsum("tkd,tk->td", picked, weights.astype(tokens.dtype))
     if shards > 1:
       out = jax.lax.psum_scatter(out, layout.EXPERT, scatter_dimension=0, tiled=True)
