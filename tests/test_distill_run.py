@@ -110,6 +110,31 @@ def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
   assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+@pytest.mark.slow
+def test_an_moe_student_distills_with_its_router_losses_exact_over_k(tmp_path, teacher):
+  """A mixture-of-experts student: its router losses ride along, and with ``lbl_scope:
+  global`` K = 4 micro-batches give K = 1's records, on windows (a dense teacher) and on its
+  own rollouts (a mixture-of-experts teacher: the first student's run)."""
+  from test_moe_post_training import MOE, _same
+
+  moe_teacher = tmp_path / "logits-k1"
+  for mode, data, ks, taught_by in (
+    ("logits", SFT, (1, 4), teacher),
+    ("on_policy", RL, (1, 2), moe_teacher),
+  ):
+    runs = []
+    for k in ks:
+      run_dir = tmp_path / f"{mode}-k{k}"
+      args = [*data, *MOE, "train.max_steps=2", f"train.grad_accum_steps={k}"]
+      args += [f"distill.teacher={taught_by}", f"run_dir={run_dir}"]
+      config_run.train(config_lib.load(None, args))
+      runs.append(read_lines(run_dir / "metrics.jsonl"))
+    _same(runs)
+    first = runs[0][0]
+    assert first["moe/lbl"] > 1.0 and first["extra_loss"] > 0, first
+    assert first["distill/divergence" if mode == "logits" else "distill/reverse_kl"] > 0
+
+
 def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, folder):  # noqa: F811
   """A Qwen3 folder of 320 ids against the bytes' 259 (padded to 264)."""
   args = [*SFT, f"distill.teacher={folder[0]}", f"run_dir={tmp_path / 'run'}"]

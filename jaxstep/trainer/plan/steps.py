@@ -64,8 +64,9 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     build = functools.partial(next_token_loss, chunk=cfg.model.loss_chunk)
     rows, units = router_loss.sft_rows, None
   if cfg.distill.teacher:  # a frozen teacher in the state's model_state
-    loss_fn = teacher.loss_fn(cfg, apply_fn, rl_plan.sampler_allowed(cfg) if rl else None)
-  elif sparse(cfg):  # an MoE model: its router losses, exact over the global batch
+    allowed = rl_plan.sampler_allowed(cfg) if rl else None
+    build = lambda f: teacher.loss_fn(cfg, f, allowed)  # noqa: E731
+  if sparse(cfg):  # an MoE model: its router losses, exact over the global batch
     loss_fn = router_loss.with_router_losses(build, apply_fn, cfg.model, rows)
   else:
     loss_fn = build(apply_fn)
