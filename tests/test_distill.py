@@ -145,6 +145,48 @@ def test_k_micro_batches_equal_one_big_batch_for_every_mode(mode):
   assert_close(out[4], out[1], terms=8 * SEQ * VOCAB)
 
 
+def _hidden_model(dim: int, seed: int, asked: list):
+  """A model whose logits are ``h·W`` (running mean of embeddings → tanh), which gives
+  ``(h, W)`` when asked (``as_hidden``), as the bundled decoders do; ``asked`` records it."""
+  params = {
+    "embed": jax.random.normal(jax.random.key(seed), (VOCAB, dim)),
+    "head": jax.random.normal(jax.random.key(seed + 1), (dim, VOCAB)),
+  }
+
+  def apply(params, inputs, *, rng=None, train=False, as_hidden=False, **_):
+    h = jnp.cumsum(params["embed"][inputs], axis=1) / jnp.arange(1, inputs.shape[1] + 1)[:, None]
+    asked.append(as_hidden)
+    return (jnp.tanh(h), params["head"]) if as_hidden else jnp.tanh(h) @ params["head"]
+
+  apply.emits_hidden, apply.vocab_size = True, VOCAB
+  return apply, params
+
+
+@pytest.mark.parametrize("mode", ["logits", "gkd"])
+def test_a_chunked_supervised_loss_equals_the_whole_logits(mode):
+  """From both models' hidden states a few tokens at a time (the last chunk padded), the
+  loss, its records and the student's gradient equal the whole logits' to rounding."""
+  asked = []
+  student, params = _hidden_model(6, 0, asked)
+  t_apply, t_params = _hidden_model(10, 5, asked)
+  teacher_fn = lambda inputs, **f: t_apply(t_params, inputs, **f)  # noqa: E731
+  teacher_fn.emits_hidden = True
+  d = distill.DistillConfig(teacher="t", alpha=0.3, temperature=2.0, beta=0.4)
+  batch = {k: jnp.asarray(v) for k, v in sft_batch(rows=4).items()}
+  results = []
+  for chunk in (0, 8):  # 8 tokens: 2 positions of the 4 rows a chunk, the 9th padded
+    loss = distill.supervised_loss(student, teacher_fn, d, mode, chunk)
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, None)
+    results.append((value, aux, grads))
+  assert asked.count(True) == 2 and asked.count(False) == 2  # the chunked run asked for h
+  (v0, a0, g0), (v1, a1, g1) = results
+  assert_close(v1, v0, terms=SEQ * 4)
+  for key in a0:
+    assert_close(a1[key], a0[key], terms=SEQ * 4)
+  assert_close(g1, g0, terms=SEQ * 4 * VOCAB)
+  assert float(a0["distill/divergence"]) > 0
+
+
 def test_bad_settings_and_batches_are_one_line():
   for bad, words in (
     ({"mode": "kd"}, "distill.mode must be one of"),

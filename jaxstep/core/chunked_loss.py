@@ -269,3 +269,24 @@ def chunked_map(fn, h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int):
 
   _, out = jax.lax.scan(one, None, _chunks(h, chunk, targets))
   return tuple(_join(x, targets) for x in out)
+
+
+def chunked_pair_map(fn, student: tuple, teacher: tuple, targets: jax.Array, chunk: int):
+  """``chunked_map`` for a student and a frozen teacher over the same tokens: ``student``
+  and ``teacher`` are ``(h, W)`` pairs (their final hidden states, widths may differ, and
+  heads of the same vocabulary), ``fn(logits, teacher_logits, targets) -> tuple of [B, P]
+  arrays`` a chunk at a time. Neither model's ``[B, S, V]`` logits exist whole; the
+  backward pass computes each chunk's logits of both again (the teacher's carry no
+  gradient)."""
+  (h, w), (h_t, w_t) = student, teacher
+
+  @jax.checkpoint
+  def one(_, xs):
+    h_c, ht_c, t_c = xs
+    frozen = jax.lax.stop_gradient(_logits(ht_c, w_t))
+    return None, fn(_logits(h_c, w), frozen, t_c)
+
+  h_s, t_s = _chunks(h, chunk, targets)
+  (ht_s,) = _chunks(h_t, chunk)
+  _, out = jax.lax.scan(one, None, (h_s, ht_s, t_s))
+  return tuple(_join(x, targets) for x in out)

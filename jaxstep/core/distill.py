@@ -36,8 +36,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxstep.core import rl
-from jaxstep.core.losses import document_fields, masked_nll
+from jaxstep.core import chunked_loss, rl
+from jaxstep.core.losses import argmax_hits, document_fields
 from jaxstep.core.sampling import sampling_logits
 from jaxstep.errors import ConfigError
 
@@ -130,32 +130,63 @@ def teacher_loss(build: Callable, teacher_apply: Callable) -> Callable:
     def teacher(inputs, **fields):
       return teacher_apply(frozen, inputs, rng=None, train=False, **fields)
 
+    teacher.emits_hidden = getattr(teacher_apply, "emits_hidden", False)
     return (*build(teacher)(params, batch, rng), model_state)
 
   return loss_fn
 
 
-def supervised_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, mode: str):
+def supervised_loss(
+  apply_fn: Callable, teacher: Callable, d: DistillConfig, mode: str, chunk: int | str = 0
+):
   """The step ``loss_fn(params, batch, rng) -> (Σ mask·l_t, aux)`` of ``logits`` or ``gkd``
   on a supervised batch (``inputs``, ``targets``, ``loss_mask``; document fields go to both
   models). ``teacher(inputs, **fields) -> logits``, frozen. ``aux``: ``correct``, and the
-  sums ``distill/nll`` and ``distill/divergence`` (the soft term before its weights)."""
+  sums ``distill/nll`` and ``distill/divergence`` (the soft term before its weights).
+
+  ``chunk`` (``model.loss_chunk``): where it asks for chunks and both models give their
+  final hidden states and head (``emits_hidden``), the per-token terms are computed a chunk
+  of tokens at a time from them (``chunked_loss.chunked_pair_map``), so neither model's
+  ``[B, S, V]`` logits exist whole; the same sums to float rounding."""
+
+  def per_token(logits, target, targets):
+    """``(NLL, divergence, argmax hits)`` at each position."""
+    logits = logits.astype(jnp.float32)
+    nll = (
+      jax.nn.logsumexp(logits, axis=-1)
+      - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    )
+    if mode == "logits":
+      div = soft_kl(logits, target, d.temperature)
+    else:
+      div = generalized_jsd(logits, target, d.beta, d.temperature)
+    return nll, div, jax.lax.stop_gradient(argmax_hits(logits, targets).astype(jnp.float32))
 
   def loss_fn(params, batch, rng):
     fields = document_fields(batch)
-    logits = apply_fn(params, batch["inputs"], rng=rng, train=True, **fields)
-    target = jax.lax.stop_gradient(teacher(batch["inputs"], **fields))
+    inputs, targets = batch["inputs"], batch["targets"]
     mask = batch["loss_mask"].astype(jnp.float32)
-    nll, aux = masked_nll(logits, batch["targets"], batch["loss_mask"])
-    if mode == "logits":
-      div = jnp.sum(mask * soft_kl(logits, target, d.temperature))
-      total = d.alpha * div + (1 - d.alpha) * nll
+    size = _chunk_size(apply_fn, teacher, chunk, inputs.size)
+    if size:
+      student = apply_fn(params, inputs, rng=rng, train=True, as_hidden=True, **fields)
+      frozen = teacher(inputs, as_hidden=True, **fields)
+      terms = chunked_loss.chunked_pair_map(per_token, student, frozen, targets, size)
     else:
-      div = jnp.sum(mask * generalized_jsd(logits, target, d.beta, d.temperature))
-      total = div
-    return total, {**aux, "distill/nll": nll, "distill/divergence": div}
+      logits = apply_fn(params, inputs, rng=rng, train=True, **fields)
+      terms = per_token(logits, jax.lax.stop_gradient(teacher(inputs, **fields)), targets)
+    nll, div, hits = (jnp.sum(mask * x) for x in terms)
+    total = d.alpha * div + (1 - d.alpha) * nll if mode == "logits" else div
+    return total, {"correct": hits, "distill/nll": nll, "distill/divergence": div}
 
   return loss_fn
+
+
+def _chunk_size(apply_fn, teacher, chunk, tokens: int) -> int:
+  """Tokens per chunk of a supervised distillation loss (0: the whole logits)."""
+  both = getattr(apply_fn, "emits_hidden", False) and getattr(teacher, "emits_hidden", False)
+  if chunk == 0 or not both:
+    return 0
+  return chunked_loss.chunk_size(chunk, tokens, apply_fn.vocab_size)
 
 
 def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **options) -> Callable:

@@ -128,7 +128,7 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed=None) -> Callabl
     kind = "none"
 
     def build(reference, teacher):
-      return distill.supervised_loss(apply_fn, teacher, d, mode)
+      return distill.supervised_loss(apply_fn, teacher, d, mode, cfg.model.loss_chunk)
 
   return loss_with_teacher(kind, apply_fn, teacher_apply(d.teacher), build)
 
