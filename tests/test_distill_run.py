@@ -87,6 +87,7 @@ def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
   assert "eval_rewards/exact_answer" in evals[-1]
 
 
+@pytest.mark.slow
 def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher):
   """``model.loss_chunk``: both models' logits a few tokens at a time, the same records."""
   runs = []
