@@ -133,6 +133,8 @@ def test_an_moe_student_distills_with_its_router_losses_exact_over_k(tmp_path, t
   own rollouts (a mixture-of-experts teacher: the first student's run)."""
   from test_moe_post_training import MOE, _same
 
+  from jaxstep.cli.check import check_config
+
   moe_teacher = tmp_path / "logits-k1"
   for mode, data, ks, taught_by in (
     ("logits", SFT, (1, 4), teacher),
@@ -149,6 +151,8 @@ def test_an_moe_student_distills_with_its_router_losses_exact_over_k(tmp_path, t
     first = runs[0][0]
     assert first["moe/lbl"] > 1.0 and first["extra_loss"] > 0, first
     assert first["distill/divergence" if mode == "logits" else "distill/reverse_kl"] > 0
+    report = check_config(config_lib.load(None, args))  # K against 1, the router losses too
+    assert report.passed and "extra loss" in [stage.name for stage in report.stages], report
 
 
 def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, folder):  # noqa: F811

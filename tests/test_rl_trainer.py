@@ -132,6 +132,7 @@ def test_any_apply_fn_samples_and_trains_with_agreeing_log_probs(tmp_path):
     ({"rl": {"rewards": ["exact_answer"]}}, "give RLTrainer's rewards and reward_weights"),
     ({"prompts": "sums.jsonl"}, "prompts must be a list of rows"),
     ({"rl": {"advantage": "ppo"}}, "rl.advantage must be one of"),
+    ({"model": models.LlamaConfig(num_experts=4, moe_intermediate_size=8)}, "dense policy"),
   ],
 )
 def test_bad_input_is_one_clear_error(tmp_path, kwargs, message):

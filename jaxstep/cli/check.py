@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +42,9 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   """``check_accumulation`` on ``cfg``'s model, optimizer and first global batch (dropout
   off), resolved by the same plan ``train`` uses."""
   from jaxstep import data, models
-  from jaxstep.core import preference, router_loss
-  from jaxstep.core.losses import next_token_loss
+  from jaxstep.core import preference
   from jaxstep.core.optim import make_optimizer
-  from jaxstep.trainer.plan import preference_plan, teacher
+  from jaxstep.trainer.plan import preference_plan, steps, teacher
   from jaxstep.trainer.plan.numbers import make_plan
   from jaxstep.trainer.saved_run import teacher as saved_teacher
 
@@ -69,15 +67,8 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
   batch = jax.tree.map(jnp.asarray, batch)
   if pairs and preference_plan.reference_kind(cfg) == "precompute":  # as the run reads them
     batch |= _reference_columns(cfg, apply_fn, params, batch)
-  if loss_fn is None:
-    sft = functools.partial(next_token_loss, chunk=model_cfg.loss_chunk)  # as train runs it
-    build = (lambda f: preference_plan.loss_fn(cfg, f)) if pairs else sft
-    rows = router_loss.preference_rows if pairs else router_loss.sft_rows
-    loss_fn = build(apply_fn)
-    if getattr(model_cfg, "num_experts", 0):  # an MoE model's router losses too
-      loss_fn = router_loss.with_router_losses(build, apply_fn, model_cfg, rows)
-    if cfg.distill.teacher:  # against the teacher, which the state carries
-      loss_fn = teacher.loss_fn(cfg, apply_fn)
+  if loss_fn is None:  # as train builds it: router losses of an MoE model, a teacher's
+    loss_fn = steps.training_loss(cfg, apply_fn)[0]
   reference = preference_plan.reference_state(cfg, params) if pairs else None
   return check_accumulation(
     loss_fn,
@@ -96,7 +87,7 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   """K micro-batches against one on the RL run's first rollout (its first prompts, its
   rewards and advantages), with its loss and normalization count."""
   from jaxstep.generation import Generator
-  from jaxstep.trainer.plan import rl_plan, teacher
+  from jaxstep.trainer.plan import rl_plan, steps, teacher
   from jaxstep.trainer.rl import rewards, rollout
   from jaxstep.trainer.rl.source import rollout_seed
   from jaxstep.trainer.saved_run import teacher as saved_teacher
@@ -111,10 +102,7 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
     generator, params, prompts, r, loaded, seq_len=t.seq_len,
     seed=rollout_seed(t.seed, 0),
   )  # fmt: skip
-  allowed = rl_plan.sampler_allowed(cfg)
-  loss_fn = rl_plan.loss_fn(cfg, apply_fn, allowed)
-  if cfg.distill.teacher:  # on-policy distillation: the teacher scores the rollout
-    loss_fn = teacher.loss_fn(cfg, apply_fn, allowed)
+  loss_fn = steps.training_loss(cfg, apply_fn)[0]  # a teacher's, router losses: as train's
   reference = rl_plan.reference_state(cfg, params)
   return check_accumulation(
     loss_fn,

@@ -44,8 +44,8 @@ METRICS = ("moe/lbl", "moe/z_loss")  # means over the update whatever the scope
 
 
 def with_router_losses(build: Callable, apply_fn: Callable, model_cfg, rows: Callable) -> Callable:
-  """The loss ``build(apply_fn)`` (SFT's, a preference or an RL loss: any that runs the
-  policy once with ``train=True``) with an MoE model's router terms added: its policy
+  """The loss ``build(apply_fn)`` (SFT's, a preference, an RL or a distillation loss: any
+  that runs the policy once with ``train=True``) with an MoE model's router terms added: its policy
   forward pass also returns the routing sums over the tokens ``rows(batch)`` names, and
   the loss's ``aux`` gains the LBL's global share as ``extra_share`` (or the micro-batch
   one as ``extra_loss``) and the metrics ``moe/lbl``, ``moe/z_loss``, ``moe/counts``

@@ -121,7 +121,8 @@ def take_rows(x: jax.Array, index: jax.Array, back: jax.Array) -> jax.Array:
   ``x``'s rows: the same sums, cheaper on XLA:CPU (a layer of the ``moe`` benchmark, fwd +
   bwd: 55 → 50 ms; docs/performance.md). Used in both directions of a layer's dispatch:
   tokens → expert-sorted rows (``back`` = each token's k rows) and rows → assignments
-  (``back`` = each row's assignment)."""
+  (``back`` = each row's assignment). A custom VJP: reverse mode only (``jax.jvp`` of an
+  MoE model raises), as ``tiled_matmul``."""
   return _take(x, index)
 
 

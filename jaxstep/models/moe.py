@@ -10,7 +10,8 @@ down_e(silu(gate_e(x)) · up_e(x))``, plus the shared experts' SwiGLU (times
 weights give the same logits.
 
 Dispatch is dropless: the ``T·k`` (token, expert) assignments are sorted by expert, each
-expert's rows multiplied by its weights in one grouped product, and scattered back. With a
+expert's rows multiplied by its weights in one grouped product, and gathered back (the
+backward passes of both gathers are gathers too: ``grouped.take_rows``). With a
 ``capacity_factor`` c > 0 each expert takes at most ``⌈c·S·k/E⌉`` assignments from each
 sequence of S tokens, the first in token order (MaxText's per-sequence rule); the rest are
 dropped (their weight is zero, the token keeps its residual) and counted. Counted per

@@ -113,6 +113,11 @@ class RLTrainer(Trainer):
   ):
     r = _rl_config(rl)
     r.check_groups(distilling=teacher is not None)
+    if _is_config(model) and getattr(model, "num_experts", 0):
+      raise ConfigError(
+        "RLTrainer trains a dense policy: its loss has no router losses for a mixture of "
+        "experts; train an MoE policy with jaxstep train (rl.rewards)"
+      )
     self.r, self.tokenizer = r, tokenizer
     self.model_cfg = model if _is_config(model) else None
     self.rewards = load_rewards(list(rewards), reward_weights)

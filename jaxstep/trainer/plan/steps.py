@@ -49,10 +49,11 @@ def _poisonable(loss_fn):
   return poisoned
 
 
-def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int):
-  """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps and an lr schedule
-  spanning ``schedule_steps`` update steps."""
-  t = cfg.train
+def training_loss(cfg: config_lib.Config, apply_fn) -> tuple[Callable, Callable | None]:
+  """``(loss_fn, units_fn)``: the loss ``cfg`` trains on (SFT's, a preference or an RL loss,
+  or a teacher's; an MoE model's router losses added, exact over the global batch) and the
+  count it is normalized by (None: the loss-masked tokens). ``jaxstep check`` compares the
+  same loss."""
   pairs, rl = bool(cfg.preference.loss), bool(cfg.rl.rewards)
   if rl:
     build = lambda f: rl_plan.loss_fn(cfg, f, rl_plan.sampler_allowed(cfg))  # noqa: E731
@@ -70,6 +71,15 @@ def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int
     loss_fn = router_loss.with_router_losses(build, apply_fn, cfg.model, rows)
   else:
     loss_fn = build(apply_fn)
+  return loss_fn, units
+
+
+def train_step(cfg: config_lib.Config, apply_fn, mesh: Mesh, schedule_steps: int, k: int):
+  """The (unjitted) train step of ``cfg`` with K = ``k`` micro-steps and an lr schedule
+  spanning ``schedule_steps`` update steps."""
+  t = cfg.train
+  pairs, rl = bool(cfg.preference.loss), bool(cfg.rl.rewards)
+  loss_fn, units = training_loss(cfg, apply_fn)
   sharded = mesh.devices.size > 1
   step = make_train_step(
     _poisonable(loss_fn) if t.debug_nan_step else loss_fn,
