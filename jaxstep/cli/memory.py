@@ -160,9 +160,8 @@ def distill_line(cfg) -> str:
     f"distill: the teacher {d.teacher} holds {count:,} parameters in {d.teacher_dtype} "
     f"({_size(nbytes)} in all, split over the mesh like the params), part of the compiled "
     f"step's arguments above and never of a checkpoint; its forward keeps no activations "
-    f"but adds its logits per micro-step (in the logits and gkd modes, where "
-    f"model.loss_chunk chunks them and neither model soft-caps its logits: its final hidden "
-    f"states, and its logits a chunk at a time)"
+    f"but adds its logits per micro-step (where model.loss_chunk chunks them and neither "
+    f"model soft-caps its logits: its final hidden states, and its logits a chunk at a time)"
   )
 
 

@@ -192,26 +192,52 @@ def _chunk_size(apply_fn, teacher, chunk, tokens: int) -> int:
 def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **options) -> Callable:
   """The step ``loss_fn(params, batch, rng)`` of on-policy distillation on an RL batch
   (``jaxstep.core.rl``'s fields; its ``advantages`` are not read): ``options`` are
-  ``rl.grpo_loss``'s (the clip, β, the sampler's settings, ``loss_norm``). ``aux`` adds
-  ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled tokens."""
+  ``rl.grpo_loss``'s (the clip, β, the sampler's settings, ``loss_norm``, ``chunk``). ``aux``
+  adds ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled tokens.
+
+  The per-token terms (the student's log-probs and entropy as the RL loss reads them, the
+  teacher's log-prob of each sampled token, the full estimator's reverse KL) come from both
+  models' logits, or, where ``chunk`` asks for chunks and both models ``emits_hidden``,
+  from their final hidden states a chunk of tokens at a time (``supervised_loss``)."""
   dist = dict(temperature=options.get("temperature", 1.0), allowed=options.get("allowed"))
+  policy_dist = {**dist, "top_k": options.get("top_k", 0), "top_p": options.get("top_p", 1.0)}
+  full = d.estimator == "full"
+
+  def per_token(logits, target, targets):
+    """``(log π, entropy, log π_T, reverse KL)`` at each position (the KL 0 if unused)."""
+    logp, entropy = rl.token_logps(logits, targets, **policy_dist)
+    teacher_logp = rl.token_logps(target, targets, **dist)[0]
+    if not full:
+      return logp, entropy, teacher_logp, jnp.zeros_like(logp)
+    student = jax.nn.log_softmax(_scaled(logits, dist), axis=-1)
+    return (
+      logp,
+      entropy,
+      teacher_logp,
+      kl(student, jax.nn.log_softmax(_scaled(target, dist), axis=-1)),
+    )
 
   def loss_fn(params, batch, rng):
     mask = batch["completion_mask"].astype(jnp.float32)
-    logits = apply_fn(params, batch["inputs"], rng=rng, train=True)
-    target = jax.lax.stop_gradient(teacher(batch["inputs"]))
-    teacher_logps = rl.token_logps(target, batch["targets"], **dist)[0]
+    inputs, targets = batch["inputs"], batch["targets"]
+    size = _chunk_size(apply_fn, teacher, options.get("chunk", 0), inputs.size)
+    if size:
+      student = apply_fn(params, inputs, rng=rng, train=True, as_hidden=True)
+      terms = chunked_loss.chunked_pair_map(
+        per_token, student, teacher(inputs, as_hidden=True), targets, size
+      )
+    else:
+      logits = apply_fn(params, inputs, rng=rng, train=True)
+      terms = per_token(logits, jax.lax.stop_gradient(teacher(inputs)), targets)
+    logp, entropy, teacher_logps, reverse_kl = terms
     gap = jnp.where(mask > 0, batch["old_logps"] - teacher_logps, 0.0)
-    given = lambda *_, **__: logits  # noqa: E731 - the policy's logits, computed once
-    policy = rl.grpo_loss(given, **options)
+    policy = rl.grpo_loss(rl.given_terms(logp, entropy), **options)
     if d.estimator == "sampled":
       total, aux = policy(params, {**batch, "advantages": -d.coef * gap}, rng)
     else:  # the policy term is 0 (no advantage); β's KL to the reference stays
       zero = jnp.zeros(mask.shape[:1], jnp.float32)
       total, aux = policy(params, {**batch, "advantages": zero}, rng)
-      student = jax.nn.log_softmax(_scaled(logits, dist), axis=-1)
-      teacher_dist = jax.nn.log_softmax(_scaled(target, dist), axis=-1)
-      total = total + d.coef * _normed(kl(student, teacher_dist), mask, options)
+      total = total + d.coef * _normed(reverse_kl, mask, options)
     return total, {**aux, ON_POLICY_METRIC: jnp.sum(gap)}
 
   return loss_fn

@@ -115,10 +115,25 @@ def token_logps(logits, targets, temperature=1.0, *, top_k=0, top_p=1.0, allowed
   return picked, entropy
 
 
+def given_terms(logps: jax.Array, entropy: jax.Array) -> Callable:
+  """A policy for ``grpo_loss`` whose per-token ``(log-probs, entropy)`` of the batch's
+  targets are already computed (traced from the params being differentiated, so their
+  gradient flows): a loss that needs more terms of the same logits computes them in one
+  pass (``distill.on_policy_loss``)."""
+
+  def model(*_, **__):
+    raise TypeError("given_terms stands for terms already computed; it has no logits")
+
+  model.token_terms = (logps, entropy)
+  return model
+
+
 def _token_terms(model: Callable, params, batch, chunk, dist: dict, **call):
   """``token_logps`` of ``batch``'s targets under ``model(params, inputs, **call)``: from
   its logits, or from its hidden states in chunks (``chunk``, a model that
-  ``emits_hidden``)."""
+  ``emits_hidden``); a ``given_terms`` model's own."""
+  if hasattr(model, "token_terms"):
+    return model.token_terms
   inputs, targets = batch["inputs"], batch["targets"]
   if chunk != 0 and getattr(model, "emits_hidden", False):
     size = chunked_loss.chunk_size(chunk, inputs.size, model.vocab_size)

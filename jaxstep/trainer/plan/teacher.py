@@ -118,7 +118,7 @@ def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed=None) -> Callabl
   d = cfg.distill
   mode = d.resolved_mode(bool(cfg.rl.rewards))
   if mode == "on_policy":
-    options = rl_plan.grpo_options(cfg.rl, allowed)
+    options = {**rl_plan.grpo_options(cfg.rl, allowed), "chunk": cfg.model.loss_chunk}
     kind = rl_plan.reference_kind(cfg)
 
     def build(reference, teacher):
