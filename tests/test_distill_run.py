@@ -89,8 +89,15 @@ def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gkd", "on_policy"])
-def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher, mode):
-  """``model.loss_chunk``: both models' logits a few tokens at a time, the same records."""
+def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher, mode, monkeypatch):
+  """``model.loss_chunk``: both models' logits a few tokens at a time (the chunked path
+  traced, for that run only), the same records."""
+  from jaxstep.core import chunked_loss
+
+  traced, pair_map = [], chunked_loss.chunked_pair_map
+  monkeypatch.setattr(
+    chunked_loss, "chunked_pair_map", lambda *a, **k: traced.append(1) or pair_map(*a, **k)
+  )
   data, keys = (SFT, ("distill/nll",)) if mode == "gkd" else (RL, ("distill/reverse_kl",))
   runs = []
   for chunk in (0, 24):
@@ -100,6 +107,7 @@ def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher, mode):
       config_lib.load(None, [*args, f"distill.teacher={teacher}", f"run_dir={run_dir}"])
     )
     runs.append(read_lines(run_dir / "metrics.jsonl"))
+    assert bool(traced) == bool(chunk), (chunk, len(traced))
   for a, b in zip(*runs, strict=True):
     for key in ("loss", "grad_norm", *keys):
       np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-7, err_msg=key)

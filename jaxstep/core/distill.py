@@ -182,7 +182,7 @@ def supervised_loss(
 
 
 def _chunk_size(apply_fn, teacher, chunk, tokens: int) -> int:
-  """Tokens per chunk of a supervised distillation loss (0: the whole logits)."""
+  """Tokens per chunk of a distillation loss (0: the whole logits of both models)."""
   both = getattr(apply_fn, "emits_hidden", False) and getattr(teacher, "emits_hidden", False)
   if chunk == 0 or not both:
     return 0

@@ -116,7 +116,7 @@ class RLTrainer(Trainer):
     if _is_config(model) and getattr(model, "num_experts", 0):
       raise ConfigError(
         "RLTrainer trains a dense policy: its loss has no router losses for a mixture of "
-        "experts; train an MoE policy with jaxstep train (rl.rewards)"
+        "experts; train an MoE model with jaxstep train (rl.rewards)"
       )
     self.r, self.tokenizer = r, tokenizer
     self.model_cfg = model if _is_config(model) else None
