@@ -162,7 +162,12 @@ def _hidden_model(dim: int, seed: int, asked: list):
   return apply, params
 
 
-@pytest.mark.parametrize("mode", ["logits", "gkd", "on_policy/full", "on_policy/sampled"])
+SLOW_CHUNKED = ("logits", "gkd", "on_policy/sampled")  # the fast tier runs on_policy/full
+
+
+@pytest.mark.parametrize(
+  "mode", ["on_policy/full", *(pytest.param(m, marks=pytest.mark.slow) for m in SLOW_CHUNKED)]
+)
 def test_a_chunked_distillation_loss_equals_the_whole_logits(mode):
   """From both models' hidden states a few tokens at a time (the last chunk padded), the
   loss, its records and the student's gradient equal the whole logits' to rounding."""
