@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxstep.core import chunked_loss, rl
 from jaxstep.core.losses import argmax_hits, document_fields
@@ -152,10 +153,7 @@ def supervised_loss(
   def per_token(logits, target, targets):
     """``(NLL, divergence, argmax hits)`` at each position."""
     logits = logits.astype(jnp.float32)
-    nll = (
-      jax.nn.logsumexp(logits, axis=-1)
-      - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    )
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mode == "logits":
       div = soft_kl(logits, target, d.temperature)
     else:
@@ -206,16 +204,12 @@ def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **op
   def per_token(logits, target, targets):
     """``(log π, entropy, log π_T, reverse KL)`` at each position (the KL 0 if unused)."""
     logp, entropy = rl.token_logps(logits, targets, **policy_dist)
-    teacher_logp = rl.token_logps(target, targets, **dist)[0]
+    teacher_all = jax.nn.log_softmax(_scaled(target, dist), axis=-1)  # what token_logps takes
+    teacher_logp = jnp.take_along_axis(teacher_all, targets[..., None], axis=-1)[..., 0]
     if not full:
       return logp, entropy, teacher_logp, jnp.zeros_like(logp)
     student = jax.nn.log_softmax(_scaled(logits, dist), axis=-1)
-    return (
-      logp,
-      entropy,
-      teacher_logp,
-      kl(student, jax.nn.log_softmax(_scaled(target, dist), axis=-1)),
-    )
+    return logp, entropy, teacher_logp, kl(student, teacher_all)
 
   def loss_fn(params, batch, rng):
     mask = batch["completion_mask"].astype(jnp.float32)
