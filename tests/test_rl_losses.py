@@ -156,6 +156,36 @@ def test_a_mean_of_micro_batch_means_misses_the_global_normalization(loss_norm):
   assert_far(mean_of_means[0], exact[0], terms=8 * SEQ * VOCAB)
 
 
+def test_a_live_reference_is_scored_without_the_samplers_truncation():
+  """With top-k on, a drawn token may lie outside the *reference's* top-k once the policy
+  has drifted: scored under the sampler's filters its log-prob is −inf and the k3 term
+  infinite. The reference is scored under the temperature only (as TRL does), so the KL
+  is finite and equals numpy's with the policy under its top-k and the reference unfiltered."""
+  batch = rl_batch()
+  del batch["ref_logps"]
+  params = tiny_lm_params(vocab=VOCAB)
+  logits = np.asarray(jax.jit(tiny_lm_apply)(params, batch["inputs"]), np.float64)
+  batch["targets"] = np.argmax(logits, -1).astype(np.int32)  # in the policy's top 2 …
+  reference = lambda p, x, **kw: -tiny_lm_apply(p, x)  # noqa: E731  … its reference's last
+  options = dict(beta=0.04, temperature=0.7, top_k=2)
+  total, aux = jax.jit(rl.grpo_loss(tiny_lm_apply, reference=reference, **options))(
+    params, batch, None
+  )
+  assert np.isfinite(float(total)) and np.isfinite(float(aux["kl"]))
+
+  def logp(z, k):
+    z = z / 0.7
+    if k:
+      z = np.where(z < np.sort(z, -1)[..., -k, None], -np.inf, z)
+    z = z - z.max(-1, keepdims=True)
+    z = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return np.take_along_axis(z, batch["targets"][..., None], -1)[..., 0]
+
+  r = logp(-logits, 0) - logp(logits, 2)
+  m = batch["completion_mask"]
+  assert_close(float(aux["kl"]), float(np.sum((np.exp(r) - r - 1) * m)), terms=VOCAB * SEQ)
+
+
 def test_bad_batches_and_options_are_one_line():
   batch = rl_batch()
   loss_fn = rl.grpo_loss(tiny_lm_apply, beta=0.1)

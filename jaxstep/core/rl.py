@@ -17,7 +17,8 @@ K micro-batches and any number of devices give one big batch's update.
 importance sampling): ``ρ_t = exp(log π(t) − log π_old(t))``, ``l_t = −min(ρ_t·A,
 clip(ρ_t, 1 − ε_low, 1 + ε_high)·A) + β·kl_t`` with the k3 estimator ``kl_t = exp(r_t) −
 r_t − 1``, ``r_t = log π_ref(t) − log π(t)`` (≥ 0, unbiased for KL(π‖π_ref)). Log-probs
-come from ``logits / temperature``, the sampler's scaling.
+come from ``logits / temperature``, the sampler's scaling; the policy's also under its top-k
+/ top-p truncation (the distribution the token was drawn from), the reference's without.
 
 **Normalization** (``loss_norm``), each a sum the loss returns and a count ``units`` sums
 over the global batch:
@@ -245,7 +246,10 @@ def grpo_loss(
       distribution (``token_logps``), so they equal the sampler's for the same params.
     max_new_tokens: the sampler's limit; ``constant`` divides by it.
     reference: ``(params, inputs) -> logits`` of the reference (β > 0), called under
-      ``stop_gradient`` when the batch holds no ``ref_logps``.
+      ``stop_gradient`` when the batch holds no ``ref_logps``, and scored under the
+      temperature and ``allowed`` ids only (as TRL scores it): once the policy drifts, its
+      draw may fall outside the reference's top-k or top-p, where a truncated reference
+      would give log π_ref = −inf and an infinite KL term.
     gap_tolerance: also count (``aux["logp_gap_excess"]``) the completion tokens whose
       ``|log π − log π_old|`` exceeds it: on a rollout's first pass, where π is the policy
       that sampled, any such token means the training pass sees another distribution than
@@ -263,6 +267,9 @@ def grpo_loss(
     raise ConfigError(f"need beta >= 0 and temperature > 0, got {beta}, {temperature}")
   options = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
   dist = dict(temperature=temperature, top_k=top_k, top_p=top_p, allowed=allowed)
+  # the reference without the sampler's truncation: a drawn token outside the reference's
+  # top-k / top-p would get −inf and the k3 term an infinite value
+  ref_dist = dict(dist, top_k=0, top_p=1.0)
 
   def loss_fn(params, batch, rng):
     ref_from_batch = check_rl_batch(batch, beta, reference is not None)
@@ -275,7 +282,8 @@ def grpo_loss(
         ref = batch["ref_logps"].astype(jnp.float32)
       else:
         frozen = jax.lax.stop_gradient(params)
-        ref = jax.lax.stop_gradient(_token_terms(reference, frozen, batch, chunk, dist)[0])
+        ref = _token_terms(reference, frozen, batch, chunk, ref_dist)[0]
+        ref = jax.lax.stop_gradient(ref)
         ref = jnp.where(mask > 0, ref, 0.0)
     old = batch["old_logps"].astype(jnp.float32)
     adv = batch["advantages"].astype(jnp.float32)
