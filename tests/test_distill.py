@@ -126,6 +126,9 @@ LOSSES = {
   "on_policy_full": lambda: distill.on_policy_loss(
     tiny_lm_apply, teacher, distill.DistillConfig(estimator="full"), loss_norm="sequences"
   ),
+  "on_policy_gkd": lambda: distill.on_policy_loss(
+    tiny_lm_apply, teacher, distill.DistillConfig(beta=0.3, coef=0.5), "gkd", temperature=0.8
+  ),
 }
 
 
@@ -246,6 +249,40 @@ def test_the_full_reverse_kl_over_allowed_ids_has_a_finite_gradient():
   want, want_grads = jax.value_and_grad(restricted)(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert_close((total, grads), (want, want_grads), terms=VOCAB * SEQ)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_gkd_on_samples_is_the_jsd_over_the_allowed_ids(beta):
+  """GKD on an RL batch (the student's samples): ``coef`` × the generalized JSD at every
+  completion position, over the ids the sampler may draw at its temperature; its value and
+  gradient equal the JSD of the allowed ids' logits alone (finite, where the others' −inf
+  would give NaN), and at β = 1 on-policy's full reverse KL."""
+  allowed = np.ones(VOCAB, bool)
+  allowed[[0, 5]] = False
+  batch = {k: v for k, v in rl_batch(5).items() if k != "ref_logps"}
+  batch["targets"] = np.where(np.isin(batch["targets"], [0, 5]), 1, batch["targets"])
+  options = dict(allowed=jnp.asarray(allowed), temperature=0.8)
+  d = distill.DistillConfig(mode="gkd", beta=beta, coef=0.6)
+  loss_fn = distill.on_policy_loss(tiny_lm_apply, teacher, d, "gkd", **options)
+  params = tiny_lm_params(vocab=VOCAB)
+  total, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0]))(params)
+  keep = np.flatnonzero(allowed)
+
+  def restricted(p):
+    s = tiny_lm_apply(p, batch["inputs"])[..., keep] / 0.8
+    t = teacher(batch["inputs"])[..., keep] / 0.8
+    mask = batch["completion_mask"]
+    return 0.6 * jnp.sum(mask * distill.generalized_jsd(s, t, beta))
+
+  want = jax.jit(jax.value_and_grad(restricted))(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  assert_close((total, grads), want, terms=VOCAB * SEQ)
+  if beta == 1.0:
+    on_policy = distill.DistillConfig(estimator="full", coef=0.6)
+    reverse = distill.on_policy_loss(tiny_lm_apply, teacher, on_policy, **options)
+    assert_close(float(total), float(reverse(params, batch, None)[0]), terms=VOCAB * SEQ)
+  with pytest.raises(ConfigError, match="drop distill.estimator"):
+    distill.DistillConfig(mode="gkd", estimator="sampled")
 
 
 READ_ONLY_SCRIPT = """

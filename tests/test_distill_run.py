@@ -88,6 +88,23 @@ def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
 
 
 @pytest.mark.slow
+def test_gkd_on_the_students_samples_at_beta_1_is_on_policys_reverse_kl(tmp_path, teacher):
+  """``distill.mode=gkd`` in an RL run trains on the student's samples (TRL's lmbda 1);
+  at β = 1 its JSD is the reverse KL, so its updates are ``on_policy``'s (full estimator)
+  record by record, and at β = 0.5 they are not."""
+  args = [*RL, "train.max_steps=3", f"distill.teacher={teacher}", "distill.coef=0.5"]
+  runs = {}
+  for name, mode in (("reverse", ["distill.mode=on_policy"]), ("gkd", ["distill.mode=gkd",
+      "distill.beta=1"]), ("mid", ["distill.mode=gkd", "distill.beta=0.5"])):  # fmt: skip
+    config_run.train(config_lib.load(None, [*args, *mode, f"run_dir={tmp_path / name}"]))
+    runs[name] = read_lines(tmp_path / name / "metrics.jsonl")
+  for a, b, c in zip(runs["reverse"], runs["gkd"], runs["mid"], strict=True):
+    np.testing.assert_allclose([b["loss"], b["grad_norm"]], [a["loss"], a["grad_norm"]],
+                               rtol=1e-5)  # fmt: skip
+    assert c["loss"] < 0.9 * a["loss"]  # another divergence (the JSD is the smaller here)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["gkd", "on_policy"])
 def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher, mode, monkeypatch):
   """``model.loss_chunk``: both models' logits a few tokens at a time (the chunked path
@@ -117,7 +134,8 @@ def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
   given = [f"distill.teacher={teacher}", f"run_dir={tmp_path / 'run'}"]
   for args, words in (
     ([*SFT, *given, "distill.mode=on_policy"], "name rl.rewards"),
-    ([*RL, *given, "distill.mode=gkd"], "use distill.mode=on_policy"),
+    ([*RL, *given, "distill.mode=logits"], "use distill.mode=on_policy or gkd"),
+    ([*RL, *given, "distill.mode=gkd", "distill.estimator=sampled"], "drop distill.estimator"),
     ([*RL, *given, "rl.filter_groups=true"], "drop rl.filter_groups"),
     ([*SFT, *given, "distill.beta=2"], "weights in"),
     ([*RL, f"run_dir={tmp_path / 'run'}", "rl.num_generations=1"], "must be >= 2 for advantage"),

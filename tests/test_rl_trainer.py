@@ -195,5 +195,5 @@ def test_a_teacher_turns_the_trainer_into_on_policy_distillation(tmp_path):
   other = models.GPTConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
   with pytest.raises(ConfigError, match="student's vocabulary"):
     trainer(tmp_path / "x", teacher=(other, models.build(other, 0)[1]))
-  with pytest.raises(ConfigError, match="distills on-policy"):
+  with pytest.raises(ConfigError, match="distills on its own samples"):
     trainer(tmp_path / "y", teacher=(CFG, teacher_params), distill={"mode": "logits"})

@@ -9,11 +9,13 @@ distributions at a position:
 - ``logits`` (offline KD, Hinton et al.; MaxText/Tunix): on supervised windows,
   ``l_t = α·τ²·KL(p_T^τ ‖ p_S^τ) + (1 − α)·NLL_t``, ``p^τ = softmax(logits / τ)``; τ² keeps
   the soft term's gradient on the scale of the hard one's as τ grows.
-- ``gkd`` (Agarwal et al. 2024; TRL ``GKDTrainer.generalized_jsd_loss``): on supervised
-  windows, the generalized Jensen-Shannon divergence ``JSD_β = β·KL(p_T ‖ M) + (1 − β)·
-  KL(p_S ‖ M)``, ``M = β·p_T + (1 − β)·p_S``, logits ÷ τ; β = 0 is the forward
-  ``KL(p_T ‖ p_S)``, β = 1 the reverse ``KL(p_S ‖ p_T)`` (TRL computes both ends exactly
-  so; so does this).
+- ``gkd`` (Agarwal et al. 2024; TRL ``GKDTrainer.generalized_jsd_loss``): the generalized
+  Jensen-Shannon divergence ``JSD_β = β·KL(p_T ‖ M) + (1 − β)·KL(p_S ‖ M)``,
+  ``M = β·p_T + (1 − β)·p_S``; β = 0 is the forward ``KL(p_T ‖ p_S)``, β = 1 the reverse
+  ``KL(p_S ‖ p_T)`` (TRL computes both ends exactly so; so does this). On supervised
+  windows (TRL's ``lmbda`` 0) with logits ÷ τ; on the student's own samples (an RL run's
+  rollouts, TRL's ``lmbda`` 1) at each completion position, under the sampler's temperature
+  and allowed ids, where β = 1 is ``on_policy``'s full reverse KL.
 - ``on_policy`` (Thinking Machines 2025, Qwen3's small models): on the student's own
   samples (an RL run's rollouts), the reverse KL ``KL(π ‖ π_T)`` at each completion
   position. ``estimator: full`` (the default) differentiates it whole, over the vocabulary,
@@ -49,6 +51,7 @@ TEACHER = "teacher"  # the teacher's params' key in the train state's model_stat
 # an RL run's completion tokens)
 SFT_METRICS = ("distill/nll", "distill/divergence")
 ON_POLICY_METRIC = "distill/reverse_kl"  # Σ mask·(log π_old − log π_T): the sampled estimate
+NEG_FLOOR = -1e30  # a logit whose softmax probability is 0 in fp32, yet finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,11 @@ class DistillConfig:
     if self.estimator not in ESTIMATORS:
       raise ConfigError(
         f"distill.estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}"
+      )
+    if self.mode == "gkd" and self.estimator == "sampled":
+      raise ConfigError(
+        "distill.estimator=sampled is on_policy's estimate of the reverse KL; gkd takes its "
+        "divergence over the vocabulary: drop distill.estimator or use distill.mode=on_policy"
       )
     if self.teacher_dtype not in ("fp32", "bf16"):
       raise ConfigError(f"distill.teacher_dtype must be fp32 or bf16, got {self.teacher_dtype!r}")
@@ -187,11 +195,17 @@ def _chunk_size(apply_fn, teacher, chunk, tokens: int) -> int:
   return chunked_loss.chunk_size(chunk, tokens, apply_fn.vocab_size)
 
 
-def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **options) -> Callable:
-  """The step ``loss_fn(params, batch, rng)`` of on-policy distillation on an RL batch
-  (``jaxstep.core.rl``'s fields; its ``advantages`` are not read): ``options`` are
-  ``rl.grpo_loss``'s (the clip, β, the sampler's settings, ``loss_norm``, ``chunk``). ``aux``
-  adds ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled tokens.
+def on_policy_loss(
+  apply_fn: Callable, teacher: Callable, d: DistillConfig, mode: str = "on_policy", **options
+) -> Callable:
+  """The step ``loss_fn(params, batch, rng)`` of distillation on an RL batch, the student's
+  own samples (``jaxstep.core.rl``'s fields; its ``advantages`` are not read): ``options``
+  are ``rl.grpo_loss``'s (the clip, β, the sampler's settings, ``loss_norm``, ``chunk``).
+  ``mode`` ``on_policy``: the reverse KL (``d.estimator``); ``gkd``: the generalized JSD
+  with ``d.beta`` over the vocabulary at each completion position, on the sampler's
+  distributions (its temperature and allowed ids; β = 1 is on-policy's full reverse KL).
+  ``aux`` adds ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled
+  tokens.
 
   The per-token terms (the student's log-probs and entropy as the RL loss reads them, the
   teacher's log-prob of each sampled token, the full estimator's reverse KL) come from both
@@ -199,15 +213,19 @@ def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **op
   from their final hidden states a chunk of tokens at a time (``supervised_loss``)."""
   dist = dict(temperature=options.get("temperature", 1.0), allowed=options.get("allowed"))
   policy_dist = {**dist, "top_k": options.get("top_k", 0), "top_p": options.get("top_p", 1.0)}
-  full = d.estimator == "full"
+  if mode not in ("on_policy", "gkd"):
+    raise ConfigError(f"distillation on samples is on_policy or gkd, got {mode!r}")
+  full = mode == "gkd" or d.estimator == "full"
 
   def per_token(logits, target, targets):
-    """``(log π, entropy, log π_T, reverse KL)`` at each position (the KL 0 if unused)."""
+    """``(log π, entropy, log π_T, divergence)`` at each position (0 if unused)."""
     logp, entropy = rl.token_logps(logits, targets, **policy_dist)
     teacher_all = jax.nn.log_softmax(_scaled(target, dist), axis=-1)  # what token_logps takes
     teacher_logp = jnp.take_along_axis(teacher_all, targets[..., None], axis=-1)[..., 0]
     if not full:
       return logp, entropy, teacher_logp, jnp.zeros_like(logp)
+    if mode == "gkd":
+      return logp, entropy, teacher_logp, _allowed_jsd(logits, target, dist, d.beta)
     student = jax.nn.log_softmax(_scaled(logits, dist), axis=-1)
     return logp, entropy, teacher_logp, kl(student, teacher_all)
 
@@ -228,7 +246,7 @@ def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **op
     policy = rl.grpo_loss(rl.given_terms(logp, entropy), **options)
     if d.estimator == "sampled":
       total, aux = policy(params, {**batch, "advantages": -d.coef * gap}, rng)
-    else:  # the policy term is 0 (no advantage); β's KL to the reference stays
+    else:  # the policy term is 0 (no advantage); β's KL to the reference stays; gkd too
       zero = jnp.zeros(mask.shape[:1], jnp.float32)
       total, aux = policy(params, {**batch, "advantages": zero}, rng)
       total = total + d.coef * _normed(reverse_kl, mask, options)
@@ -239,6 +257,14 @@ def on_policy_loss(apply_fn: Callable, teacher: Callable, d: DistillConfig, **op
 
 def _scaled(logits, dist: dict):
   return sampling_logits(logits, dist["allowed"], dist["temperature"], 0, 1.0)
+
+
+def _allowed_jsd(student_logits, teacher_logits, dist: dict, beta: float):
+  """``generalized_jsd`` over the ids the sampler may draw, at its temperature. The others
+  are −inf in ``_scaled``; they enter the JSD as a finite floor instead, whose probability
+  is exactly 0, because the mixture's ``logaddexp`` of two −inf has a NaN gradient."""
+  floor = lambda x: jnp.maximum(_scaled(x, dist), NEG_FLOOR)  # noqa: E731
+  return generalized_jsd(floor(student_logits), floor(teacher_logits), beta)
 
 
 def _normed(per_token, mask, options: dict):

@@ -194,7 +194,9 @@ class RLTrainer(Trainer):
       )
 
     def build(reference, teacher):
-      return distill_core.on_policy_loss(apply_fn, teacher, d, reference=reference, **options)
+      return distill_core.on_policy_loss(
+        apply_fn, teacher, d, d.resolved_mode(rl_run=True), reference=reference, **options
+      )
 
     if _is_config(model) and model.max_seq_len < self.seq_len:
       raise ConfigError(
@@ -262,7 +264,8 @@ def _rl_config(value) -> rl_core.RLConfig:
 
 
 def _distill_config(value) -> distill_core.DistillConfig:
-  """On-policy distillation's settings (``mode`` on_policy or auto)."""
+  """The settings of distillation on the policy's samples (``mode`` on_policy, gkd or
+  auto)."""
   if value is None:
     value = distill_core.DistillConfig()
   elif isinstance(value, Mapping):
@@ -271,10 +274,10 @@ def _distill_config(value) -> distill_core.DistillConfig:
     value = config_lib.build_section(distill_core.DistillConfig(), dict(value), "distill.")
   elif not isinstance(value, distill_core.DistillConfig):
     raise ConfigError(f"distill must be a DistillConfig or a dict of its keys, got {value!r}")
-  if value.resolved_mode(rl_run=True) != "on_policy":
+  if value.resolved_mode(rl_run=True) == "logits":
     raise ConfigError(
-      f"RLTrainer distills on-policy (its own samples); distill.mode={value.mode} trains on "
-      f"supervised windows: build distill.supervised_loss into a jaxstep.Trainer"
+      "RLTrainer distills on its own samples (distill.mode on_policy or gkd); distill.mode="
+      "logits trains on supervised windows: build distill.supervised_loss into a jaxstep.Trainer"
     )
   return value
 

@@ -8,7 +8,7 @@ from jaxstep.errors import ConfigError
 
 def check_distill_run(cfg) -> None:
   """Which runs a teacher (``distill.teacher``) fits: ``on_policy`` an RL run's rollouts,
-  ``logits`` and ``gkd`` a supervised run's windows."""
+  ``logits`` a supervised run's windows, ``gkd`` either."""
   d, rl_run = cfg.distill, bool(cfg.rl.rewards)
   mode = d.resolved_mode(rl_run)
   if cfg.preference.loss:
@@ -21,8 +21,8 @@ def check_distill_run(cfg) -> None:
       "(they score the samples and the held-out prompts) and give prompts as data.path, or "
       "use distill.mode=logits or gkd on supervised data"
     )
-  if mode != "on_policy" and rl_run:
+  if mode == "logits" and rl_run:
     raise ConfigError(
-      f"distill.mode={mode} distills on supervised windows, but rl.rewards makes this an RL "
-      f"run: use distill.mode=on_policy, or drop rl.rewards"
+      "distill.mode=logits distills on supervised windows, but rl.rewards makes this an RL "
+      "run: use distill.mode=on_policy or gkd, or drop rl.rewards"
     )

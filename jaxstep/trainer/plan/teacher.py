@@ -113,16 +113,17 @@ def model_state(cfg: config_lib.Config, reference, teacher_params):
 
 
 def loss_fn(cfg: config_lib.Config, apply_fn: Callable, allowed=None) -> Callable:
-  """The step's 4-argument ``loss_fn`` of ``cfg``'s distillation mode (``allowed``: the ids
-  the sampler may draw, for ``on_policy``)."""
+  """The step's 4-argument ``loss_fn`` of ``cfg``'s distillation mode: on an RL run's
+  rollouts (``on_policy``, ``gkd``; ``allowed``: the ids the sampler may draw) or on
+  supervised windows (``logits``, ``gkd``)."""
   d = cfg.distill
   mode = d.resolved_mode(bool(cfg.rl.rewards))
-  if mode == "on_policy":
+  if cfg.rl.rewards:
     options = {**rl_plan.grpo_options(cfg.rl, allowed), "chunk": cfg.model.loss_chunk}
     kind = rl_plan.reference_kind(cfg)
 
     def build(reference, teacher):
-      return distill.on_policy_loss(apply_fn, teacher, d, reference=reference, **options)
+      return distill.on_policy_loss(apply_fn, teacher, d, mode, reference=reference, **options)
 
   else:
     kind = "none"
