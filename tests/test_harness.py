@@ -5,6 +5,7 @@ its cadence."""
 
 import json
 import os
+import pathlib
 import sys
 
 import jax
@@ -142,6 +143,33 @@ def test_a_task_file_that_is_not_yaml_is_named_with_its_error(tmp_path):
   assert message.startswith(f"task my_task: {tmp_path / 'mine.yaml'} is not a task YAML")
   assert "at line 3, column 13" in message and "\n" not in message
   assert "ok_task" in tasks.task_manager(["ok_task"], str(tmp_path)).task_index  # others run
+
+
+def test_the_harness_command_indexes_only_the_include_path_that_holds_its_tasks(
+  tmp_path, monkeypatch
+):
+  """lm-eval's command line builds its own ``TaskManager``; inside ``same_index`` of a
+  manager that found every task in ``--include-path``, that one indexes the folder alone,
+  not the harness's thousands of task files; outside, or for tasks it did not hold, as
+  lm-eval builds it."""
+  import lm_eval.tasks
+  from lm_eval.tasks._index import TaskIndex
+
+  (tmp_path / "ok.yaml").write_text("task: ok_task\ndataset_path: json\n")
+  local = tasks.task_manager(["ok_task"], str(tmp_path))
+  built, real = [], TaskIndex.build
+
+  def spy(paths, **kw):  # records what is indexed; indexes the folder only (the rest: 7 s)
+    built.append([str(p) for p in paths])
+    return real([p for p in paths if str(p) == str(tmp_path)], **kw)
+
+  monkeypatch.setattr(TaskIndex, "build", staticmethod(spy))
+  for manager in (local, None):
+    with tasks.same_index(manager):
+      lm_eval.tasks.TaskManager(include_path=str(tmp_path), metadata={"x": 1})
+  lm_eval.tasks.TaskManager(include_path=str(tmp_path))
+  defaults = str(pathlib.Path(lm_eval.tasks.__file__).parent)
+  assert built == [[str(tmp_path)], [defaults, str(tmp_path)], [defaults, str(tmp_path)]]
 
 
 def test_model_args_win_over_the_harness_settings_they_repeat(folder):

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     return report(e)
   from lm_eval._cli import HarnessCLI
 
-  from jaxstep.lmeval.tasks import check_tasks, offline
+  from jaxstep.lmeval.tasks import check_tasks, offline, same_index
 
   cli = HarnessCLI()
   cli._parser.prog = "jaxstep harness"
@@ -67,9 +67,10 @@ def main(argv=None) -> int:
   sys.argv = ["jaxstep harness", *harness_argv(argv)]
   try:
     args = cli.parse_args()
+    manager = None
     if getattr(args, "command", None) == "run" and args.tasks:
-      check_tasks(args.tasks, args.include_path)  # data the Hub holds: before any model work
-    with offline():
+      manager = check_tasks(args.tasks, args.include_path)  # before any model work
+    with offline(), same_index(manager):
       cli.execute(args)
   except JaxstepError as e:
     return report(e)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import pathlib
+import weakref
 from collections.abc import Sequence
 
 import yaml
@@ -29,6 +30,8 @@ from jaxstep.errors import ConfigError
 from jaxstep.lmeval import require_harness
 
 log = logging.getLogger("jaxstep")
+# the TaskManagers ``task_manager`` built from ``include_path`` alone (it held every task)
+_LOCAL = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -76,6 +79,8 @@ def task_manager(names: Sequence[str], include_path: str | None = None):
         raise ConfigError(f"task {', '.join(named)}: {_unreadable(path, why)}")
   if manager is None or any(n not in manager.task_index for n in names):
     manager = TaskManager(include_path=include_path)
+  else:
+    _LOCAL.add(manager)
   unknown = [n for n in names if n not in manager.task_index and not _path_or_glob(n)]
   if unknown and broken:
     path, why, _ = broken[0]
@@ -143,6 +148,30 @@ def check_tasks(names: Sequence[str], include_path: str | None = None):
     except ConnectionError as e:  # datasets, offline, for data it would download
       raise ConfigError(hub_message(", ".join(names), str(e))) from None
   return manager
+
+
+@contextlib.contextmanager
+def same_index(manager):
+  """Inside the block, a ``TaskManager`` lm-eval's command line builds indexes what
+  ``manager`` (``check_tasks``') indexed: ``--include-path`` alone when every task asked
+  for is there, not the harness's own thousands of task files (their index is 7 s of each
+  ``jaxstep harness`` start on a 2-core CPU)."""
+  import lm_eval.tasks
+
+  if manager not in _LOCAL:
+    yield
+    return
+  original = lm_eval.tasks.TaskManager
+
+  class LocalTaskManager(original):
+    def __init__(self, *args, include_defaults: bool = False, **kwargs):
+      super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+  lm_eval.tasks.TaskManager = LocalTaskManager
+  try:
+    yield
+  finally:
+    lm_eval.tasks.TaskManager = original
 
 
 def hub_message(names: str, why: str) -> str:

@@ -10,6 +10,7 @@ through ``hf_export.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -118,10 +119,12 @@ class Decoder(NamedTuple):
   max_seq_len: int
 
 
+@functools.lru_cache(maxsize=8)
 def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
   """``decode`` and ``init_cache`` of the config's model (``GPT`` or ``Llama``) for params
   shaped like ``build``'s (nothing is initialised: the module's structure comes from
-  ``nnx.eval_shape``)."""
+  ``nnx.eval_shape``, 2 s for a 30-block model on a 2-core CPU, so one per config: a
+  harness run's scorer and generator share it)."""
   abstract = nnx.eval_shape(lambda: _module(model_config)(model_config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest = nnx.to_pure_dict(rest)
