@@ -16,7 +16,7 @@ from tolerance import assert_close
 
 from jaxstep.core import distill, rl
 from jaxstep.core.step import make_train_step
-from jaxstep.errors import BatchError, ConfigError
+from jaxstep.errors import BatchError, ConfigError, DataError
 
 TEACHER = tiny_lm_params(vocab=VOCAB, dim=8, seed=7)
 
@@ -218,6 +218,10 @@ def test_bad_settings_and_batches_are_one_line():
   ):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
       distill.DistillConfig(**bad)
+  assert distill.completion_text([{"role": "assistant", "content": "42"}], "c") == "42"
+  for bad in (42, "", [{"role": "user", "content": "42"}]):
+    with pytest.raises(DataError, match="a prompt's 'c' must be a non-empty string"):
+      distill.check_completion_column(0.5, "c", {"c": ["ok", bad]})
   assert distill.DistillConfig().resolved_mode(rl_run=True) == "on_policy"
   assert distill.DistillConfig().resolved_mode(rl_run=False) == "logits"
   batch = rl_batch()
@@ -283,6 +287,32 @@ def test_gkd_on_samples_is_the_jsd_over_the_allowed_ids(beta):
     assert_close(float(total), float(reverse(params, batch, None)[0]), terms=VOCAB * SEQ)
   with pytest.raises(ConfigError, match="drop distill.estimator"):
     distill.DistillConfig(mode="gkd", estimator="sampled")
+
+
+def test_rows_of_given_completions_take_the_policys_own_log_probs_as_old():
+  """GKD with lmbda < 1: a row marked ``given`` holds the data's completion, no sample:
+  its ``old_logps`` (0 from the rollout) are replaced by the policy's own log-probs, so the
+  loss, its gradient and the metrics are those of the batch with those log-probs written in,
+  and the sampler check sees no gap there."""
+  batch = {k: v for k, v in rl_batch(6).items() if k != "ref_logps"}
+  given = np.array([1, 0, 1, 1, 0, 0, 1, 0], np.float32)
+  params = tiny_lm_params(vocab=VOCAB)
+  own, _ = rl.token_logps(tiny_lm_apply(params, batch["inputs"]), batch["targets"], 0.8)
+  written = dict(batch, old_logps=np.where(given[:, None] > 0, np.asarray(own), batch["old_logps"]))
+  marked = dict(batch, old_logps=np.where(given[:, None] > 0, 0.0, batch["old_logps"]))
+  marked[distill.GIVEN] = given
+  d = distill.DistillConfig(mode="gkd", beta=0.5, lmbda=0.5)
+  loss_fn = distill.on_policy_loss(tiny_lm_apply, teacher, d, "gkd", temperature=0.8, beta=0.1,
+                                   reference=tiny_lm_apply)  # fmt: skip
+  value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+  (v, aux), g = value_and_grad(params, marked, None)
+  (v_w, aux_w), g_w = value_and_grad(params, written, None)
+  assert_close((v, g), (v_w, g_w), terms=VOCAB * SEQ)
+  for key in ("logp_gap", "kl", distill.ON_POLICY_METRIC):
+    assert_close(float(aux[key]), float(aux_w[key]), terms=VOCAB * SEQ)
+  sampled = batch["completion_mask"] * (given[:, None] == 0)
+  gap = np.abs(np.asarray(own) - batch["old_logps"])
+  assert_close(float(aux["logp_gap"]), float(np.sum(gap * sampled)), terms=VOCAB * SEQ)
 
 
 READ_ONLY_SCRIPT = """

@@ -14,7 +14,7 @@ from conftest import SMALL_MODEL, read_lines, restore_state_arrays
 from test_hf_folder import tokenizer_files  # noqa: F401 - fixture
 from test_pretrained import folder  # noqa: F401 - fixture
 
-from jaxstep.errors import ConfigError, RunDirError
+from jaxstep.errors import ConfigError, DataError, RunDirError
 from jaxstep.trainer import config_run
 from jaxstep.trainer.config import loading as config_lib
 
@@ -130,12 +130,34 @@ def test_a_chunked_loss_distills_as_the_whole_logits(tmp_path, teacher, mode, mo
       np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-7, err_msg=key)
 
 
+def test_gkd_trains_a_share_of_updates_on_the_datas_completions(tmp_path, teacher):
+  """``distill.lmbda`` 0.6: each rollout a seeded coin chooses the student's samples or
+  the prompts' own completions (the sums' ``answer`` column, then the stop id), which the
+  rewards score as right and whose length is the answer's; the records say which."""
+  from jaxstep.trainer.rl.source import COIN_STREAM
+
+  args = [*RL, "train.max_steps=3", f"distill.teacher={teacher}", "distill.mode=gkd"]
+  args += ["distill.lmbda=0.6", "distill.completion_column=answer", f"run_dir={tmp_path / 'r'}"]
+  config_run.train(config_lib.load(None, args))
+  lines = read_lines(tmp_path / "r" / "metrics.jsonl")
+  coins = [np.random.default_rng([0, i, COIN_STREAM]).random() < 0.6 for i in range(3)]
+  assert [r["distill/on_policy"] for r in lines] == [float(c) for c in coins] == [1, 0, 0]
+  for record in lines[1:]:
+    assert record["rewards/exact_answer/mean"] == 1.0 and record["logp_gap"] == 0.0
+    assert "rollout_s" not in record and "frac_reward_zero_std" not in record  # no sampling
+    assert 2 <= record["completions/mean_length"] <= 4  # 1-3 digits and the stop id
+    assert record["loss"] > 0
+
+
 def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
   given = [f"distill.teacher={teacher}", f"run_dir={tmp_path / 'run'}"]
   for args, words in (
     ([*SFT, *given, "distill.mode=on_policy"], "name rl.rewards"),
     ([*RL, *given, "distill.mode=logits"], "use distill.mode=on_policy or gkd"),
     ([*RL, *given, "distill.mode=gkd", "distill.estimator=sampled"], "drop distill.estimator"),
+    ([*SFT, *given, "distill.mode=gkd", "distill.lmbda=0.5"], "drop distill.lmbda"),
+    ([*RL, *given, "distill.lmbda=0.5"], "use distill.mode=gkd"),
+    ([*RL, *given, "distill.mode=gkd", "distill.lmbda=0.5", "rl.top_k=5"], "drop rl.top_k"),
     ([*RL, *given, "rl.filter_groups=true"], "drop rl.filter_groups"),
     ([*SFT, *given, "distill.beta=2"], "weights in"),
     ([*RL, f"run_dir={tmp_path / 'run'}", "rl.num_generations=1"], "must be >= 2 for advantage"),
@@ -148,6 +170,9 @@ def test_distillation_settings_that_do_not_fit_are_one_line(tmp_path, teacher):
   empty = [*SFT, f"distill.teacher={tmp_path / 'untrained'}", f"run_dir={tmp_path / 'run'}"]
   with pytest.raises(RunDirError, match="distill.teacher .*untrained: .* holds no checkpoint"):
     config_run.train(config_lib.load(None, empty))
+  no_column = [*RL, *given, "distill.mode=gkd", "distill.lmbda=0.5", "train.max_steps=1"]
+  with pytest.raises(DataError, match="no 'completion' column .*distill.completion_column"):
+    config_run.train(config_lib.load(None, no_column))
   gone = [*SFT, f"distill.teacher={tmp_path / 'nowhere'}", f"run_dir={tmp_path / 'run'}"]
   with pytest.raises(ConfigError, match="neither a model folder"):
     config_run.train(config_lib.load(None, gone))
@@ -191,11 +216,18 @@ def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, folder):  # noqa:
 
 
 @pytest.mark.slow
-def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher):
+@pytest.mark.parametrize("data", ["windows", "prompts"])
+def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher, data):
+  """GKD on supervised windows, and on prompts with lmbda 0.6: the resumed run flips the
+  same coins (sampled, given, given, sampled, …) and continues bitwise."""
   from conftest import bitwise_same_checkpoints, straight_and_killed
 
-  args = [*SFT, "train.max_steps=6", "checkpoint.every=1", "train.grad_accum_steps=2"]
+  args = ["train.max_steps=6", "checkpoint.every=1", "train.grad_accum_steps=2"]
   args += [f"distill.teacher={teacher}", "distill.mode=gkd", "mesh.cpu_devices=1"]
+  if data == "windows":
+    args = [*SFT, *args]
+  else:
+    args = [*RL, *args, "distill.lmbda=0.6", "distill.completion_column=answer"]
   straight, killed = straight_and_killed(tmp_path, args, kill_at=3)
   step, _ = bitwise_same_checkpoints(straight, killed)
   assert step == 6

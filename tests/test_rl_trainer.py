@@ -197,3 +197,17 @@ def test_a_teacher_turns_the_trainer_into_on_policy_distillation(tmp_path):
     trainer(tmp_path / "x", teacher=(other, models.build(other, 0)[1]))
   with pytest.raises(ConfigError, match="distills on its own samples"):
     trainer(tmp_path / "y", teacher=(CFG, teacher_params), distill={"mode": "logits"})
+  gkd = {"mode": "gkd", "lmbda": 0.5, "completion_column": "answer"}
+  with pytest.raises(ConfigError, match="drop rl.top_k"):
+    trainer(tmp_path / "z", teacher=(CFG, teacher_params), distill=gkd, rl={"top_k": 5})
+
+
+@pytest.mark.slow
+def test_a_trainers_gkd_trains_on_the_prompts_completions_with_lmbda_0(tmp_path):
+  """``distill={"mode": "gkd", "lmbda": 0}``: every update on the rows' ``answer``s, which
+  the reward scores as all digits and exact (2), none sampled."""
+  _, teacher_params = models.build(CFG, 9)
+  gkd = {"mode": "gkd", "lmbda": 0.0, "completion_column": "answer"}
+  trainer(tmp_path / "run", teacher=(CFG, teacher_params), distill=gkd).fit()
+  for record in read_lines(tmp_path / "run" / "metrics.jsonl"):
+    assert record["distill/on_policy"] == 0.0 and record["rewards/digits/mean"] == 2.0

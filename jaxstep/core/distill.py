@@ -42,7 +42,7 @@ import optax
 from jaxstep.core import chunked_loss, rl
 from jaxstep.core.losses import argmax_hits, document_fields
 from jaxstep.core.sampling import sampling_logits
-from jaxstep.errors import ConfigError
+from jaxstep.errors import ConfigError, DataError
 
 MODES = ("auto", "logits", "gkd", "on_policy")
 ESTIMATORS = ("sampled", "full")
@@ -52,6 +52,7 @@ TEACHER = "teacher"  # the teacher's params' key in the train state's model_stat
 SFT_METRICS = ("distill/nll", "distill/divergence")
 ON_POLICY_METRIC = "distill/reverse_kl"  # Σ mask·(log π_old − log π_T): the sampled estimate
 NEG_FLOOR = -1e30  # a logit whose softmax probability is 0 in fp32, yet finite
+GIVEN = "given"  # an RL batch's float32[B]: 1 where a row's completion is the data's (lmbda < 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,9 @@ class DistillConfig:
   temperature: float = 1.0  # logits, gkd: τ of both distributions
   beta: float = 0.5  # gkd: β of the generalized JSD (0 forward KL, 1 reverse KL)
   estimator: str = "full"  # on_policy: full (the KL over the vocab) | sampled (per token)
-  coef: float = 1.0  # on_policy: weight of the reverse KL
+  coef: float = 1.0  # on_policy, gkd on samples: weight of the divergence
+  lmbda: float = 1.0  # gkd in an RL run: share of updates on the student's samples
+  completion_column: str = "completion"  # gkd, lmbda < 1: the prompts file's completions
   teacher_dtype: str = "fp32"  # fp32 | bf16 (half the teacher's bytes)
 
   def __post_init__(self):
@@ -90,12 +93,57 @@ class DistillConfig:
       raise ConfigError(f"distill.temperature must be > 0, got {self.temperature}")
     if not (math.isfinite(self.coef) and self.coef > 0):
       raise ConfigError(f"distill.coef must be > 0, got {self.coef}")
+    if not 0.0 <= self.lmbda <= 1.0:
+      raise ConfigError(f"distill.lmbda is a share in [0, 1], got {self.lmbda}")
+    if self.lmbda < 1 and self.mode != "gkd":
+      raise ConfigError(
+        f"distill.lmbda={self.lmbda} mixes the data's completions into the student's samples, "
+        f"which distill.mode=gkd does; {self.mode} takes none: use distill.mode=gkd"
+      )
+
+  def check_sampler(self, top_k: int, top_p: float) -> None:
+    """``ConfigError`` for a sampler's truncation with ``lmbda`` < 1: a data completion's
+    token outside the student's top-k / top-p has log-prob −inf there."""
+    if self.lmbda < 1 and (top_k or top_p < 1):
+      raise ConfigError(
+        f"distill.lmbda={self.lmbda} trains on the data's completions too, whose tokens may "
+        f"lie outside rl.top_k / rl.top_p's truncation of the student: drop rl.top_k and rl.top_p"
+      )
 
   def resolved_mode(self, rl_run: bool) -> str:
     """The mode a run uses: ``auto`` is ``on_policy`` in an RL run, ``logits`` otherwise."""
     if self.mode == "auto":
       return "on_policy" if rl_run else "logits"
     return self.mode
+
+
+def check_completion_column(lmbda: float, column: str, columns) -> None:
+  """``DataError`` unless the prompts' ``columns`` hold ``column``, the given completions
+  that ``lmbda`` < 1 trains on, each one ``completion_text`` reads."""
+  if lmbda == 1:
+    return
+  if column not in columns:
+    raise DataError(
+      f"distill.lmbda={lmbda} trains a share of updates on the prompts' own completions, but "
+      f"the prompts have no {column!r} column (they have {sorted(columns)}): name it with "
+      f"distill.completion_column"
+    )
+  for value in columns[column]:
+    completion_text(value, column)
+
+
+def completion_text(value, column: str) -> str:
+  """A prompts file's given completion: a string, or TRL's conversational form, a list
+  holding one assistant message (its ``content``)."""
+  if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+    if value[0].get("role") == "assistant":
+      value = value[0].get("content")
+  if not isinstance(value, str) or not value:
+    raise DataError(
+      f"a prompt's {column!r} must be a non-empty string or [{{'role': 'assistant', "
+      f"'content': …}}], got {value!r:.60}"
+    )
+  return value
 
 
 def kl(p_logp, q_logp):
@@ -207,6 +255,11 @@ def on_policy_loss(
   ``aux`` adds ``distill/reverse_kl``, ``Σ mask·(log π_old − log π_T)`` at the sampled
   tokens.
 
+  A batch may hold ``given`` (float32[B], GKD with ``lmbda`` < 1): 1 marks a row whose
+  completion is the data's, not a sample; no sampler drew it, so the policy's own log-probs
+  (without gradient) stand in for ``old_logps`` there (the importance ratio 1, the sampler
+  check passed by construction); the JSD is the loss on every row alike.
+
   The per-token terms (the student's log-probs and entropy as the RL loss reads them, the
   teacher's log-prob of each sampled token, the full estimator's reverse KL) come from both
   models' logits, or, where ``chunk`` asks for chunks and both models ``emits_hidden``,
@@ -242,6 +295,12 @@ def on_policy_loss(
       logits = apply_fn(params, inputs, rng=rng, train=True)
       terms = per_token(logits, jax.lax.stop_gradient(teacher(inputs)), targets)
     logp, entropy, teacher_logps, reverse_kl = terms
+    if GIVEN in batch:  # the data's completions: the policy being trained stands in for the
+      given = (batch[GIVEN][:, None] > 0) & (mask > 0)  # sampler it never had
+      batch = {
+        **batch,
+        "old_logps": jnp.where(given, jax.lax.stop_gradient(logp), batch["old_logps"]),
+      }
     gap = jnp.where(mask > 0, batch["old_logps"] - teacher_logps, 0.0)
     policy = rl.grpo_loss(rl.given_terms(logp, entropy), **options)
     if d.estimator == "sampled":

@@ -134,6 +134,8 @@ class RLTrainer(Trainer):
     options = grpo_options(r, jnp.asarray(allowed_ids(vocab, tokenizer)))
     frozen = frozen_copy(params, r.reference_dtype) if kind == "live" else None
     self.distill = None if teacher is None else _distill_config(distill)
+    if self.distill is not None:
+      self.distill.check_sampler(r.top_k, r.top_p)
     if teacher is None:
       if distill is not None:
         raise ConfigError("distill settings need a teacher=(model, params) to distill from")
@@ -177,6 +179,8 @@ class RLTrainer(Trainer):
       file=self.run_dir / ROLLOUT_FILE,
       writer=jax.process_index() == 0,
       sharding=parallel.batch_sharding(mesh) if mesh is not None else None,
+      lmbda=self.distill.lmbda if self.distill is not None else 1.0,
+      completion_column=self.distill.completion_column if self.distill else "completion",
     )
     self.train_data = self.rollouts
 

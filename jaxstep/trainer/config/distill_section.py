@@ -26,3 +26,10 @@ def check_distill_run(cfg) -> None:
       "distill.mode=logits distills on supervised windows, but rl.rewards makes this an RL "
       "run: use distill.mode=on_policy or gkd, or drop rl.rewards"
     )
+  if d.lmbda < 1 and not rl_run:
+    raise ConfigError(
+      f"distill.lmbda={d.lmbda} mixes the student's samples of prompts with their completions "
+      f"in an RL run (rl.rewards, a prompts file with a {d.completion_column!r} column); a "
+      f"supervised run trains on its windows as given (lmbda 0): drop distill.lmbda"
+    )
+  d.check_sampler(cfg.rl.top_k, cfg.rl.top_p)

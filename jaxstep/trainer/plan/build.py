@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstep import data, models, parallel
 from jaxstep._version import __version__
-from jaxstep.core import freeze, param_groups
+from jaxstep.core import distill, freeze, param_groups
 from jaxstep.core.state import TrainState
 from jaxstep.errors import ConfigError
 from jaxstep.trainer.config import loading as config_lib
@@ -78,6 +78,9 @@ def build(
   text_samples.check_prompts(cfg.model, dataset.tokenizer, t)
   if cfg.rl.rewards:
     sets = {}  # the held-out prompts only
+    if cfg.distill.teacher:
+      d = cfg.distill
+      distill.check_completion_column(d.lmbda, d.completion_column, dataset.train.columns)
   elif cfg.preference.loss:
     sets = preference_plan.load_eval_sets(cfg, dataset)
   else:

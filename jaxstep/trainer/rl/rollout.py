@@ -15,9 +15,11 @@ import time
 import numpy as np
 
 from jaxstep.core import rl
+from jaxstep.core.distill import completion_text
 from jaxstep.core.layout import rows_here
 from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.prompt_rows import PromptSet
+from jaxstep.generation.sampling import stop_ids
 from jaxstep.parallel import gather_rows
 from jaxstep.trainer.rl import rewards as rewards_lib
 
@@ -96,8 +98,7 @@ def draw(
   lengths are gathered."""
   g = cfg.num_generations if temperature is None else 1
   n = len(prompts) * g
-  here = _here(sharding, n)
-  index = np.arange(n) if here is None else here
+  index = _index(sharding, n)
   generator.params = params
   begun = time.perf_counter()
   prompt_rows = [prompts.ids[i // g] for i in index]
@@ -113,7 +114,16 @@ def draw(
     global_rows=n,
   )
   seconds = time.perf_counter() - begun
-  tok = generator.tokenizer
+  return scored(generator.tokenizer, prompts, g, index, ids, reasons, logps, cfg, rewards,
+                seq_len=seq_len, sharding=sharding, seconds=seconds)  # fmt: skip
+
+
+def scored(tok, prompts, g: int, index, ids, reasons, logps, cfg, rewards, *, seq_len: int,
+           sharding=None, seconds: float = 0.0) -> Draw:  # fmt: skip
+  """The ``Draw`` of completions ``ids`` (with their stop ``reasons`` and log-probs) of
+  this process's rows ``index`` (row i: prompt i // ``g``), scored by the rewards."""
+  n = len(prompts) * g
+  here = _here(sharding, n)
   texts = [tok.decode(c[:-1] if r == "eos" else c) for c, r in zip(ids, reasons, strict=True)]
   columns = {k: [v[i // g] for i in index] for k, v in prompts.columns.items()}
   columns["stop_reason"] = reasons
@@ -128,8 +138,29 @@ def draw(
       gather_rows(x, here, n) for x in (per_fn.T, total, lengths, clipped)
     )
     per_fn = per_fn.T
-  batch = rows(prompt_rows, ids, logps, seq_len, tok.PAD)
+  batch = rows([prompts.ids[i // g] for i in index], ids, logps, seq_len, tok.PAD)
   return Draw(batch, total, per_fn, lengths, clipped, seconds)
+
+
+def given(tok, prompts: PromptSet, cfg: rl.RLConfig, rewards: list, column: str, *,
+          seq_len: int, sharding=None) -> Draw:  # fmt: skip
+  """The prompts' own completions (``column``) laid out as a draw of ``num_generations``
+  each: GKD's updates on the data (a share 1 − ``distill.lmbda``). A completion is encoded
+  by itself and ends with the stop id, as a sample that stopped; one longer than
+  ``max_new_tokens`` keeps its first tokens, as a clipped sample. Its log-probs are 0: no
+  sampler drew it (the loss takes the policy's own, ``distill.GIVEN``)."""
+  g = cfg.num_generations
+  index = _index(sharding, len(prompts) * g)
+  stop = stop_ids(tok)[0]
+  ids, reasons = [], []
+  for i in index:
+    body = [*tok.encode(completion_text(prompts.columns[column][i // g], column)), stop]
+    clipped = len(body) > cfg.max_new_tokens
+    ids.append(body[: cfg.max_new_tokens])
+    reasons.append("max_new_tokens" if clipped else "eos")
+  logps = [np.zeros(len(c), np.float32) for c in ids]
+  return scored(tok, prompts, g, index, ids, reasons, logps, cfg, rewards, seq_len=seq_len,
+                sharding=sharding)  # fmt: skip
 
 
 def informative(total: np.ndarray, g: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxstep.core.distill import GIVEN, check_completion_column
 from jaxstep.core.layout import rows_here
 from jaxstep.core.rl import RLConfig
 from jaxstep.data.prompt_rows import PromptSet
@@ -36,6 +37,10 @@ from jaxstep.trainer.store import records
 log = logging.getLogger("jaxstep")
 
 HOST = "rl_metrics"  # the batch's host-only entry: the rollout's metrics for the record
+COIN_STREAM = 0x6B6D  # the key of the coins that choose a rollout's source (distill.lmbda)
+# what a rollout of given completions leaves out of its record: the sampler's timings, and
+# the group statistics of G copies of one completion
+SAMPLING_ONLY = ("rollout_s", "rollout_tokens_per_s", "frac_reward_zero_std", "advantage_std")
 ROLLOUT_FILE = "rl_rollout.npz"
 
 
@@ -54,7 +59,11 @@ class Rollouts:
     seq_len: each row's window (the longest prompt + ``r.max_new_tokens`` − 1 at most);
     seed: the run's seed (rollout i samples with ``rollout_seed(seed, i)``);
     file: where a rollout is kept between passes (``rl.iterations`` > 1; None: nowhere);
-    writer: whether this process writes ``file``; sharding: the step's batch sharding.
+    writer: whether this process writes ``file``; sharding: the step's batch sharding;
+    lmbda: GKD's share of rollouts the policy samples; the others are the prompts' own
+      completions (``completion_column``), each rollout's choice a function of the seed
+      and its index, so a resumed run makes it again; below 1 every batch carries
+      ``distill.GIVEN`` and its record ``distill/on_policy`` (1 sampled, 0 given).
   ``params`` must be set to a ``() -> current params`` before the first batch."""
 
   def __init__(
@@ -70,10 +79,13 @@ class Rollouts:
     file: pathlib.Path | None = None,
     writer: bool = True,
     sharding=None,
+    lmbda: float = 1.0,
+    completion_column: str = "completion",
   ):
     self.prompts, self.generator, self.rewards, self.r = prompts, generator, rewards, r
     self.seq_len, self.seed, self.file, self.writer = seq_len, seed, file, writer
-    self.sharding = sharding
+    self.sharding, self.lmbda, self.column = sharding, lmbda, completion_column
+    check_completion_column(lmbda, completion_column, prompts.columns)
     if sharding is not None and not sharding.is_fully_addressable:
       here = len(rows_here(sharding, global_batch_size))
       process = jax.process_index()
@@ -118,7 +130,32 @@ class Rollouts:
 
   def _sample(self, index: int):
     """Rollout ``index``: one draw of the next P prompts; with ``rl.filter_groups``, more
-    draws of the next P until P informative groups are drawn or ``rl.max_draws`` are."""
+    draws of the next P until P informative groups are drawn or ``rl.max_draws`` are; with
+    ``lmbda`` < 1, the next P prompts' own completions where the seeded coin says so."""
+    if self.lmbda < 1:
+      coin = np.random.default_rng([self.seed, index, COIN_STREAM]).random()
+      sampled = coin < self.lmbda
+      if sampled:
+        out = self._draws(index)
+      else:
+        tok, r, rewards = self.generator.tokenizer, self.r, self.rewards
+        one = rollout_lib.given(tok, self._prompts(), r, rewards, self.column,
+                                seq_len=self.seq_len, sharding=self.sharding)  # fmt: skip
+        out = rollout_lib.assemble([one], r, rewards, sharding=self.sharding)
+        out = dataclasses.replace(out, metrics={k: v for k, v in out.metrics.items()
+                                                if k not in SAMPLING_ONLY})  # fmt: skip
+      rows = len(out.batch["inputs"])
+      out = rollout_lib.Rollout(
+        {**out.batch, GIVEN: np.full(rows, float(not sampled), np.float32)},
+        {**out.metrics, "distill/on_policy": float(sampled)},
+      )
+    else:
+      out = self._draws(index)
+    if self.r.iterations > 1 and self.writer and self.file is not None:
+      self._keep(index, out)
+    return out
+
+  def _draws(self, index: int):
     r, draws, kept = self.r, [], 0
     for d in range(r.max_draws if r.filter_groups else 1):
       seed = rollout_seed(self.seed, index) ^ (d * 0x9E3779B9 % 2**32)  # draw 0: the plain seed
@@ -137,10 +174,7 @@ class Rollouts:
       if kept >= self.per_rollout:
         break
     groups = self.per_rollout if r.filter_groups else None
-    out = rollout_lib.assemble(draws, r, self.rewards, sharding=self.sharding, groups=groups)
-    if r.iterations > 1 and self.writer and self.file is not None:
-      self._keep(index, out)
-    return out
+    return rollout_lib.assemble(draws, r, self.rewards, sharding=self.sharding, groups=groups)
 
   def _prompts(self) -> PromptSet:
     """The next P prompts of the epoch's order; the position moves past them."""
@@ -198,6 +232,8 @@ class RolloutSource:
       file=pathlib.Path(run_dir) / ROLLOUT_FILE,
       writer=writer,
       sharding=run.batch_sharding,  # each device samples the rows it will train on
+      lmbda=cfg.distill.lmbda if cfg.distill.teacher else 1.0,
+      completion_column=cfg.distill.completion_column,
     )
     self.rollouts.set_state(
       {"epoch": rs.epoch, "step_in_epoch": rs.step_in_epoch, "updates": rs.step}
