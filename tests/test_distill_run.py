@@ -88,6 +88,21 @@ def test_on_policy_first_update_is_the_teachers_reverse_kl(tmp_path, teacher):
 
 
 @pytest.mark.slow
+def test_check_compares_k_on_a_first_rollout_of_the_datas_completions(tmp_path, teacher, capsys):
+  """With lmbda 0 the run's first rollout is the prompts' own completions: ``check``
+  builds that one (marked ``given``), and refuses a missing column before it."""
+  from jaxstep.cli import check as check_cli
+
+  args = [*RL, f"distill.teacher={teacher}", "distill.mode=gkd", "distill.lmbda=0"]
+  args += ["train.grad_accum_steps=4", f"run_dir={tmp_path / 'run'}"]
+  assert check_cli.main([*args, "distill.completion_column=answer"]) == 0
+  out = capsys.readouterr()
+  assert "PASS: accumulation is exact" in out.out
+  assert check_cli.main(args) != 0
+  assert "no 'completion' column" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_gkd_on_the_students_samples_at_beta_1_is_on_policys_reverse_kl(tmp_path, teacher):
   """``distill.mode=gkd`` in an RL run trains on the student's samples (TRL's lmbda 1);
   at β = 1 its JSD is the reverse KL, so its updates are ``on_policy``'s (full estimator)
@@ -134,7 +149,7 @@ def test_gkd_trains_a_share_of_updates_on_the_datas_completions(tmp_path, teache
   """``distill.lmbda`` 0.6: each rollout a seeded coin chooses the student's samples or
   the prompts' own completions (the sums' ``answer`` column, then the stop id), which the
   rewards score as right and whose length is the answer's; the records say which."""
-  from jaxstep.trainer.rl.source import COIN_STREAM
+  from jaxstep.trainer.rl.rollout import COIN_STREAM
 
   args = [*RL, "train.max_steps=3", f"distill.teacher={teacher}", "distill.mode=gkd"]
   args += ["distill.lmbda=0.6", "distill.completion_column=answer", f"run_dir={tmp_path / 'r'}"]
@@ -144,7 +159,8 @@ def test_gkd_trains_a_share_of_updates_on_the_datas_completions(tmp_path, teache
   assert [r["distill/on_policy"] for r in lines] == [float(c) for c in coins] == [1, 0, 0]
   for record in lines[1:]:
     assert record["rewards/exact_answer/mean"] == 1.0 and record["logp_gap"] == 0.0
-    assert "rollout_s" not in record and "frac_reward_zero_std" not in record  # no sampling
+    assert record["rollout_s"] == 0.0 and "rollout_tokens_per_s" not in record  # no sampling
+    assert "frac_reward_zero_std" not in record  # G copies of one completion: no spread
     assert 2 <= record["completions/mean_length"] <= 4  # 1-3 digits and the stop id
     assert record["loss"] > 0
 
@@ -218,8 +234,11 @@ def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, folder):  # noqa:
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["windows", "prompts"])
 def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher, data):
-  """GKD on supervised windows, and on prompts with lmbda 0.6: the resumed run flips the
-  same coins (sampled, given, given, sampled, …) and continues bitwise."""
+  """GKD on supervised windows, and on prompts with lmbda 0.6 and two passes over each
+  rollout: the kill comes once update 3 is saved, between the passes over rollout 1 (the
+  prompts' own completions), which the resume reads back from ``rl_rollout.npz`` (unless
+  update 4 was saved first); the rollouts' coins (sampled, given, given) come out the same
+  and the run continues bitwise."""
   from conftest import bitwise_same_checkpoints, straight_and_killed
 
   args = ["train.max_steps=6", "checkpoint.every=1", "train.grad_accum_steps=2"]
@@ -228,6 +247,7 @@ def test_a_killed_distillation_run_resumes_bitwise(tmp_path, teacher, data):
     args = [*SFT, *args]
   else:
     args = [*RL, *args, "distill.lmbda=0.6", "distill.completion_column=answer"]
+    args += ["rl.iterations=2"]
   straight, killed = straight_and_killed(tmp_path, args, kill_at=3)
   step, _ = bitwise_same_checkpoints(straight, killed)
   assert step == 6

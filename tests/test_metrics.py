@@ -63,6 +63,9 @@ def test_a_window_leaves_skipped_updates_out_of_its_means():
   assert window.mean() == {"step": 1, "loss": 3.0, "lr": 4.0, "updated": True, "tokens": 3}
   window.clear()
   assert window.mean() is None
+  for speed in (10.0, None, 30.0, None):  # a number some updates report: their mean
+    window.add({"step": 2, "loss": 1.0, "updated": True} | ({"speed": speed} if speed else {}))
+  assert window.mean() == {"step": 2, "loss": 1.0, "updated": True, "speed": 20.0}
 
 
 def test_a_run_dir_replaced_under_the_sink_gets_no_line(tmp_path):

@@ -114,3 +114,13 @@ def test_tiny_gpt_learns_a_periodic_sequence():
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   assert losses[0] > 2.0 and np.mean(losses[-10:]) < 0.5, (losses[0], losses[-10:])
+
+
+def test_one_decoder_is_built_per_config_even_one_given_lists_from_python():
+  """``models.decoder`` is cached per config (a harness run's scorer and generator share
+  one); a LoRA config given its targets as a list, as Python code may, is one too."""
+  from jaxstep.models.lora import LoraConfig
+
+  cfg = models.GPTConfig(n_layers=1, lora=LoraConfig(rank=2, targets=["qkv"]))
+  assert cfg.lora.targets == ("qkv",)
+  assert models.decoder(cfg) is models.decoder(models.GPTConfig(n_layers=1, lora=cfg.lora))

@@ -86,6 +86,7 @@ def check_config(cfg, loss_fn=None) -> CheckReport:
 def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   """K micro-batches against one on the RL run's first rollout (its first prompts, its
   rewards and advantages), with its loss and normalization count."""
+  from jaxstep.core import distill
   from jaxstep.generation import Generator
   from jaxstep.trainer.plan import rl_plan, steps, teacher
   from jaxstep.trainer.rl import rewards, rollout
@@ -98,10 +99,19 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   )
   generator = Generator(cfg.model, None, dataset.tokenizer)
   loaded = rewards.load_rewards(r.rewards, r.reward_weights)
-  first = rollout.sample(
-    generator, params, prompts, r, loaded, seq_len=t.seq_len,
-    seed=rollout_seed(t.seed, 0),
-  )  # fmt: skip
+  d = cfg.distill
+  lmbda = d.lmbda if d.teacher else 1.0
+  distill.check_completion_column(lmbda, d.completion_column, dataset.train.columns)
+  if rollout.samples(t.seed, 0, lmbda):
+    first = rollout.sample(
+      generator, params, prompts, r, loaded, seq_len=t.seq_len,
+      seed=rollout_seed(t.seed, 0),
+    )  # fmt: skip
+    first = first if lmbda >= 1 else rollout.marked(first, sampled=True)
+  else:  # the run's first rollout is the prompts' own completions (distill.lmbda)
+    first = rollout.given_rollout(
+      dataset.tokenizer, prompts, r, loaded, d.completion_column, seq_len=t.seq_len
+    )
   loss_fn = steps.training_loss(cfg, apply_fn)[0]  # a teacher's, router losses: as train's
   reference = rl_plan.reference_state(cfg, params)
   return check_accumulation(

@@ -119,12 +119,24 @@ class Decoder(NamedTuple):
   max_seq_len: int
 
 
-@functools.lru_cache(maxsize=8)
 def decoder(model_config: GPTConfig | LlamaConfig) -> Decoder:
   """``decode`` and ``init_cache`` of the config's model (``GPT`` or ``Llama``) for params
   shaped like ``build``'s (nothing is initialised: the module's structure comes from
   ``nnx.eval_shape``, 2 s for a 30-block model on a 2-core CPU, so one per config: a
   harness run's scorer and generator share it)."""
+  try:
+    hash(model_config)
+  except TypeError:  # a field given as a list from Python: built each time
+    return _decoder(model_config)
+  return _cached_decoder(model_config)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_decoder(model_config) -> Decoder:
+  return _decoder(model_config)
+
+
+def _decoder(model_config) -> Decoder:
   abstract = nnx.eval_shape(lambda: _module(model_config)(model_config, rngs=nnx.Rngs(0)))
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest = nnx.to_pure_dict(rest)

@@ -53,6 +53,7 @@ class LoraConfig:
   quant_block: int = 64  # input rows per quantization scale (bitsandbytes' blocksize)
 
   def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(self.targets))  # a list from Python: hashable
     if self.base_quant not in QTYPES:
       raise ConfigError(
         f"model.lora.base_quant must be one of {', '.join(QTYPES)}, got {self.base_quant!r}"

@@ -71,12 +71,14 @@ class RLTrainer(Trainer):
     run_dir, train, checkpoint, mesh, trainable, mlflow, wandb, hparams, callbacks: as for
       ``Trainer``; ``train.global_batch_size`` counts completions.
     teacher: ``(model, params)`` of a frozen teacher with the policy's vocabulary (a config
-      or an ``apply_fn``): on-policy distillation (``docs/distill.md``) replaces the reward
-      advantages by the teacher's per-token reverse KL; the rewards still score the
-      samples and the held-out prompts. The teacher rides in the state's ``model_state``
-      and never in a checkpoint (give it again to resume).
-    distill: ``DistillConfig`` or a dict of its keys (``estimator``, ``coef``,
-      ``teacher_dtype``).
+      or an ``apply_fn``): distillation on the policy's samples (``docs/distill.md``)
+      replaces the reward advantages by the teacher's per-token reverse KL (``on_policy``)
+      or generalized JSD (``gkd``, with ``lmbda`` < 1 a share of rollouts the prompts' own
+      ``completion_column``); the rewards still score the samples and the held-out
+      prompts. The teacher rides in the state's ``model_state`` and never in a checkpoint
+      (give it again to resume).
+    distill: ``DistillConfig`` or a dict of its keys (``mode``, ``estimator``, ``beta``,
+      ``coef``, ``lmbda``, ``completion_column``, ``teacher_dtype``).
 
   Example:
     >>> trainer = RLTrainer(cfg, params, OptimConfig(lr=1e-4), prompts=rows,

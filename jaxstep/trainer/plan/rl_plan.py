@@ -100,4 +100,6 @@ def abstract_batch(cfg: config_lib.Config, mesh: Mesh) -> dict:
   }
   batch["old_logps"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
   batch["advantages"] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
+  if cfg.distill.teacher and cfg.distill.lmbda < 1:  # which rows are the data's completions
+    batch[distill.GIVEN] = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=sharding)
   return batch

@@ -15,13 +15,19 @@ import time
 import numpy as np
 
 from jaxstep.core import rl
-from jaxstep.core.distill import completion_text
+from jaxstep.core.distill import GIVEN, completion_text
 from jaxstep.core.layout import rows_here
 from jaxstep.data.permutation import shuffled_index
 from jaxstep.data.prompt_rows import PromptSet
+from jaxstep.errors import DataError
 from jaxstep.generation.sampling import stop_ids
 from jaxstep.parallel import gather_rows
 from jaxstep.trainer.rl import rewards as rewards_lib
+
+COIN_STREAM = 0x6B6D  # the key of the coins that choose a rollout's source (distill.lmbda)
+# what a rollout of given completions leaves out of its record: the sampler's speed, and
+# the group statistics of G copies of one completion
+SAMPLING_ONLY = ("rollout_tokens_per_s", "frac_reward_zero_std", "advantage_std")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +158,49 @@ def given(tok, prompts: PromptSet, cfg: rl.RLConfig, rewards: list, column: str,
   g = cfg.num_generations
   index = _index(sharding, len(prompts) * g)
   stop = stop_ids(tok)[0]
+  banned = {tok.PAD, tok.BOS} - set(stop_ids(tok))  # what the sampler may never draw
   ids, reasons = [], []
   for i in index:
     body = [*tok.encode(completion_text(prompts.columns[column][i // g], column)), stop]
+    if banned & set(body[:-1]):
+      raise DataError(
+        f"a prompt's {column!r} encodes to an id the sampler never draws "
+        f"({sorted(banned & set(body[:-1]))}: padding or BOS), where the student's log-prob "
+        f"is −inf: {prompts.columns[column][i // g]!r:.60}"
+      )
     clipped = len(body) > cfg.max_new_tokens
     ids.append(body[: cfg.max_new_tokens])
     reasons.append("max_new_tokens" if clipped else "eos")
   logps = [np.zeros(len(c), np.float32) for c in ids]
   return scored(tok, prompts, g, index, ids, reasons, logps, cfg, rewards, seq_len=seq_len,
                 sharding=sharding)  # fmt: skip
+
+
+def samples(seed: int, index: int, lmbda: float) -> bool:
+  """Whether rollout ``index`` is the policy's samples, else the prompts' own completions
+  (GKD's ``distill.lmbda``): a coin of probability ``lmbda`` keyed by the run's seed and
+  the index, so a resumed run (and ``jaxstep check``) flips the same one."""
+  return lmbda >= 1 or np.random.default_rng([seed, index, COIN_STREAM]).random() < lmbda
+
+
+def marked(out: Rollout, sampled: bool) -> Rollout:
+  """``out`` with ``distill.GIVEN`` on its rows (0 sampled, 1 given) and its record's
+  ``distill/on_policy`` (1 sampled, 0 given), as every rollout of a run with lmbda < 1."""
+  rows = len(out.batch["inputs"])
+  return Rollout(
+    {**out.batch, GIVEN: np.full(rows, float(not sampled), np.float32)},
+    {**out.metrics, "distill/on_policy": float(sampled)},
+  )
+
+
+def given_rollout(tok, prompts: PromptSet, cfg: rl.RLConfig, rewards: list, column: str, *,
+                  seq_len: int, sharding=None) -> Rollout:  # fmt: skip
+  """``given``'s draw as the rollout an update trains on, ``marked``; its record leaves out
+  what only sampling has (``SAMPLING_ONLY``; its ``rollout_s`` is 0: nothing sampled)."""
+  one = given(tok, prompts, cfg, rewards, column, seq_len=seq_len, sharding=sharding)
+  out = assemble([one], cfg, rewards, sharding=sharding)
+  metrics = {k: v for k, v in out.metrics.items() if k not in SAMPLING_ONLY}
+  return marked(Rollout(out.batch, metrics), sampled=False)
 
 
 def informative(total: np.ndarray, g: int) -> np.ndarray:

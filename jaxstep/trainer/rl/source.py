@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxstep.core.distill import GIVEN, check_completion_column
+from jaxstep.core.distill import check_completion_column
 from jaxstep.core.layout import rows_here
 from jaxstep.core.rl import RLConfig
 from jaxstep.data.prompt_rows import PromptSet
@@ -37,10 +37,6 @@ from jaxstep.trainer.store import records
 log = logging.getLogger("jaxstep")
 
 HOST = "rl_metrics"  # the batch's host-only entry: the rollout's metrics for the record
-COIN_STREAM = 0x6B6D  # the key of the coins that choose a rollout's source (distill.lmbda)
-# what a rollout of given completions leaves out of its record: the sampler's timings, and
-# the group statistics of G copies of one completion
-SAMPLING_ONLY = ("rollout_s", "rollout_tokens_per_s", "frac_reward_zero_std", "advantage_std")
 ROLLOUT_FILE = "rl_rollout.npz"
 
 
@@ -132,25 +128,14 @@ class Rollouts:
     """Rollout ``index``: one draw of the next P prompts; with ``rl.filter_groups``, more
     draws of the next P until P informative groups are drawn or ``rl.max_draws`` are; with
     ``lmbda`` < 1, the next P prompts' own completions where the seeded coin says so."""
-    if self.lmbda < 1:
-      coin = np.random.default_rng([self.seed, index, COIN_STREAM]).random()
-      sampled = coin < self.lmbda
-      if sampled:
-        out = self._draws(index)
-      else:
-        tok, r, rewards = self.generator.tokenizer, self.r, self.rewards
-        one = rollout_lib.given(tok, self._prompts(), r, rewards, self.column,
-                                seq_len=self.seq_len, sharding=self.sharding)  # fmt: skip
-        out = rollout_lib.assemble([one], r, rewards, sharding=self.sharding)
-        out = dataclasses.replace(out, metrics={k: v for k, v in out.metrics.items()
-                                                if k not in SAMPLING_ONLY})  # fmt: skip
-      rows = len(out.batch["inputs"])
-      out = rollout_lib.Rollout(
-        {**out.batch, GIVEN: np.full(rows, float(not sampled), np.float32)},
-        {**out.metrics, "distill/on_policy": float(sampled)},
-      )
-    else:
+    if self.lmbda >= 1:
       out = self._draws(index)
+    elif rollout_lib.samples(self.seed, index, self.lmbda):
+      out = rollout_lib.marked(self._draws(index), sampled=True)
+    else:
+      out = rollout_lib.given_rollout(self.generator.tokenizer, self._prompts(), self.r,
+                                      self.rewards, self.column, seq_len=self.seq_len,
+                                      sharding=self.sharding)  # fmt: skip
     if self.r.iterations > 1 and self.writer and self.file is not None:
       self._keep(index, out)
     return out

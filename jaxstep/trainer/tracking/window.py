@@ -16,7 +16,9 @@ class Window:
   updates carries each per-update number's mean over them (the HF Trainer and TRL average
   the loss they log the same way), so a logged reward or loss is not one update's noise.
   Updates the step skipped (a non-finite or spiking loss) are left out of the means; the
-  values in ``LAST_VALUE`` and the flags are the last update's."""
+  values in ``LAST_VALUE`` and the flags are the last update's. A number only some updates
+  report (a sampler's speed, where others trained on given completions) is the mean over
+  those."""
 
   def __init__(self):
     self.sums: dict[str, float] = {}
@@ -38,6 +40,7 @@ class Window:
       return None
     means = {k: self.sums[k] / self.counts[k] for k in self.sums}
     out = {k: means.get(k, v) for k, v in self.last.items()}
+    out |= {k: v for k, v in means.items() if k not in out}  # reported by some updates only
     return {**out, "tokens": int(round(out["tokens"]))} if "tokens" in out else out
 
   def clear(self) -> None:
