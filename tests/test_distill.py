@@ -255,7 +255,10 @@ def test_the_full_reverse_kl_over_allowed_ids_has_a_finite_gradient():
   assert_close((total, grads), (want, want_grads), terms=VOCAB * SEQ)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize(
+  "beta",
+  [pytest.param(0.0, marks=pytest.mark.slow), 0.4, pytest.param(1.0, marks=pytest.mark.slow)],
+)
 def test_gkd_on_samples_is_the_jsd_over_the_allowed_ids(beta):
   """GKD on an RL batch (the student's samples): ``coef`` × the generalized JSD at every
   completion position, over the ids the sampler may draw at its temperature; its value and
