@@ -102,16 +102,13 @@ def _check_rl(cfg, dataset, apply_fn, params, optimizer) -> CheckReport:
   d = cfg.distill
   lmbda = d.lmbda if d.teacher else 1.0
   distill.check_completion_column(lmbda, d.completion_column, dataset.train.columns)
-  if rollout.samples(t.seed, 0, lmbda):
-    first = rollout.sample(
-      generator, params, prompts, r, loaded, seq_len=t.seq_len,
-      seed=rollout_seed(t.seed, 0),
-    )  # fmt: skip
-    first = first if lmbda >= 1 else rollout.marked(first, sampled=True)
-  else:  # the run's first rollout is the prompts' own completions (distill.lmbda)
-    first = rollout.given_rollout(
-      dataset.tokenizer, prompts, r, loaded, d.completion_column, seq_len=t.seq_len
-    )
+  first = rollout.sampled_or_given(  # the run's first rollout, sampled or given
+    t.seed, 0, lmbda,
+    lambda: rollout.sample(generator, params, prompts, r, loaded, seq_len=t.seq_len,
+                           seed=rollout_seed(t.seed, 0)),
+    lambda: rollout.given_rollout(dataset.tokenizer, prompts, r, loaded, d.completion_column,
+                                  seq_len=t.seq_len),
+  )  # fmt: skip
   loss_fn = steps.training_loss(cfg, apply_fn)[0]  # a teacher's, router losses: as train's
   reference = rl_plan.reference_state(cfg, params)
   return check_accumulation(

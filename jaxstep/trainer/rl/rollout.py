@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -161,12 +162,13 @@ def given(tok, prompts: PromptSet, cfg: rl.RLConfig, rewards: list, column: str,
   banned = {tok.PAD, tok.BOS} - set(stop_ids(tok))  # what the sampler may never draw
   ids, reasons = [], []
   for i in index:
-    body = [*tok.encode(completion_text(prompts.columns[column][i // g], column)), stop]
+    value = prompts.columns[column][i // g]
+    body = [*tok.encode(completion_text(value, column)), stop]
     if banned & set(body[:-1]):
       raise DataError(
         f"a prompt's {column!r} encodes to an id the sampler never draws "
         f"({sorted(banned & set(body[:-1]))}: padding or BOS), where the student's log-prob "
-        f"is −inf: {prompts.columns[column][i // g]!r:.60}"
+        f"is −inf: {value!r:.60}"
       )
     clipped = len(body) > cfg.max_new_tokens
     ids.append(body[: cfg.max_new_tokens])
@@ -176,11 +178,17 @@ def given(tok, prompts: PromptSet, cfg: rl.RLConfig, rewards: list, column: str,
                 sharding=sharding)  # fmt: skip
 
 
-def samples(seed: int, index: int, lmbda: float) -> bool:
-  """Whether rollout ``index`` is the policy's samples, else the prompts' own completions
-  (GKD's ``distill.lmbda``): a coin of probability ``lmbda`` keyed by the run's seed and
-  the index, so a resumed run (and ``jaxstep check``) flips the same one."""
-  return lmbda >= 1 or np.random.default_rng([seed, index, COIN_STREAM]).random() < lmbda
+def sampled_or_given(seed: int, index: int, lmbda: float, sample: Callable[[], Rollout],
+                     give: Callable[[], Rollout]) -> Rollout:  # fmt: skip
+  """Rollout ``index``: ``sample()``; with GKD's ``distill.lmbda`` < 1, a coin of
+  probability ``lmbda`` keyed by the run's seed and the index (so a resumed run, and
+  ``jaxstep check``, flips the same one) chooses it, ``marked``, or ``give()``, the
+  prompts' own completions (``given_rollout``)."""
+  if lmbda >= 1:
+    return sample()
+  if np.random.default_rng([seed, index, COIN_STREAM]).random() < lmbda:
+    return marked(sample(), sampled=True)
+  return give()
 
 
 def marked(out: Rollout, sampled: bool) -> Rollout:

@@ -128,14 +128,12 @@ class Rollouts:
     """Rollout ``index``: one draw of the next P prompts; with ``rl.filter_groups``, more
     draws of the next P until P informative groups are drawn or ``rl.max_draws`` are; with
     ``lmbda`` < 1, the next P prompts' own completions where the seeded coin says so."""
-    if self.lmbda >= 1:
-      out = self._draws(index)
-    elif rollout_lib.samples(self.seed, index, self.lmbda):
-      out = rollout_lib.marked(self._draws(index), sampled=True)
-    else:
-      out = rollout_lib.given_rollout(self.generator.tokenizer, self._prompts(), self.r,
-                                      self.rewards, self.column, seq_len=self.seq_len,
-                                      sharding=self.sharding)  # fmt: skip
+    out = rollout_lib.sampled_or_given(
+      self.seed, index, self.lmbda, lambda: self._draws(index),
+      lambda: rollout_lib.given_rollout(self.generator.tokenizer, self._prompts(), self.r,
+                                        self.rewards, self.column, seq_len=self.seq_len,
+                                        sharding=self.sharding),
+    )  # fmt: skip
     if self.r.iterations > 1 and self.writer and self.file is not None:
       self._keep(index, out)
     return out
