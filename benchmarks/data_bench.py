@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from benchmarks.harness import scratch_dir
+
 WORDS = "the cat sat on a mat while seven quick foxes jumped over lazy dogs near rivers".split()
 
 
@@ -47,7 +49,7 @@ def startup_contender(spec: dict):
   """Wall seconds and peak RSS (MiB) of ``jaxstep train`` on ``spec['data']`` through its
   first update step (``max_steps=1``, one eval batch, the final checkpoint only), with
   ``spec['overrides']`` if any."""
-  root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-startup-"))
+  root = scratch_dir("jaxstep-startup-")
   counter = iter(range(10**9))
   args = [
     sys.executable,
@@ -107,7 +109,7 @@ def prepare_contender(spec: dict):
   """``prepare`` end to end (read, tokenize, write shards, hash) with one worker."""
   from jaxstep.data.preparation import prepare
 
-  root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-prepare-"))
+  root = scratch_dir("jaxstep-prepare-")
   counter = iter(range(10**9))
 
   def run_once() -> dict:
@@ -351,7 +353,7 @@ def suite_data(quick: bool) -> dict:
   from jaxstep.data import prepare, train_bpe
   from jaxstep.data.readers import read_documents
 
-  root = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-data-bench-"))
+  root = scratch_dir("jaxstep-data-bench-")
   # quick: a few dozen paragraphs (~12 and ~48 KB), prepared in this process
   sizes = {"small": 12_000, "big": 48_000} if quick else {"small": 10_000_000, "big": 200_000_000}
   folders = {}

@@ -13,12 +13,14 @@ contender (still one contender per process at a time).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import pathlib
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,14 @@ import threading
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def scratch_dir(prefix: str) -> pathlib.Path:
+  """A new temporary folder that is removed when this process exits: a worker's runs and
+  prepared data (a worker exits when its stdin closes) are not left in the temporary dir."""
+  path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+  atexit.register(shutil.rmtree, path, True)
+  return path
 
 
 class Worker:

@@ -15,12 +15,12 @@ import itertools
 import pathlib
 import shutil
 import statistics
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.harness import scratch_dir
 from jaxstep import trainer
 from jaxstep.trainer import config_run
 from jaxstep.trainer.config import loading as config_lib
@@ -95,7 +95,7 @@ def loop_contender(spec: dict):
   spec: ``config``, ``overrides``, ``steps``, ``noop`` (jitted no-op step), ``save_every``
   (0 = no saves), ``async_save``.
   """
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-bench-"))
+  tmp = scratch_dir("jaxstep-bench-")
   cfg, run, state0, rs0 = _build(spec, tmp)
   counter = itertools.count()
 

@@ -29,7 +29,8 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
+
+from benchmarks.harness import scratch_dir
 
 TRAINING_STEPS = 150
 EVAL_EVERY = 10
@@ -89,7 +90,7 @@ def training_comparison(quick: bool) -> dict:
          "muon": MUON_LRS[1:2] if quick else MUON_LRS}  # fmt: skip
   seeds = SEEDS[:1] if quick else SEEDS
   kept = os.environ.get("JAXSTEP_BENCH_RUNS")
-  root = pathlib.Path(kept) if kept else pathlib.Path(tempfile.mkdtemp(prefix="jaxstep-optim-"))
+  root = pathlib.Path(kept) if kept else scratch_dir("jaxstep-optim-")
   runs: dict[str, list] = {}
 
   def run(name: str, extra: list[str]) -> list:

@@ -90,11 +90,12 @@ def main(num_update_steps: int = 40) -> dict:
   straight, metrics = train(fresh_state(), 0, num_update_steps)
 
   half = num_update_steps // 2
-  ckpt_dir = tempfile.mkdtemp(prefix="own-model-")
   first_half, _ = train(fresh_state(), 0, half)
-  with jaxstep.Checkpointer(ckpt_dir) as ckpt:
-    ckpt.save(half, first_half, {"next_batch": half})
-  restored, metadata, _ = jaxstep.Checkpointer(ckpt_dir).restore(fresh_state())
+  with tempfile.TemporaryDirectory(prefix="own-model-") as ckpt_dir:
+    with jaxstep.Checkpointer(ckpt_dir) as ckpt:
+      ckpt.save(half, first_half, {"next_batch": half})
+    with jaxstep.Checkpointer(ckpt_dir) as ckpt:
+      restored, metadata, _ = ckpt.restore(fresh_state())
   resumed, _ = train(restored, metadata["next_batch"], num_update_steps)
 
   pairs = zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True)

@@ -1,8 +1,10 @@
 """Shared fixtures: tiny models whose gradients can be checked by hand or by jax.grad."""
 
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -14,15 +16,29 @@ sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def session_folder(variable: str, prefix: str) -> None:
+  """Points ``variable`` at a new temporary folder unless the environment names one already.
+  The process that makes it (the session's first: pytest-xdist's workers and the tests'
+  subprocesses inherit the variable and make none) removes it as it exits, after them: a
+  session's caches (~170 MB of compiled programs for both tiers) are not left in the
+  temporary dir of every run."""
+  if os.environ.get(variable):
+    return
+  os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+  atexit.register(shutil.rmtree, os.environ[variable], True)
+
+
 # Raw data is prepared into a cache on first use: one per test session, never the user's.
-os.environ.setdefault("JAXSTEP_CACHE", tempfile.mkdtemp(prefix="jaxstep-test-cache-"))
+session_folder("JAXSTEP_CACHE", "jaxstep-test-cache-")
 # Compiled programs too: the many subprocess runs of the same small configs compile each
 # program once per session instead of once per process. Processes a test kills pass
 # ``killable(env)``: jax writes cache entries in place, so each such process reads a
 # snapshot of the session's cache (hard links, taken as it starts) and a kill mid-write
 # truncates an entry of that snapshot only.
 JIT_CACHE = "JAX_COMPILATION_CACHE_DIR"
-os.environ.setdefault(JIT_CACHE, tempfile.mkdtemp(prefix="jaxstep-test-jit-"))
+session_folder(JIT_CACHE, "jaxstep-test-jit-")
 # a command started without JAX's variable keeps to the session's cache too, not the user's
 os.environ.setdefault("JAXSTEP_XLA_CACHE", os.environ[JIT_CACHE])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
@@ -264,9 +280,6 @@ def killable(env: dict) -> dict:
   compilation cache (hard links to the entries there now, so it starts warm), never into the
   session's own, where a kill mid-write would leave a truncated entry for the next process
   to warn about. jax never rewrites an entry that exists, so a linked one stays whole."""
-  import atexit
-  import shutil
-
   if not env.get(JIT_CACHE):
     return dict(env)
   snapshot = tempfile.mkdtemp(prefix="jaxstep-test-jit-killable-")

@@ -60,13 +60,18 @@ HF_KEYS = {  # the hf suite's, with torch and transformers installed
 
 @pytest.mark.slow
 def test_quick_benchmarks_write_results(tmp_path):
+  scratch = tmp_path / "tmp"  # the workers' temporary dir: what they leave there is checked
+  scratch.mkdir()
   proc = subprocess.run(
     [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
     capture_output=True,
     text=True,
     timeout=600,
+    env={**os.environ, "TMPDIR": str(scratch)},
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
+  kept = {"jaxstep-bench-hf"}  # the transformers folders, kept on purpose (hf_load.py)
+  assert {p.name for p in scratch.iterdir() if p.name.startswith("jaxstep-")} <= kept
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert SUMMARY_KEYS <= set(summary)
   if importlib.util.find_spec("torch"):  # torch is installed only for benchmarks

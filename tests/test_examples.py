@@ -71,12 +71,13 @@ def test_custom_loss_with_weight_units_is_k_invariant():
 
 
 @pytest.mark.slow
-def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise():
+def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise(tmp_path):
   import os
   import subprocess
   import sys
 
   env = {**os.environ, "XLA_FLAGS": xla_flags()}  # no device count: the example chooses
+  env["TMPDIR"] = str(tmp_path)  # where its checkpoint goes, and is removed from
   proc = subprocess.run(
     [sys.executable, str(EXAMPLES / "own_model.py"), "40"],
     capture_output=True,
@@ -88,3 +89,4 @@ def test_own_nnx_model_trains_on_4_devices_and_resumes_bitwise():
   assert "4 devices; resumed at update 20: bitwise identical = True" in proc.stdout
   last = [line for line in proc.stdout.splitlines() if line.startswith("update 40:")][-1]
   assert float(last.rsplit("accuracy", 1)[1]) >= 0.8
+  assert list(tmp_path.iterdir()) == []
