@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxstep import make_train_step, models
 from jaxstep.core import router_loss
@@ -137,6 +139,45 @@ def test_take_rows_backward_is_autodiffs_scatter_in_both_directions():
   pair(lambda a: grouped.take_rows(a, flat, plan.row_assign[:, None]),
        lambda a: plain(a, flat), out_rows, out_cot)  # fmt: skip
   assert int(jnp.sum(experts == 6)) > 0  # some assignments were dropped
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+  shape=st.tuples(st.integers(1, 4), st.integers(1, 16), st.integers(2, 8)),  # B, S, E
+  k=st.integers(1, 8),
+  tile=st.sampled_from([1, 2, 4, 8]),
+  factor=st.sampled_from([0.0, 0.25, 1.0, 1.25, 2.0]),
+  shards=st.sampled_from([1, 2, 4]),
+  seed=st.integers(0, 2**16),
+)
+def test_the_layouts_rows_hold_every_kept_assignment_and_no_more(
+  shape, k, tile, factor, shards, seed
+):
+  """``rows_bound``, the static size of ``dispatch``'s layout, against the rows that
+  routings use (numpy): each expert's kept assignments in whole tiles, summed over the
+  experts of one device (of ``shards``). Distinct experts per token, a capacity per
+  sequence; a routing with every token on the same k experts reaches the bound."""
+  b, s, e = shape
+  k, here = min(k, e), max(e // shards, 1)
+  rng = np.random.default_rng(seed)
+  cap = moe.capacity(s, k, e, factor)
+  most = None if cap is None else cap * b
+  bound = moe.rows_bound(b * s, k, here, tile, most)
+  assert bound % tile == 0
+  up = lambda a: -(-a // tile) * tile  # noqa: E731
+  for routing in range(4):
+    order = np.argsort(rng.random((b, s, e)), axis=-1)[..., :k]  # distinct, random
+    experts = order if routing else np.broadcast_to(np.arange(k), (b, s, k))  # all on the first
+    counts = np.zeros(e, int)
+    for row in range(b):
+      seen = np.zeros(e, int)
+      for token in experts[row].reshape(-1):
+        counts[token] += cap is None or seen[token] < cap
+        seen[token] += 1
+    used = sum(up(c) for c in counts[:here])
+    assert used <= bound
+    if routing == 0 and here == k:  # k experts here, every token on them: the bound is met
+      assert used == bound
 
 
 def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():

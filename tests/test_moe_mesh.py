@@ -21,11 +21,16 @@ def test_global_lbl_is_the_same_update_on_every_mesh_and_k():
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   rows = [json.loads(line) for line in proc.stdout.splitlines()]
-  exact = [r for r in rows if r["scope"] == "global"]
-  assert len(exact) == 14  # 8 meshes × K 4, and K 1 on the 5 expert meshes and (8, 1, 1, 1)
+  exact = [r for r in rows if r["scope"] in ("global", "capacity")]
+  # 8 meshes × K 4, K 1 on the 5 expert meshes and (8, 1, 1, 1); 2 with a capacity
+  assert len(exact) == 16
   for r in exact:
     for key in ("loss", "moe/lbl", "grad_norm", "params"):
-      assert r[key] <= 1e-5, (key, r)
+      # with a capacity, one up_proj entry of an expert that keeps few tokens differs by
+      # 1.5e-5 of its leaf's largest (8.6e-6 absolute after 3 AdamW steps at lr 1e-2); the
+      # same with the worst-case dispatch layout of before
+      tolerance = 3e-5 if (key, r["scope"]) == ("params", "capacity") else 1e-5
+      assert r[key] <= tolerance, (key, r)
     data, fsdp, expert, tensor = r["mesh"]
     assert ("'expert'" in r["experts_spec"]) == (expert > 1), r  # split, not replicated
   # per micro-batch and device, as most frameworks count it: another update

@@ -97,11 +97,16 @@ def over_capacity(experts: jax.Array, n_experts: int, cap: int) -> jax.Array:
   return jnp.where(rank < cap, experts.reshape(-1), n_experts).reshape(b, s, k)
 
 
-def dispatch(experts: jax.Array, n_experts: int, tile: int) -> Dispatch:
+def dispatch(experts: jax.Array, n_experts: int, tile: int, most: int | None = None) -> Dispatch:
   """The expert-sorted layout of ``experts [T, k]``: groups in expert order, each padded to
   a multiple of ``tile`` rows (1: unpadded); a stable sort keeps token order inside a
   group. An expert id ``>= n_experts`` (dropped over capacity, or another device's expert
-  under expert parallelism) gets no row."""
+  under expert parallelism) gets no row.
+
+  The layout's static size is the most rows the assignments can fill: ``min(T·k, n·m)``
+  plus each group's padding, where an expert gets at most ``m = min(T, most)`` assignments:
+  one per token (a token's k experts are distinct), and ``most`` where a capacity bounds
+  it (``rows_bound``)."""
   t, k = experts.shape
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
@@ -112,8 +117,7 @@ def dispatch(experts: jax.Array, n_experts: int, tile: int) -> Dispatch:
   counts = counts[:n_experts]
   sizes = (counts + tile - 1) // tile * tile
   starts = jnp.cumsum(sizes) - sizes
-  rows = t * k + n_experts * (tile - 1)
-  rows = (rows + tile - 1) // tile * tile
+  rows = rows_bound(t, k, n_experts, tile, most)
   here = sorted_e < n_experts
   dest_sorted = jnp.where(here, starts[jnp.minimum(sorted_e, n_experts - 1)] + rank, rows)
   dest = jnp.zeros(t * k, jnp.int32).at[order].set(dest_sorted).reshape(t, k)
@@ -123,6 +127,17 @@ def dispatch(experts: jax.Array, n_experts: int, tile: int) -> Dispatch:
   ends = jnp.cumsum(sizes)
   tile_groups = jnp.minimum(jnp.searchsorted(ends, tile_start, side="right"), n_experts - 1)
   return Dispatch(row_assign // k, row_assign, dest, sizes, tile_groups.astype(jnp.int32))
+
+
+def rows_bound(t: int, k: int, n_experts: int, tile: int, most: int | None = None) -> int:
+  """The rows of ``dispatch``'s layout: ``T·k`` assignments, or fewer where the experts here
+  cannot take them all (``n_experts·m``, ``m = min(T, most)``), plus ``tile − 1`` padding
+  rows per group, in whole tiles; never more than ``n_experts`` groups of ``⌈m⌉_tile``.
+  Under expert parallelism ``T`` is the expert group's tokens: without a capacity the
+  worst case is all of them routed here; with one, the capacity of the group's sequences."""
+  m = t if most is None else min(t, most)
+  up = lambda a: (a + tile - 1) // tile * tile  # noqa: E731
+  return min(up(min(t * k, n_experts * m) + n_experts * (tile - 1)), n_experts * up(m))
 
 
 class SwiGLU(nnx.Module):
@@ -218,7 +233,9 @@ class MoeMLP(nnx.Module):
     impl = grouped.resolve(cfg.moe_matmul)
     # the mean group: the n·k assignments over all E experts (n_here of them are here)
     tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, cfg.num_experts)
-    plan = dispatch(experts, n_here, tile)
+    # a capacity bounds each expert's rows: ``cap`` from each of the n / S sequences here
+    most = None if cap is None else cap * (n // seq_len)
+    plan = dispatch(experts, n_here, tile, most)
     rows = grouped.take_rows(tokens, plan.row_token, plan.dest)
     mm = functools.partial(
       grouped.grouped_matmul,

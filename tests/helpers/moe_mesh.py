@@ -80,12 +80,19 @@ MESHES = [  # (data, fsdp, expert, tensor)
 CASES = {
   "global": [(m, 4) for m in MESHES] + [(m, 1) for m in MESHES if m[2] > 1 or m == (8, 1, 1, 1)],
   "micro_batch": [((8, 1, 1, 1), 4), ((2, 1, 4, 1), 1), ((2, 1, 4, 1), 4)],
+  # the global LBL with a capacity: each device's dispatch sized by it (moe.rows_bound)
+  "capacity": [((1, 1, 8, 1), 4), ((2, 2, 2, 1), 1)],
+}
+SETTINGS = {
+  "global": {"lbl_scope": "global"},
+  "micro_batch": {"lbl_scope": "micro_batch"},
+  "capacity": {"lbl_scope": "global", "capacity_factor": 1.0},
 }
 
 
 def main():
   for scope in sys.argv[1:] or tuple(CASES):
-    cfg = LlamaConfig(**BASE, lbl_scope=scope)
+    cfg = LlamaConfig(**BASE, **SETTINGS[scope])
     ref_params, ref_metrics, _ = run(cfg, None, 1)
     for (data, fsdp, expert, tensor), k in CASES[scope]:
       mesh = parallel.make_mesh(data, fsdp, tensor=tensor, expert=expert)
