@@ -185,3 +185,27 @@ def test_demo_gains_reads_the_demo_runs(tmp_path):
   found = demo_gains.gains(tmp_path / "falling", tmp_path / "filter", tmp_path / "distill")
   assert "distill_vs_grpo_accuracy_gain_100" not in found
   assert found["grpo_accuracy_gain_100"] == pytest.approx(-0.05)
+
+
+@pytest.mark.slow
+def test_the_gradient_parity_report_finds_jaxsteps_norm_at_fp64s(tmp_path):
+  """``benchmarks.grad_parity`` on a tiny random tied Llama: jaxstep's DPO gradient and
+  PyTorch's fp32 one both equal fp64's, and jaxstep's global norm is fp64's."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from conftest import TINY_HF_SHAPE
+
+  from benchmarks import grad_parity
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(**TINY_HF_SHAPE, tie_word_embeddings=True)
+  transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "folder")
+  args = [str(tmp_path / "folder"), "--pairs", "2", "--seq-len", "48", "--out", str(tmp_path)]
+  result = grad_parity.main(args)
+  truth = result["norm_fp64"]
+  assert abs(result["norm_jaxstep"] - truth) <= 1e-6 * truth
+  assert abs(result["norm_torch_clip_grad_norm"] - truth) <= 1e-5 * truth
+  for side in ("jaxstep", "torch_fp32"):
+    total, worst = result["distance_to_fp64"][side]
+    assert total <= 1e-5 and worst[0][1] <= 1e-4, (side, worst)
+  assert json.loads((tmp_path / "grad_parity.json").read_text())["rows"][0]["pairs"] == 2

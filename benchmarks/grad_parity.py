@@ -1,0 +1,189 @@
+"""A DPO update's gradient, tensor by tensor: jaxstep against PyTorch in fp32, both against
+PyTorch in fp64, on a local Hugging Face Llama-family folder (benchmark-only: imports torch
+and transformers).
+
+    python -m benchmarks.grad_parity [FOLDER] [--pairs 8] [--seq-len 96]
+
+Without a folder: a SmolLM2-135M-shaped one (d 576, 30 blocks, 9 / 3 heads, SwiGLU 1,536,
+vocabulary 49,152, tied head; random weights from ``LlamaForCausalLM(config)``, written once
+under the temporary dir).
+
+The loss is DPO's at its first update, where the policy is the reference: ``−log σ(β·(Δ −
+Δ_ref))`` has the gradient ``−(β/2)·∇Δ`` there, ``Δ = log π(chosen) − log π(rejected)``
+(sums over each completion's tokens), averaged over the pairs: the gradient TRL's
+DPOTrainer and jaxstep take first. ``pairs`` pairs of random ids (seeded), prompts of 10–29
+ids, sequences of 40 to ``seq_len`` ids, right-padded.
+
+Printed (and written to ``benchmarks/results/grad_parity.json``): each side's gradient
+against fp64 (relative distance of the whole gradient and the worst tensors), and the
+global norm four ways: jaxstep's (``optax.tree.norm``, as the step logs and clips it),
+``torch.nn.utils.clip_grad_norm_`` of PyTorch's fp32 gradient (what the HF Trainer, and so
+TRL, logs and clips by), that same gradient's norm summed in fp64, and fp64's own. The
+question it answers: when the logged norms differ, is it the gradient or the norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import tempfile
+
+import numpy as np
+
+from benchmarks.harness import RESULTS, environment, write
+
+SMOLLM2_135M = {  # transformers.LlamaConfig keys of SmolLM2-135M(-Instruct)
+  "vocab_size": 49152,
+  "hidden_size": 576,
+  "intermediate_size": 1536,
+  "num_hidden_layers": 30,
+  "num_attention_heads": 9,
+  "num_key_value_heads": 3,
+  "max_position_embeddings": 8192,
+  "rms_norm_eps": 1e-5,
+  "rope_theta": 100000.0,
+  "tie_word_embeddings": True,
+  "initializer_range": 0.041666666666666664,
+}
+BETA = 0.1
+
+
+def default_folder() -> pathlib.Path:
+  """The SmolLM2-135M-shaped random folder, written once (keyed by its config)."""
+  import torch
+  import transformers
+
+  key = hashlib.sha256(json.dumps([SMOLLM2_135M, transformers.__version__]).encode())
+  folder = pathlib.Path(tempfile.gettempdir()) / "jaxstep-bench-hf" / key.hexdigest()[:12]
+  if not (folder / "config.json").exists():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M))
+    model.save_pretrained(folder)
+  return folder
+
+
+def pairs_batch(pairs: int, seq_len: int, vocab: int, seed: int = 0):
+  """``ids int[2P, S + 1]`` (rows 2i chosen, 2i + 1 rejected), the completions' loss mask
+  ``float32[2P, S]`` over targets, and each row's sign in Δ (+1 chosen, −1 rejected)."""
+  rng = np.random.default_rng(seed)
+  rows = 2 * pairs
+  lengths = rng.integers(40, seq_len + 1, size=rows)
+  prompts = rng.integers(10, 30, size=rows)
+  ids = rng.integers(3, vocab, size=(rows, seq_len + 1))
+  mask = np.zeros((rows, seq_len), np.float32)
+  for i in range(rows):
+    ids[i, lengths[i] + 1 :] = 0
+    mask[i, prompts[i] : lengths[i]] = 1
+  sign = np.where(np.arange(rows) % 2 == 0, 1.0, -1.0).astype(np.float32)
+  return ids, mask, sign
+
+
+def torch_grads(folder, ids, mask, sign, dtype: str) -> tuple[dict, float]:
+  """PyTorch's gradient (eager attention, ``dtype``) by HF name, and its clip_grad_norm_."""
+  import torch
+  import transformers
+
+  td = getattr(torch, dtype)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    folder, torch_dtype=td, attn_implementation="eager"
+  )
+  model.train()
+  logits = model(input_ids=torch.tensor(ids[:, :-1])).logits
+  logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[:, 1:])[..., None])[..., 0]
+  delta = (torch.tensor(sign, dtype=td) * (logp * torch.tensor(mask, dtype=td)).sum(-1)).sum()
+  loss = -BETA / 2 * delta / (len(sign) // 2)
+  loss.backward()
+  grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+  norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+  return grads, norm
+
+
+def jaxstep_grads(folder, ids, mask, sign) -> tuple[dict, float]:
+  """jaxstep's gradient of the same loss (fp32, the model as it reads the folder) by HF
+  name, and its global norm as the step computes it."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from jaxstep import models
+  from jaxstep.models import hf_export, hf_parity, safetensors_out
+
+  config, params = hf_parity.read_model(pathlib.Path(folder), ids.shape[1] - 1)
+  apply_fn, _ = models.build(config, 0, abstract=True)
+
+  def loss_fn(params):
+    logits = apply_fn(params, jnp.asarray(ids[:, :-1])).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, -1)
+    logp = jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:])[..., None], -1)[..., 0]
+    delta = jnp.sum(sign * jnp.sum(logp * mask, -1))
+    return -BETA / 2 * delta / (len(sign) // 2)
+
+  with jax.default_matmul_precision("highest"):
+    grads = jax.jit(jax.grad(loss_fn))(jax.tree.map(jnp.asarray, params))
+  tensors = hf_export.tensors_of(config, grads)
+  return {t.name: safetensors_out.host(t, np.float32) for t in tensors}, float(
+    optax.tree.norm(grads)
+  )
+
+
+def compare(ours: dict, theirs: dict, exact: dict) -> dict:
+  """Each side's distance to fp64 (whole gradient, and the worst tensors), and the norms."""
+  names = sorted(exact)
+  if set(ours) != set(names) or set(theirs) != set(names):
+    raise SystemExit(f"the two models' tensors differ: {sorted(set(ours) ^ set(names))[:5]}")
+
+  def distance(side: dict) -> tuple[float, list]:
+    per = {n: np.linalg.norm(side[n] - exact[n]) / np.linalg.norm(exact[n]) for n in names}
+    worst = sorted(per.items(), key=lambda kv: -kv[1])[:3]
+    total = np.sqrt(sum(np.sum((side[n] - exact[n]) ** 2) for n in names))
+    return float(total / fp64_norm(exact)), [(n, float(e)) for n, e in worst]
+
+  return {"jaxstep": distance(ours), "torch_fp32": distance(theirs)}
+
+
+def fp64_norm(grads: dict) -> float:
+  return float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in grads.values())))
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("folder", nargs="?", help="a local HF Llama-family folder")
+  parser.add_argument("--pairs", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=96)
+  parser.add_argument("--out", type=pathlib.Path, default=None, help="results folder")
+  args = parser.parse_args(argv)
+  folder = pathlib.Path(args.folder) if args.folder else default_folder()
+  vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+  batch = pairs_batch(args.pairs, args.seq_len, vocab)
+  exact, exact_norm = torch_grads(folder, *batch, "float64")
+  theirs, torch_norm = torch_grads(folder, *batch, "float32")
+  ours, our_norm = jaxstep_grads(folder, *batch)
+  truth = fp64_norm(exact)
+  result = {
+    "folder": str(folder),
+    "pairs": args.pairs,
+    "seq_len": args.seq_len,
+    "norm_fp64": truth,
+    "norm_jaxstep": our_norm,
+    "norm_torch_clip_grad_norm": torch_norm,
+    "norm_torch_grads_summed_in_fp64": fp64_norm(theirs),
+    "distance_to_fp64": compare(ours, theirs, exact),
+  }
+  rel = lambda v: (v - truth) / truth  # noqa: E731
+  print(f"global norm, fp64: {truth:.7f} (torch fp64's clip_grad_norm_ {exact_norm:.7f})")
+  print(f"  jaxstep (optax.tree.norm):         {our_norm:.7f} ({rel(our_norm):+.1e})")
+  print(f"  torch fp32, clip_grad_norm_:       {torch_norm:.7f} ({rel(torch_norm):+.1e})")
+  theirs_norm = result["norm_torch_grads_summed_in_fp64"]
+  print(f"  torch fp32's gradient, fp64 sum:   {theirs_norm:.7f} ({rel(theirs_norm):+.1e})")
+  for side, (total, worst) in result["distance_to_fp64"].items():
+    tensors = ", ".join(f"{n} {e:.1e}" for n, e in worst)
+    print(f"{side} gradient vs fp64: {total:.1e} of the norm; worst tensors: {tensors}")
+  path = write("grad_parity", {"environment": environment(), "rows": [result]}, args.out or RESULTS)
+  print(f"wrote {path}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
