@@ -88,3 +88,39 @@ def test_a_run_dir_replaced_under_the_sink_gets_no_line(tmp_path):
     sink.eval({"step": 2, "set": "heldout", "eval_loss": 1.0})
   sink.close()
   assert [p.name for p in run_dir.iterdir()] == ["checkpoints"]
+
+
+def _tensorboard_tags(folder) -> set:
+  """The scalar tags of every event file under ``folder`` (TFRecord framing, read here)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  tags = set()
+  for path in folder.rglob("events.out.tfevents.*"):
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+      tags |= {value.tag for value in event.summary.value}
+      at += 16 + length
+  return tags
+
+
+def test_a_metric_named_module_colon_function_gets_a_tensorboard_tag_and_no_log_line(
+  tmp_path, caplog
+):
+  """A reward named ``module:function`` names its metrics so: TensorBoard allows no ``:``.
+  The tag takes ``_`` for it, as tensorboardX would, without its log line at every record."""
+  import logging
+
+  sink = MetricsSink(tmp_path, start_step=0, total_steps=2, progress=False)
+  record = {"step": 1, "epoch": 0, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_sec": 1}
+  with caplog.at_level(logging.INFO):
+    sink.train({**record, "rewards/digits:match/mean": 0.5})
+    sink.eval({"step": 1, "set": "heldout", "eval_rewards/digits:match": 0.25})
+    sink.close()
+  assert "illegal" not in caplog.text
+  tags = _tensorboard_tags(tmp_path / "tensorboard")
+  assert {"train/rewards/digits_match/mean", "eval/rewards/digits_match"} <= tags
+  assert read_records(tmp_path / "metrics.jsonl")[0]["rewards/digits:match/mean"] == 0.5

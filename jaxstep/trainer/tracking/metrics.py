@@ -115,7 +115,7 @@ class MetricsSink:
     self._append(self.train_path, record)
     for key, value in record.items():
       if key not in ("step", "epoch"):
-        self.tb.add_scalar(f"train/{key}", float(value), record["step"])
+        self.tb.add_scalar(tensorboard_events.tag(f"train/{key}"), float(value), record["step"])
     if self.bar.disable:
       log.info(
         "step %d  epoch %d  loss %.4f  lr %.2e  grad_norm %.3f  tok/s %.0f",
@@ -139,7 +139,7 @@ class MetricsSink:
       if key not in ("step", "set") and not isinstance(value, bool | str):
         # lm-evaluation-harness results are named harness/<task>/<metric> already
         tagged = key if name == HARNESS_SET else f"{tag}/{key.removeprefix('eval_')}"
-        self.tb.add_scalar(tagged, float(value), record["step"])
+        self.tb.add_scalar(tensorboard_events.tag(tagged), float(value), record["step"])
     shown = "  ".join(
       f"{key.removeprefix('eval_').removeprefix(f'{HARNESS_SET}/')} {value:.4g}"
       for key, value in record.items()

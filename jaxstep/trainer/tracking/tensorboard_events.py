@@ -4,10 +4,19 @@ closed without leaving its thread or its file behind when the disk is full."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 from jaxstep.trainer.tracking.threads import watch_threads
 
 QUEUE_EVENTS = 10_000  # events waiting for the writer thread
+_NOT_IN_A_TAG = re.compile(r"[^-/\w.]")  # what TensorBoard allows in a tag, negated
+
+
+def tag(name: str) -> str:
+  """``name`` as a TensorBoard tag: each character it does not allow (e.g. the ``:`` of a
+  reward named ``module:function``) becomes ``_``. tensorboardX makes the same change
+  itself, but logs a line for every scalar it changes: at every logged update."""
+  return _NOT_IN_A_TAG.sub("_", name)
 
 
 def open_events(folder: pathlib.Path, purge_step: int):
