@@ -25,6 +25,7 @@ question it answers: when the logged norms differ, is it the gradient or the nor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import pathlib
@@ -57,11 +58,60 @@ def default_folder() -> pathlib.Path:
 
   key = hashlib.sha256(json.dumps([SMOLLM2_135M, transformers.__version__]).encode())
   folder = pathlib.Path(tempfile.gettempdir()) / "jaxstep-bench-hf" / key.hexdigest()[:12]
-  if not (folder / "config.json").exists():
+  if not (folder / "complete").exists():  # written last: a folder cut short is made again
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M))
     model.save_pretrained(folder)
+    (folder / "complete").touch()
   return folder
+
+
+@contextlib.contextmanager
+def all_in(dtype):
+  """transformers' modeling code computes RMSNorm, the attention softmax and the RoPE
+  angles in fp32 whatever the model's dtype: here every ``*RMSNorm`` and default
+  ``*RotaryEmbedding`` of the loaded model's module computes in ``dtype`` instead (the
+  inverse frequencies too), so an fp64 model is fp64 throughout (attention through SDPA,
+  which keeps its inputs' dtype)."""
+  import torch
+
+  def norm(self, h):
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+  def rotary(self, x, position_ids):
+    dim = 2 * self.inv_freq.shape[0]
+    base = self.config.rope_parameters["rope_theta"]
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=dtype) / dim))
+    emb = position_ids[..., None].to(dtype) * inv
+    emb = torch.cat((emb, emb), dim=-1)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+  patched = []
+  for module in _modeling_modules():
+    for name in dir(module):
+      cls = getattr(module, name)
+      if isinstance(cls, type) and name.endswith("RMSNorm"):
+        patched.append((cls, cls.forward))
+        cls.forward = norm
+      elif isinstance(cls, type) and name.endswith("RotaryEmbedding"):
+        patched.append((cls, cls.forward))
+        cls.forward = rotary
+  try:
+    yield
+  finally:
+    for cls, forward in patched:
+      cls.forward = forward
+
+
+def _modeling_modules():
+  import sys
+
+  return [
+    m
+    for n, m in list(sys.modules.items())
+    if n.startswith("transformers.models.")
+    and n.endswith(("modeling_llama", "modeling_qwen2", "modeling_qwen3", "modeling_mistral"))
+  ]
 
 
 def pairs_batch(pairs: int, seq_len: int, vocab: int, seed: int = 0):
@@ -81,16 +131,22 @@ def pairs_batch(pairs: int, seq_len: int, vocab: int, seed: int = 0):
 
 
 def torch_grads(folder, ids, mask, sign, dtype: str) -> tuple[dict, float]:
-  """PyTorch's gradient (eager attention, ``dtype``) by HF name, and its clip_grad_norm_."""
+  """PyTorch's gradient (SDPA attention, transformers' default; ``dtype``) by HF name, and
+  its clip_grad_norm_."""
   import torch
   import transformers
 
   td = getattr(torch, dtype)
+  exact = dtype == "float64"
   model = transformers.AutoModelForCausalLM.from_pretrained(
-    folder, torch_dtype=td, attn_implementation="eager"
+    folder, torch_dtype=td, attn_implementation="sdpa"
   )
+  rope = model.config.rope_parameters or {}
+  if exact and rope.get("rope_type", "default") != "default":
+    raise SystemExit(f"{folder}: the fp64 reference computes default RoPE only, not {rope}")
   model.train()
-  logits = model(input_ids=torch.tensor(ids[:, :-1])).logits
+  with all_in(td) if exact else contextlib.nullcontext():
+    logits = model(input_ids=torch.tensor(ids[:, :-1])).logits
   logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[:, 1:])[..., None])[..., 0]
   delta = (torch.tensor(sign, dtype=td) * (logp * torch.tensor(mask, dtype=td)).sum(-1)).sum()
   loss = -BETA / 2 * delta / (len(sign) // 2)
@@ -132,7 +188,8 @@ def compare(ours: dict, theirs: dict, exact: dict) -> dict:
   """Each side's distance to fp64 (whole gradient, and the worst tensors), and the norms."""
   names = sorted(exact)
   if set(ours) != set(names) or set(theirs) != set(names):
-    raise SystemExit(f"the two models' tensors differ: {sorted(set(ours) ^ set(names))[:5]}")
+    differ = sorted((set(ours) | set(theirs)) ^ set(names))
+    raise SystemExit(f"jaxstep's and PyTorch's tensors differ: {differ[:5]}")
 
   def distance(side: dict) -> tuple[float, list]:
     per = {n: np.linalg.norm(side[n] - exact[n]) / np.linalg.norm(exact[n]) for n in names}

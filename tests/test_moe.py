@@ -180,6 +180,25 @@ def test_the_layouts_rows_hold_every_kept_assignment_and_no_more(
       assert used == bound
 
 
+def test_a_layout_sized_by_the_capacity_places_every_kept_assignment():
+  """``dispatch`` with ``most``: each assignment the capacity keeps gets a row of its own
+  inside the smaller layout (one past it would be lost silently: rows are placed with
+  ``mode="drop"``), on a routing that fills it: every token on the same three experts, one
+  of them another device's (id 2 of the 2 here: no row), groups of 21 in tiles of 4."""
+  b, s, k, e, here, tile = 3, 10, 3, 4, 2, 4
+  experts = jnp.broadcast_to(jnp.array([0, 1, 2], jnp.int32), (b, s, k))
+  cap = moe.capacity(s, k, e, 0.9)
+  kept = moe.over_capacity(experts, e, cap).reshape(b * s, k)
+  plan = moe.dispatch(kept, here, tile, cap * b)
+  rows = plan.row_token.shape[0]
+  assert (
+    rows == moe.rows_bound(b * s, k, here, tile, cap * b) < moe.rows_bound(b * s, k, here, tile)
+  )
+  dest = np.asarray(plan.dest)[np.asarray(kept) < here]
+  assert len(dest) == here * b * cap and dest.max() < rows and len(set(dest.tolist())) == len(dest)
+  assert np.all(np.asarray(plan.dest)[np.asarray(kept) >= here] == rows)
+
+
 def test_capacity_drops_the_latest_tokens_of_a_full_expert_in_each_sequence():
   """⌈c·S·k/E⌉ per expert and sequence (MaxText's rule), in token order; the same drops
   whichever rows share the call (micro-batch and mesh independent)."""

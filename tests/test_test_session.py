@@ -1,6 +1,7 @@
 """The README's test line as a user runs it again and again: what one session leaves."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ def test_a_test_session_removes_the_caches_it_made(tmp_path, workers):
   tmp.mkdir()
   env = {k: v for k, v in os.environ.items() if k not in SESSION_VARIABLES}
   env["TMPDIR"] = str(tmp)
-  test = "tests/test_layout.py::test_every_trainer_module_is_short"
+  test = f"{pathlib.Path(__file__).parent / 'test_layout.py'}::test_every_trainer_module_is_short"
   command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, test]
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
