@@ -136,9 +136,18 @@ def test_an_moe_run_generates_and_evaluates(tmp_path):
 
 @pytest.mark.slow
 def test_the_memory_ledger_names_the_experts_share_per_device(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  from test_sharding import devices_env
+
+  env = devices_env(2)
   cmd = [sys.executable, "-m", "jaxstep", "memory", *MOE]
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-2000:]
   # 2 layers × 4 experts × 3 matrices of 64 × 32
   assert "the routed experts hold 49,152 of the parameters; a micro-step routes" in done.stdout
+  # tiny: 8 rows of 128 a micro-step over 2 devices: 512 tokens × 2 of 4 experts each, tiles
+  # of 128: 1,024 + 4 × 127 rows in whole tiles; a capacity of 1.0 lets each expert take 64
+  # of a sequence's: 4 sequences × 64 = 256 per expert, 4 × 256 rows
+  assert "each device's dispatch holds 1,536 rows per MoE layer (dropless)" in done.stdout
+  capped = subprocess.run([*cmd, "model.capacity_factor=1.0"], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+  assert "holds 1,024 rows per MoE layer (model.capacity_factor=1)" in capped.stdout

@@ -74,7 +74,8 @@ def report(cfg) -> str:
   if cfg.distill.teacher:
     lines += ["", distill_line(c["cfg"])]
   if getattr(cfg.model, "num_experts", 0):
-    lines += ["", moe_line(c["cfg"], c["expert_params"], c["expert"])]
+    shards = c["data"] * c["fsdp"] * c["expert"]
+    lines += ["", moe_line(c["cfg"], c["expert_params"], c["expert"], shards)]
   if c["auto_table"]:
     budget = c["budget_bytes"]
     lines += ["", f"grad_accum_steps=auto, budget {gib(budget).strip()} per device:"]
@@ -127,8 +128,9 @@ def preference_line(cfg) -> str:
   )
 
 
-def moe_line(cfg, expert_params: int, expert: int) -> str:
-  """What a mixture-of-experts model holds and moves, in the ledger's words (docs/moe.md)."""
+def moe_line(cfg, expert_params: int, expert: int, shards: int) -> str:
+  """What a mixture-of-experts model holds and moves, in the ledger's words (docs/moe.md):
+  ``shards`` devices split the batch's rows (data × fsdp × expert)."""
   m, t = cfg.model, cfg.train
   tokens = t.global_batch_size * t.seq_len // max(t.grad_accum_steps, 1)
   split = (
@@ -143,8 +145,25 @@ def moe_line(cfg, expert_params: int, expert: int) -> str:
   return (
     f"mixture of experts: the routed experts hold {expert_params:,} of the parameters{split}; "
     f"a micro-step routes {tokens:,} tokens × {m.experts_per_token} experts per MoE layer "
-    f"(sorted rows of width {m.d_model}, padded to whole tiles on CPU){moved}"
+    f"(sorted rows of width {m.d_model}, padded to whole tiles on CPU){moved}; "
+    f"{dispatch_rows(m, tokens // shards * expert, t.seq_len, expert)}"
   )
+
+
+def dispatch_rows(m, group_tokens: int, seq_len: int, expert: int) -> str:
+  """The static rows of a device's dispatch layout per MoE layer (``moe.rows_bound``), for
+  ``group_tokens`` tokens of its expert group."""
+  from jaxstep.models import grouped, moe
+
+  k, n = m.experts_per_token, m.num_experts // expert
+  tile = grouped.tile_rows(group_tokens * k, m.num_experts)
+  if grouped.resolve(m.moe_matmul) == "ragged":
+    tile = 1
+  cap = moe.capacity(seq_len, k, m.num_experts, m.capacity_factor)
+  most = None if cap is None else cap * (group_tokens // seq_len)
+  rows = moe.rows_bound(group_tokens, k, n, tile, most)
+  why = f"model.capacity_factor={m.capacity_factor:g}" if cap else "dropless"
+  return f"each device's dispatch holds {rows:,} rows per MoE layer ({why})"
 
 
 def distill_line(cfg) -> str:
