@@ -71,7 +71,25 @@ def format_check(prompts, completions, stop_reason, **_) -> list[float]:
   ]
 
 
-BUNDLED = {"exact_answer": exact_answer, "format_check": format_check}
+def digit_match(prompts, completions, answer, **_) -> list[float]:
+  """Partial credit for a whole-number answer: the share of digit places, aligned from the
+  units, where the completion's first line and the ``answer`` column agree, over the longer
+  of the two (``"68"`` for 68: 1; ``"58"``: 0.5; ``"168"``: 2/3); 0 where either is not
+  digits alone. A 0/1 reward from a weak policy leaves most groups with equal rewards and
+  no advantage; getting the units digit right first is a step the policy can find."""
+  scores = []
+  for c, a in zip(completions, answer, strict=True):
+    said, right = answer_text(c), str(a).strip()
+    if not (said.isdigit() and right.isdigit()):
+      scores.append(0.0)
+      continue
+    width = max(len(said), len(right))
+    pairs = zip(said.rjust(width), right.rjust(width), strict=True)
+    scores.append(sum(x == y for x, y in pairs) / width)
+  return scores
+
+
+BUNDLED = {"exact_answer": exact_answer, "format_check": format_check, "digit_match": digit_match}
 
 
 @dataclasses.dataclass(frozen=True)
