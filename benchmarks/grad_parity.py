@@ -67,12 +67,12 @@ def default_folder() -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def all_in(dtype):
+def all_in(model, dtype):
   """transformers' modeling code computes RMSNorm, the attention softmax and the RoPE
   angles in fp32 whatever the model's dtype: here every ``*RMSNorm`` and default
-  ``*RotaryEmbedding`` of the loaded model's module computes in ``dtype`` instead (the
+  ``*RotaryEmbedding`` class among ``model``'s modules computes in ``dtype`` instead (the
   inverse frequencies too), so an fp64 model is fp64 throughout (attention through SDPA,
-  which keeps its inputs' dtype)."""
+  which keeps its inputs' dtype). A model without both is refused."""
   import torch
 
   def norm(self, h):
@@ -86,32 +86,22 @@ def all_in(dtype):
     emb = torch.cat((emb, emb), dim=-1)
     return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
-  patched = []
-  for module in _modeling_modules():
-    for name in dir(module):
-      cls = getattr(module, name)
-      if isinstance(cls, type) and name.endswith("RMSNorm"):
-        patched.append((cls, cls.forward))
-        cls.forward = norm
-      elif isinstance(cls, type) and name.endswith("RotaryEmbedding"):
-        patched.append((cls, cls.forward))
-        cls.forward = rotary
+  patched = {}
+  for cls in {type(m) for m in model.modules()}:
+    if cls.__name__.endswith("RMSNorm"):
+      patched[cls] = cls.forward
+      cls.forward = norm
+    elif cls.__name__.endswith("RotaryEmbedding"):
+      patched[cls] = cls.forward
+      cls.forward = rotary
+  kinds = {k for k in ("RMSNorm", "RotaryEmbedding") for c in patched if c.__name__.endswith(k)}
+  if len(kinds) < 2:
+    raise SystemExit(f"{type(model).__name__}: no RMSNorm or RotaryEmbedding to compute in fp64")
   try:
     yield
   finally:
-    for cls, forward in patched:
+    for cls, forward in patched.items():
       cls.forward = forward
-
-
-def _modeling_modules():
-  import sys
-
-  return [
-    m
-    for n, m in list(sys.modules.items())
-    if n.startswith("transformers.models.")
-    and n.endswith(("modeling_llama", "modeling_qwen2", "modeling_qwen3", "modeling_mistral"))
-  ]
 
 
 def pairs_batch(pairs: int, seq_len: int, vocab: int, seed: int = 0):
@@ -145,7 +135,7 @@ def torch_grads(folder, ids, mask, sign, dtype: str) -> tuple[dict, float]:
   if exact and rope.get("rope_type", "default") != "default":
     raise SystemExit(f"{folder}: the fp64 reference computes default RoPE only, not {rope}")
   model.train()
-  with all_in(td) if exact else contextlib.nullcontext():
+  with all_in(model, td) if exact else contextlib.nullcontext():
     logits = model(input_ids=torch.tensor(ids[:, :-1])).logits
   logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[:, 1:])[..., None])[..., 0]
   delta = (torch.tensor(sign, dtype=td) * (logp * torch.tensor(mask, dtype=td)).sum(-1)).sum()

@@ -151,3 +151,24 @@ def test_the_memory_ledger_names_the_experts_share_per_device(tmp_path):
   capped = subprocess.run([*cmd, "model.capacity_factor=1.0"], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
   assert "holds 1,024 rows per MoE layer (model.capacity_factor=1)" in capped.stdout
+  # experts split over both devices: each device's 4 rows, and the expert group's 1,024
+  # tokens × 2 of the 2 experts here: one row per token and expert, 2 × 1,024
+  split = subprocess.run([*cmd, "mesh.expert=2", "mesh.data=1"], env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+  assert split.returncode == 0, split.stderr[-2000:]
+  assert "micro-batch 4 per device" in split.stdout and "expert=2" in split.stdout
+  assert "each device's dispatch holds 2,048 rows per MoE layer (dropless)" in split.stdout
+
+
+def test_the_ledgers_moe_line_counts_both_sequences_of_a_preference_pair():
+  """A preference step runs a pair's chosen and rejected rows in one forward: twice the
+  tokens through each MoE layer of a supervised step with as many rows."""
+  from jaxstep.cli.memory import moe_line
+  from jaxstep.trainer.config import loading as config_lib
+
+  moe = [a for a in MOE[2:] if not a.startswith("train.")]
+  sft = config_lib.load("tiny", moe)
+  dpo = config_lib.load("tiny", [*moe, "preference.loss=dpo"])
+  assert "routes 1,024 tokens" in moe_line(sft, 0, 1, 1)
+  assert "routes 2,048 tokens" in moe_line(dpo, 0, 1, 1)
+  assert "holds 5,120 rows" in moe_line(dpo, 0, 1, 1)  # 4,096 and 4 × 255 of padding: tiles of 256

@@ -26,9 +26,9 @@ def test_the_bundled_rewards_on_hand_made_completions():
   assert rewards.exact_answer(PROMPTS, COMPLETIONS, **COLUMNS) == [1.0, 1.0, 0.0, 0.0]
   assert rewards.format_check(PROMPTS, COMPLETIONS, **COLUMNS) == [1.0, 1.0, 0.0, 0.0]
   assert rewards.digit_match(PROMPTS, COMPLETIONS, **COLUMNS) == [1.0, 1.0, 0.5, 0.0]
-  said = ["68", "58", "168", "8", "6 8", "-68", "", "68\n1"]
-  partial = rewards.digit_match(["a + b = "] * 8, said, answer=["68"] * 8)
-  assert partial == [1.0, 0.5, 2 / 3, 0.5, 0.0, 0.0, 0.0, 1.0]
+  said = ["68", "58", "168", "8", "6 8", "-68", "", "68\n1", "6²", "٦٨"]
+  partial = rewards.digit_match(["a + b = "] * 10, said, answer=["68"] * 10)
+  assert partial == [1.0, 0.5, 2 / 3, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_weighted_rewards_sum_per_completion():

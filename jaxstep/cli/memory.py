@@ -23,8 +23,10 @@ def report(cfg) -> str:
   p, dp, t = c["num_params"], c["data"] * c["fsdp"], c["trainable_params"]
   split = c["fsdp"] * c["tensor"]  # the ways a parameter is split (fsdp × tensor)
   tensor = f" tensor={c['tensor']}" if c["tensor"] > 1 else ""
+  tensor += f" expert={c['expert']}" if c["expert"] > 1 else ""
+  shards = dp * c["expert"]  # the batch's rows split over data × fsdp × expert
   gib = lambda b: f"{b / GIB:9.3f} GiB"  # noqa: E731
-  k, rows = c["grad_accum_steps"], cfg.train.global_batch_size // (c["grad_accum_steps"] * dp)
+  k, rows = c["grad_accum_steps"], cfg.train.global_batch_size // (c["grad_accum_steps"] * shards)
   trains = "" if t is None else f" (T = {t:,} train, {p - t:,} frozen)"
   unit = " pairs" if cfg.preference.loss else ""
   lines = [
@@ -74,7 +76,6 @@ def report(cfg) -> str:
   if cfg.distill.teacher:
     lines += ["", distill_line(c["cfg"])]
   if getattr(cfg.model, "num_experts", 0):
-    shards = c["data"] * c["fsdp"] * c["expert"]
     lines += ["", moe_line(c["cfg"], c["expert_params"], c["expert"], shards)]
   if c["auto_table"]:
     budget = c["budget_bytes"]
@@ -132,7 +133,8 @@ def moe_line(cfg, expert_params: int, expert: int, shards: int) -> str:
   """What a mixture-of-experts model holds and moves, in the ledger's words (docs/moe.md):
   ``shards`` devices split the batch's rows (data × fsdp × expert)."""
   m, t = cfg.model, cfg.train
-  tokens = t.global_batch_size * t.seq_len // max(t.grad_accum_steps, 1)
+  sequences = 2 if cfg.preference.loss else 1  # a pair's chosen and rejected: one forward
+  tokens = sequences * t.global_batch_size * t.seq_len // max(t.grad_accum_steps, 1)
   split = (
     f", {expert_params // expert:,} per device over mesh.expert={expert}" if expert > 1 else ""
   )

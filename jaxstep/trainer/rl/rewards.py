@@ -60,6 +60,7 @@ def exact_answer(prompts, completions, answer, **_) -> list[float]:
 
 
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes "²" and "٦"
 
 
 def format_check(prompts, completions, stop_reason, **_) -> list[float]:
@@ -80,7 +81,7 @@ def digit_match(prompts, completions, answer, **_) -> list[float]:
   scores = []
   for c, a in zip(completions, answer, strict=True):
     said, right = answer_text(c), str(a).strip()
-    if not (said.isdigit() and right.isdigit()):
+    if not (_DIGITS.fullmatch(said) and _DIGITS.fullmatch(right)):
       scores.append(0.0)
       continue
     width = max(len(said), len(right))
