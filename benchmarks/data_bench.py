@@ -375,7 +375,6 @@ def suite_data(quick: bool) -> dict:
     "prepare": {"kind": "prepare", "text": text, "tokenizer": tok},
   }
   res, _, _ = measure(specs, rounds=1 if quick else 5)
-  shutil.rmtree(root, ignore_errors=True)  # the corpora (200 MB in a full run), not at exit
   small, big = res["startup_small"], res["startup_big"]
   startup = ratio_stats([b["seconds"] - a["seconds"] for a, b in zip(small, big, strict=True)], 1)
   rss = ratio_stats([b["rss_mib"] - a["rss_mib"] for a, b in zip(small, big, strict=True)], 1)
