@@ -33,21 +33,11 @@ import tempfile
 
 import numpy as np
 
+from benchmarks.eval_bench import SMOLLM2_SHAPE
 from benchmarks.harness import RESULTS, environment, write
 
-SMOLLM2_135M = {  # transformers.LlamaConfig keys of SmolLM2-135M(-Instruct)
-  "vocab_size": 49152,
-  "hidden_size": 576,
-  "intermediate_size": 1536,
-  "num_hidden_layers": 30,
-  "num_attention_heads": 9,
-  "num_key_value_heads": 3,
-  "max_position_embeddings": 8192,
-  "rms_norm_eps": 1e-5,
-  "rope_theta": 100000.0,
-  "tie_word_embeddings": True,
-  "initializer_range": 0.041666666666666664,
-}
+# SmolLM2-135M(-Instruct)'s transformers.LlamaConfig keys, with its initializer range
+SMOLLM2_135M = {**SMOLLM2_SHAPE, "initializer_range": 0.041666666666666664}
 BETA = 0.1
 
 

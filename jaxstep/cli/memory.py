@@ -155,16 +155,11 @@ def moe_line(cfg, expert_params: int, expert: int, shards: int) -> str:
 def dispatch_rows(m, group_tokens: int, seq_len: int, expert: int) -> str:
   """The static rows of a device's dispatch layout per MoE layer (``moe.rows_bound``), for
   ``group_tokens`` tokens of its expert group."""
-  from jaxstep.models import grouped, moe
+  from jaxstep.models import moe
 
-  k, n = m.experts_per_token, m.num_experts // expert
-  tile = grouped.tile_rows(group_tokens * k, m.num_experts)
-  if grouped.resolve(m.moe_matmul) == "ragged":
-    tile = 1
-  cap = moe.capacity(seq_len, k, m.num_experts, m.capacity_factor)
-  most = None if cap is None else cap * (group_tokens // seq_len)
-  rows = moe.rows_bound(group_tokens, k, n, tile, most)
-  why = f"model.capacity_factor={m.capacity_factor:g}" if cap else "dropless"
+  tile, most = moe.layout_sizes(m, group_tokens, seq_len)
+  rows = moe.rows_bound(group_tokens, m.experts_per_token, m.num_experts // expert, tile, most)
+  why = "dropless" if most is None else f"model.capacity_factor={m.capacity_factor:g}"
   return f"each device's dispatch holds {rows:,} rows per MoE layer ({why})"
 
 

@@ -129,6 +129,18 @@ def dispatch(experts: jax.Array, n_experts: int, tile: int, most: int | None = N
   return Dispatch(row_assign // k, row_assign, dest, sizes, tile_groups.astype(jnp.int32))
 
 
+def layout_sizes(cfg, n: int, seq_len: int) -> tuple[int, int | None]:
+  """``(tile, most)`` of a layer's ``dispatch`` for ``n`` tokens in sequences of
+  ``seq_len`` (the expert group's, under expert parallelism): tiles sized by the mean group,
+  the ``n·k`` assignments over all E experts (1: ``ragged``, unpadded), and with a capacity
+  each expert's most rows, ``cap`` from each of the ``n / S`` sequences."""
+  k = cfg.experts_per_token
+  ragged = grouped.resolve(cfg.moe_matmul) == "ragged"
+  tile = 1 if ragged else grouped.tile_rows(n * k, cfg.num_experts)
+  cap = capacity(seq_len, k, cfg.num_experts, cfg.capacity_factor)
+  return tile, None if cap is None else cap * (n // seq_len)
+
+
 def rows_bound(t: int, k: int, n_experts: int, tile: int, most: int | None = None) -> int:
   """The rows of ``dispatch``'s layout: ``T·k`` assignments, or fewer where the experts here
   cannot take them all (``n_experts·m``, ``m = min(T, most)``), plus ``tile − 1`` padding
@@ -231,10 +243,7 @@ class MoeMLP(nnx.Module):
     n, d = tokens.shape
     n_here = ex.gate_proj.shape[0]
     impl = grouped.resolve(cfg.moe_matmul)
-    # the mean group: the n·k assignments over all E experts (n_here of them are here)
-    tile = 1 if impl == "ragged" else grouped.tile_rows(n * cfg.experts_per_token, cfg.num_experts)
-    # a capacity bounds each expert's rows: ``cap`` from each of the n / S sequences here
-    most = None if cap is None else cap * (n // seq_len)
+    tile, most = layout_sizes(cfg, n, seq_len)
     plan = dispatch(experts, n_here, tile, most)
     rows = grouped.take_rows(tokens, plan.row_token, plan.dest)
     mm = functools.partial(
