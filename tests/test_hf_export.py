@@ -33,7 +33,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import make_cfg  # noqa: E402
-from test_hf_import import FAMILIES, SHAPE, save_tiny, torch_logits  # noqa: E402
+from test_hf_import import FAMILIES, SHAPE, TERMS, save_tiny, torch_logits  # noqa: E402
+from tolerance import assert_close  # noqa: E402
 
 MARKER = export_folder.MARKER
 GENERATION = hf_export.GENERATION
@@ -96,7 +97,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
   model = save_tiny(tmp_path / "src", family)
   export(tmp_path / "src", tmp_path / "out")
   want = torch_logits(model, IDS)
-  np.testing.assert_allclose(torch_logits(loaded(tmp_path / "out"), IDS), want, atol=1e-5)
+  assert_close(torch_logits(loaded(tmp_path / "out"), IDS), want, terms=TERMS)
   assert tensor_shapes(tmp_path / "out") == tensor_shapes(tmp_path / "src")
   assert_same_params(imported(tmp_path / "out")[2], imported(tmp_path / "src")[2])
 
@@ -109,9 +110,7 @@ def test_a_config_built_from_scratch_loads_the_same_model(tmp_path, family):
   assert hf["rope_theta"] == hf["rope_parameters"]["rope_theta"]
   original = hf_config.read_config(tmp_path / "src")
   assert hf_config.model_config(hf) == hf_config.model_config(original)
-  np.testing.assert_allclose(
-    torch_logits(loaded(tmp_path / "out"), IDS), torch_logits(model, IDS), atol=1e-5
-  )
+  assert_close(torch_logits(loaded(tmp_path / "out"), IDS), torch_logits(model, IDS), terms=TERMS)
 
 
 def test_the_older_rope_layout_alone_loads_in_transformers(tmp_path):
@@ -122,9 +121,7 @@ def test_the_older_rope_layout_alone_loads_in_transformers(tmp_path):
   del hf["rope_parameters"]
   assert hf["rope_scaling"]["rope_type"] == "llama3"
   (tmp_path / "out" / "config.json").write_text(json.dumps(hf))
-  np.testing.assert_allclose(
-    torch_logits(loaded(tmp_path / "out"), IDS), torch_logits(model, IDS), atol=1e-5
-  )
+  assert_close(torch_logits(loaded(tmp_path / "out"), IDS), torch_logits(model, IDS), terms=TERMS)
 
 
 def test_the_base_configs_other_fields_survive(tmp_path):
@@ -153,7 +150,7 @@ def test_a_sharded_export_has_a_complete_index_and_loads(tmp_path):
   assert index["metadata"]["total_size"] == sum(f.stat().st_size for f in files) - sum(
     _header_bytes(f) for f in files
   )
-  np.testing.assert_allclose(torch_logits(loaded(out), IDS), torch_logits(model, IDS), atol=1e-5)
+  assert_close(torch_logits(loaded(out), IDS), torch_logits(model, IDS), terms=TERMS)
 
 
 def _header_bytes(file) -> int:
