@@ -32,6 +32,8 @@ def session_folder(variable: str, prefix: str) -> None:
 
 # Raw data is prepared into a cache on first use: one per test session, never the user's.
 session_folder("JAXSTEP_CACHE", "jaxstep-test-cache-")
+# What ``once_per_session`` keeps for the session's other pytest-xdist workers.
+session_folder("JAXSTEP_TEST_SESSION", "jaxstep-test-session-")
 # Compiled programs too: the many subprocess runs of the same small configs compile each
 # program once per session instead of once per process. Processes a test kills pass
 # ``killable(env)``: jax writes cache entries in place, so each such process reads a
@@ -273,6 +275,45 @@ def restore_logging():
   handlers, level = list(root.handlers), root.level
   yield
   root.handlers[:], root.level = handlers, level
+
+
+HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
+
+
+def helper_lines(script: str, devices: int, timeout: int) -> list[dict]:
+  """The JSON lines that ``tests/helpers/SCRIPT`` prints on ``devices`` virtual CPU devices,
+  run once per test session (``once_per_session``): the helpers that check every mesh
+  against one device take minutes, and each module that reads them has tests on both
+  pytest-xdist workers, whose module fixtures are set up once each."""
+  import subprocess
+
+  def run() -> str:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, str(HELPERS / script)], env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+  return [json.loads(line) for line in once_per_session(script, run).splitlines()]
+
+
+def once_per_session(name: str, compute) -> str:
+  """``compute()``'s text, computed by the first process of the test session that asks for
+  ``name`` and read back by the others: they wait on a lock file in the session's folder
+  while it computes. A ``compute`` that fails leaves nothing, and the next one asking tries
+  again (and fails the same way, in its own test)."""
+  import fcntl
+
+  folder = pathlib.Path(os.environ["JAXSTEP_TEST_SESSION"])
+  done = folder / f"{name}.out"
+  with open(folder / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+    if not done.exists():
+      partial = folder / f"{name}.partial"
+      partial.write_text(compute())
+      partial.replace(done)
+    return done.read_text()
 
 
 def killable(env: dict) -> dict:

@@ -4,9 +4,7 @@ Multi-device runs happen in subprocesses with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
 """
 
-import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -18,8 +16,6 @@ from jax.sharding import PartitionSpec as P
 from jaxstep import ConfigError
 from jaxstep.core.geometry import split_problem
 from jaxstep.parallel import leaf_spec, mesh_shape
-
-HELPERS = pathlib.Path(__file__).parent / "helpers"
 
 
 def devices_env(n):
@@ -60,15 +56,9 @@ def test_batch_must_split_over_devices_times_k():
 
 @pytest.fixture(scope="module")
 def equivalence():
-  proc = subprocess.run(
-    [sys.executable, str(HELPERS / "mesh_equivalence.py")],
-    env=devices_env(8),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  lines = [json.loads(line) for line in proc.stdout.splitlines()]
+  from conftest import helper_lines
+
+  lines = helper_lines("mesh_equivalence.py", devices=8, timeout=600)
   return [r for r in lines if "mesh" in r], [r for r in lines if "plain_jit_mesh" in r]
 
 

@@ -2,7 +2,6 @@
 them, and (8 virtual CPU devices, slow) the GPT and a grouped-query Llama, full and LoRA,
 on meshes with a tensor axis matching one device after 3 updates."""
 
-import json
 import pathlib
 import subprocess
 import sys
@@ -62,17 +61,9 @@ def test_a_tensor_size_that_does_not_divide_the_devices_is_one_line():
 
 @pytest.fixture(scope="module")
 def equivalence():
-  from test_sharding import devices_env
+  from conftest import helper_lines
 
-  proc = subprocess.run(
-    [sys.executable, str(HELPERS / "tensor_equivalence.py")],
-    env=devices_env(8),
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  lines = [json.loads(line) for line in proc.stdout.splitlines()]
+  lines = helper_lines("tensor_equivalence.py", devices=8, timeout=900)
   return (
     [r for r in lines if "model" in r],
     [r for r in lines if "vocab_hlo" in r],
