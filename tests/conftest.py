@@ -16,6 +16,11 @@ sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The reference implementations (transformers, peft, bitsandbytes' kernel loader, datasets)
+# never reach the Hugging Face Hub from a test, on a machine with a network too: every folder
+# a test reads is built locally, and a call that would download fails at once instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def session_folder(variable: str, prefix: str) -> None:
