@@ -285,6 +285,15 @@ def restore_logging():
 HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
 
 
+def devices_env(n: int) -> dict:
+  """The session's environment for a subprocess on ``n`` virtual CPU devices."""
+  return {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={n}"),
+  }
+
+
 def helper_lines(script: str, devices: int, timeout: int) -> list[dict]:
   """The JSON lines that ``tests/helpers/SCRIPT`` prints on ``devices`` virtual CPU devices,
   run once per test session (``once_per_session``): the helpers that check every mesh
@@ -293,10 +302,8 @@ def helper_lines(script: str, devices: int, timeout: int) -> list[dict]:
   import subprocess
 
   def run() -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={devices}")
-    proc = subprocess.run([sys.executable, str(HELPERS / script)], env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(HELPERS / script)], env=devices_env(devices),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 

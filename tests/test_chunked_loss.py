@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_cfg
-from test_sharding import devices_env
+from conftest import devices_env, make_cfg
 
 import jaxstep
 from jaxstep import make_train_step, models, trainer

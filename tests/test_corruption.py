@@ -167,7 +167,7 @@ def test_checksums_on_the_host_equal_those_on_a_device_mesh():
   import subprocess
   import sys
 
-  from test_sharding import devices_env
+  from conftest import devices_env
 
   code = """
 import jax, jax.numpy as jnp, numpy as np

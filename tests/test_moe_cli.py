@@ -136,7 +136,7 @@ def test_an_moe_run_generates_and_evaluates(tmp_path):
 
 @pytest.mark.slow
 def test_the_memory_ledger_names_the_experts_share_per_device(tmp_path):
-  from test_sharding import devices_env
+  from conftest import devices_env
 
   env = devices_env(2)
   cmd = [sys.executable, "-m", "jaxstep", "memory", *MOE]

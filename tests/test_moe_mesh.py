@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_sharding import devices_env
+from conftest import devices_env
 
 HELPER = pathlib.Path(__file__).parent / "helpers" / "moe_mesh.py"
 

@@ -290,7 +290,7 @@ def test_each_optimizer_on_four_devices_equals_one_device():
   import subprocess
   import sys
 
-  from test_sharding import devices_env
+  from conftest import devices_env
 
   script = pathlib.Path(__file__).parent / "helpers" / "optim_equivalence.py"
   proc = subprocess.run(

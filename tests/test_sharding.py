@@ -4,26 +4,17 @@ Multi-device runs happen in subprocesses with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
 """
 
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import SMALL_MODEL, make_cfg, read_lines, xla_flags
+from conftest import SMALL_MODEL, devices_env, make_cfg, read_lines
 from jax.sharding import PartitionSpec as P
 
 from jaxstep import ConfigError
 from jaxstep.core.geometry import split_problem
 from jaxstep.parallel import leaf_spec, mesh_shape
-
-
-def devices_env(n):
-  return {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={n}"),
-  }
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 them, and (8 virtual CPU devices, slow) the GPT and a grouped-query Llama, full and LoRA,
 on meshes with a tensor axis matching one device after 3 updates."""
 
-import pathlib
 import subprocess
 import sys
 
@@ -13,8 +12,6 @@ from test_pretrained import folder  # noqa: F401 - fixture
 
 from jaxstep.core import layout
 from jaxstep.errors import ConfigError
-
-HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
 
 
 def test_each_bundled_projection_has_its_megatron_split():
@@ -213,7 +210,7 @@ def test_a_run_on_a_tensor_mesh_killed_with_sigkill_resumes_bitwise(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("saved", "restored"), [((2, 1, 2), (1, 1, 1)), ((1, 1, 1), (1, 1, 4))])
 def test_a_checkpoint_restores_bitwise_onto_another_tensor_mesh(tmp_path, saved, restored):
-  from test_sharding import devices_env
+  from conftest import HELPERS, devices_env
 
   script = HELPERS / "tensor_reshard.py"
   for mode, shape in (("save", saved), ("restore", restored)):
