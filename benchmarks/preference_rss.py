@@ -82,12 +82,14 @@ def write_data(out: pathlib.Path, steps: int = STEPS) -> dict:
 # ---------------------------------------------------------------------------- the runs
 
 
-def jaxstep_command(folder: str, data: dict, job: str, run_dir: str, extra=()) -> list[str]:
-  """``python -m jaxstep train …`` of ``job`` (``sft`` or ``dpo``), LoRA on the folder."""
-  args = [
-    f"model.init_from={folder}",
-    f"model.lora.rank={RANK}",
-    f"model.lora.alpha={ALPHA}",
+def jaxstep_command(
+  folder: str, data: dict, job: str, run_dir: str, extra=(), lora: bool = True
+) -> list[str]:
+  """``python -m jaxstep train …`` of ``job`` (``sft`` or ``dpo``), LoRA on the folder (or
+  every weight trained: ``lora=False``)."""
+  args = [f"model.init_from={folder}"]
+  args += [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}"] if lora else []
+  args += [
     f"train.seq_len={SEQ}",
     f"train.global_batch_size={BATCH}",
     "train.grad_accum_steps=1",
@@ -133,9 +135,10 @@ def peft_sft(folder: str, data: dict, out: str) -> None:
   Trainer(model=model, args=args, train_dataset=rows).train()
 
 
-def trl_dpo(folder: str, data: dict, out: str) -> None:
+def trl_dpo(folder: str, data: dict, out: str, peft: bool = True) -> None:
   """TRL's ``DPOTrainer`` with ``peft_config`` (the reference: the base, adapters off) on the
-  same pairs, ``STEPS`` updates of ``BATCH`` pairs."""
+  same pairs, ``STEPS`` updates of ``BATCH`` pairs; ``peft=False``: every weight trained,
+  against the frozen copy of the start that TRL makes as its reference model."""
   import torch
   from datasets import Dataset
   from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,7 +159,7 @@ def trl_dpo(folder: str, data: dict, out: str) -> None:
     args=args,
     train_dataset=Dataset.from_list(rows),
     processing_class=tok,
-    peft_config=_lora_config(),
+    peft_config=_lora_config() if peft else None,
   ).train()
 
 
@@ -175,7 +178,11 @@ def _common_args(out: str) -> dict:
   )
 
 
-RUNNERS = {"peft_sft": peft_sft, "trl_dpo": trl_dpo}
+RUNNERS = {
+  "peft_sft": peft_sft,
+  "trl_dpo": trl_dpo,
+  "trl_dpo_full": lambda folder, data, out: trl_dpo(folder, data, out, peft=False),
+}
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -265,9 +272,10 @@ def run_all(
       rng.shuffle(order)
       for name in order:
         out = str(pathlib.Path(tmp) / f"{name}-{r}")
-        if name.startswith("jax_"):
+        if name.startswith("jax_"):  # jax_JOB[_VARIANT]; the variant "full": no LoRA
           job, _, variant = name[4:].partition("_")
-          cmd = jaxstep_command(folder, data, job, out, JAX_VARIANTS.get(variant, ()))
+          extra, lora = JAX_VARIANTS.get(variant, ()), variant != "full"
+          cmd = jaxstep_command(folder, data, job, out, extra, lora=lora)
         else:
           cmd = [sys.executable, "-m", "benchmarks.preference_rss", name, folder, json.dumps(data)]
           cmd.append(out)

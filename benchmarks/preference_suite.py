@@ -3,7 +3,7 @@ each contender times, ``preference_rss`` what each run is), its rows and headlin
 
 Headline keys (goals in the rows): ``dpo_lora_state_over_sft_lora`` (≤ 1.05),
 ``dpo_tokens_vs_trl`` (≥ 1.3), ``dpo_precompute_step_over_sft`` (≤ 1.1),
-``lora_sft_rss_vs_peft`` and ``dpo_lora_rss_vs_trl`` (≤ 1.0).
+``lora_sft_rss_vs_peft``, ``dpo_lora_rss_vs_trl`` and ``dpo_full_rss_vs_trl`` (≤ 1.0).
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def _rss_rows(quick: bool) -> tuple[dict, list, dict]:
   if not quick:  # and where jaxstep's memory goes: the CPU split, remat, scanned layers
     names += ["jax_sft", "peft_sft"]
     names += [f"jax_{job}_{v}" for job in ("sft", "dpo") for v in JAX_VARIANTS]
+    names += ["jax_dpo_full", "trl_dpo_full"]  # every weight trained (TRL: 15+ min here)
   steps = 1 if quick else STEPS
   runs = run_all(folder["path"], names, rounds=1, steps=steps)
   peak = {n: [r["peak_bytes"] for r in rs] for n, rs in runs.items()}
@@ -156,6 +157,18 @@ def _rss_rows(quick: bool) -> tuple[dict, list, dict]:
       "≤ 1.0",
     )
   )
+  if "jax_dpo_full" in peak:
+    summary["dpo_full_rss_vs_trl"] = vs("jax_dpo_full", "trl_dpo_full")
+    rows.append(
+      (
+        f"peak RSS of a whole full fine-tuning DPO run (the same folder, every weight "
+        f"trained, a frozen copy of the start as the reference on both sides, fp32, 8 pairs "
+        f"of 128 tokens, {steps} steps), `jaxstep train` with its defaults ÷ TRL "
+        f"DPOTrainer with its own ({gib('jax_dpo_full')} vs {gib('trl_dpo_full')})",
+        f"{summary['dpo_full_rss_vs_trl']:.3f}",
+        "≤ 1.0",
+      )
+    )
   for job, other in (("sft", "peft_sft"), ("dpo", "trl_dpo")):
     for variant, settings in JAX_VARIANTS.items():
       name = f"jax_{job}_{variant}"
