@@ -127,7 +127,7 @@ def _rss_rows(quick: bool) -> tuple[dict, list, dict]:
   if not quick:  # and where jaxstep's memory goes: the CPU split, remat, scanned layers
     names += ["jax_sft", "peft_sft"]
     names += [f"jax_{job}_{v}" for job in ("sft", "dpo") for v in JAX_VARIANTS]
-    names += ["jax_dpo_full", "trl_dpo_full"]  # every weight trained (TRL: 15+ min here)
+    names += ["jax_dpo_full", "trl_dpo_full"]  # every weight trained; TRL's run is long
   steps = 1 if quick else STEPS
   runs = run_all(folder["path"], names, rounds=1, steps=steps)
   peak = {n: [r["peak_bytes"] for r in rs] for n, rs in runs.items()}
